@@ -1,0 +1,401 @@
+"""Embedded local models: a small Qwen3-Omni-MoE built deterministically, no downloads.
+
+``build_qwen3_omni(out_dir, size="tiny")`` writes a complete model directory that vLLM-Omni
+loads with ``load_format: auto``: ``config.json`` (transformers' ``Qwen3OmniMoeConfig`` with
+thinker / talker / code2wav sub-configs), seeded-random ``model.safetensors`` (transformers'
+own normal init, std = ``initializer_range`` = 0.02, the real model's value — vLLM's
+``load_format: dummy`` draws ±1e-3, which makes activations tiny and outputs repeat, so an
+equality test on it is weak), a byte-level BPE tokenizer with every special token at its
+real Qwen3-Omni id, and the real HF processor files (``WhisperFeatureExtractor``,
+``Qwen2VLImageProcessor``, ``Qwen3OmniMoeProcessor``).
+
+Sizes (parameters, fp32 bytes on disk):
+
+- ``tiny``  (tests): thinker hidden 64, 2 layers, 4 experts top-2, head_dim 32.
+- ``bench`` (benchmarks): thinker hidden 512, 8 layers, 8 heads (head_dim 64), 8 experts
+  top-2 — prefill of a few thousand tokens dominates a request on 2 CPU cores.
+
+Sources: the sub-config fields and special-token ids follow the released
+``Qwen/Qwen3-Omni-30B-A3B-Instruct`` ``config.json``; sizes from ``../shared/notes``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SEED = 1234
+MODEL_FORMAT_VERSION = 1  # bump when the built model changes; part of the cache key
+
+# Real Qwen3-Omni special-token ids (tokenizer_config.json of the released model).
+SPECIAL_TOKENS: dict[str, int] = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|object_ref_start|>": 151646,
+    "<|object_ref_end|>": 151647,
+    "<|box_start|>": 151648,
+    "<|box_end|>": 151649,
+    "<|quad_start|>": 151650,
+    "<|quad_end|>": 151651,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+    "<|audio_start|>": 151669,
+    "<|audio_end|>": 151670,
+    "<tts_pad>": 151671,
+    "<tts_text_bos>": 151672,
+    "<tts_text_eod>": 151673,
+    "<tts_text_bos_single>": 151674,
+    "<|audio_pad|>": 151675,
+}
+# Whole-word tokens the talker looks up by id (system / user / assistant roles).
+WORD_TOKENS: dict[str, int] = {"system": 8948, "user": 872, "assistant": 77091}
+BASE_VOCAB = 151643  # regular (non-special) ids are [0, BASE_VOCAB)
+THINKER_VOCAB = 152064
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{- item['text'] -}}"
+    "{%- elif item['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif item['type'] in ('audio', 'input_audio', 'audio_url') -%}{{- '<|audio_start|><|audio_pad|><|audio_end|>' -}}"
+    "{%- elif item['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Widths of the embedded model (tokens / channels, not bytes)."""
+
+    name: str
+    thinker_hidden: int
+    thinker_layers: int
+    thinker_heads: int
+    thinker_kv_heads: int
+    thinker_experts: int
+    thinker_moe_intermediate: int
+    mrope_section: tuple[int, int, int]
+    accept_hidden_layer: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.thinker_hidden // self.thinker_heads
+
+
+SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize("tiny", 64, 2, 2, 2, 4, 64, (6, 5, 5), 1),
+    "bench": ModelSize("bench", 512, 8, 8, 4, 8, 512, (16, 8, 8), 4),
+}
+
+
+def _rope(theta: float, mrope_section: tuple[int, int, int] | None = None) -> dict:
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if mrope_section is not None:
+        rope.update(
+            {"mrope_section": list(mrope_section), "interleaved": True, "mrope_interleaved": True}
+        )
+    return rope
+
+
+def qwen3_omni_config_dict(size: ModelSize) -> dict:
+    """The ``Qwen3OmniMoeConfig`` keyword arguments for ``size`` (plain dict, JSON-able)."""
+    h = size.thinker_hidden
+    small = 64  # width of every non-thinker sub-model
+    return {
+        "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+        "enable_audio_output": True,
+        "im_start_token_id": SPECIAL_TOKENS["<|im_start|>"],
+        "im_end_token_id": SPECIAL_TOKENS["<|im_end|>"],
+        "tts_pad_token_id": SPECIAL_TOKENS["<tts_pad>"],
+        "tts_bos_token_id": SPECIAL_TOKENS["<tts_text_bos>"],
+        "tts_eos_token_id": SPECIAL_TOKENS["<tts_text_eod>"],
+        "system_token_id": WORD_TOKENS["system"],
+        "user_token_id": WORD_TOKENS["user"],
+        "assistant_token_id": WORD_TOKENS["assistant"],
+        "thinker_config": {
+            "audio_token_id": SPECIAL_TOKENS["<|audio_pad|>"],
+            "image_token_id": SPECIAL_TOKENS["<|image_pad|>"],
+            "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
+            "audio_start_token_id": SPECIAL_TOKENS["<|audio_start|>"],
+            "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
+            "user_token_id": WORD_TOKENS["user"],
+            "position_id_per_seconds": 13,
+            "initializer_range": 0.02,
+            "audio_config": {
+                "num_mel_bins": 128,
+                "encoder_layers": 2,
+                "encoder_attention_heads": 2,
+                "encoder_ffn_dim": 128,
+                "d_model": small,
+                "output_dim": h,
+                "downsample_hidden_size": 32,
+                "n_window": 50,
+                "n_window_infer": 400,
+                "conv_chunksize": 500,
+                "max_source_positions": 1500,
+            },
+            "vision_config": {
+                "depth": 2,
+                "hidden_size": small,
+                "intermediate_size": 128,
+                "num_heads": 2,
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "out_hidden_size": h,
+                "num_position_embeddings": 2304,
+                "deepstack_visual_indexes": [1],
+                "image_size": 768,
+                "apply_vit_abs_pos_embed": True,
+            },
+            "text_config": {
+                "vocab_size": THINKER_VOCAB,
+                "hidden_size": h,
+                "intermediate_size": 2 * h,
+                "num_hidden_layers": size.thinker_layers,
+                "num_attention_heads": size.thinker_heads,
+                "num_key_value_heads": size.thinker_kv_heads,
+                "head_dim": size.head_dim,
+                "moe_intermediate_size": size.thinker_moe_intermediate,
+                "num_experts": size.thinker_experts,
+                "num_experts_per_tok": 2,
+                "max_position_embeddings": 32768,
+                "rope_parameters": _rope(1_000_000.0, size.mrope_section),
+            },
+        },
+        "talker_config": {
+            "thinker_hidden_size": h,
+            "accept_hidden_layer": size.accept_hidden_layer,
+            "num_code_groups": 16,
+            "spatial_merge_size": 2,
+            "audio_token_id": SPECIAL_TOKENS["<|audio_pad|>"],
+            "image_token_id": SPECIAL_TOKENS["<|image_pad|>"],
+            "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
+            "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
+            "audio_start_token_id": SPECIAL_TOKENS["<|audio_start|>"],
+            "position_id_per_seconds": 13,
+            "codec_pad_id": 2148,
+            "codec_bos_id": 2149,
+            "codec_eos_token_id": 2150,
+            "codec_nothink_id": 2155,
+            "codec_think_bos_id": 2156,
+            "codec_think_eos_id": 2157,
+            "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
+            "text_config": {
+                "vocab_size": 3072,
+                "hidden_size": small,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "moe_intermediate_size": 64,
+                "shared_expert_intermediate_size": 64,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "rope_parameters": _rope(1_000_000.0, (6, 5, 5)),
+            },
+            "code_predictor_config": {
+                "vocab_size": 2048,
+                "hidden_size": small,
+                "intermediate_size": 128,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "num_code_groups": 16,
+                "rope_parameters": _rope(1_000_000.0),
+            },
+        },
+        "code2wav_config": {
+            "codebook_size": 2048,
+            "hidden_size": small,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_quantizers": 16,
+            "sliding_window": 72,
+            "upsample_rates": [8, 5, 4, 3],
+            "upsampling_ratios": [2, 2],
+            "decoder_dim": 64,
+            "rope_parameters": _rope(10000.0),
+        },
+    }
+
+
+def build_tokenizer(out_dir: Path):
+    """A byte-level BPE tokenizer with Qwen3-Omni's special tokens at their real ids.
+
+    Regular ids: the 256 byte symbols first, merges spelling the role words at the ids the
+    talker expects (``system`` 8948, ``user`` 872, ``assistant`` 77091), the rest of
+    ``[0, 151643)`` filled with unreachable placeholder entries so the id space matches.
+
+    Returns:
+        The ``Qwen2TokenizerFast`` saved into ``out_dir``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2TokenizerFast
+
+    byte_syms = sorted(ByteLevel.alphabet())
+    vocab: dict[str, int] = {}
+    for s in byte_syms:
+        vocab[s] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    reserved = set(WORD_TOKENS.values())
+    next_id = len(vocab)
+
+    def take_id() -> int:
+        nonlocal next_id
+        while next_id in reserved:
+            next_id += 1
+        next_id += 1
+        return next_id - 1
+
+    for word, wid in WORD_TOKENS.items():
+        for piece in ("Ġ" + word, word):  # with and without a leading space
+            prefix = piece[0]
+            for ch in piece[1:]:
+                new = prefix + ch
+                if new not in vocab:
+                    vocab[new] = wid if new == word else take_id()
+                    merges.append((prefix, ch))
+                prefix = new
+    used = set(vocab.values())
+    for i in range(BASE_VOCAB):
+        if i not in used:
+            vocab[f"<|unused_{i}|>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    # Special tokens in id order so each lands on its real id.
+    from tokenizers import AddedToken
+
+    for text, tid in sorted(SPECIAL_TOKENS.items(), key=lambda kv: kv[1]):
+        while tok.get_vocab_size(with_added_tokens=True) < tid:
+            tok.add_tokens([AddedToken(f"<|reserved_{tok.get_vocab_size(True)}|>", special=True)])
+        tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+        assert tok.token_to_id(text) == tid, (text, tok.token_to_id(text), tid)
+    hf = Qwen2TokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        model_max_length=32768,
+        extra_special_tokens={
+            "image_token": "<|image_pad|>",
+            "audio_token": "<|audio_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>",
+            "audio_bos_token": "<|audio_start|>",
+            "audio_eos_token": "<|audio_end|>",
+        },
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def _build_processor(tokenizer):
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3OmniMoeProcessor,
+        WhisperFeatureExtractor,
+    )
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+        min_pixels=64 * 32 * 32, max_pixels=256 * 32 * 32,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+        min_pixels=64 * 32 * 32, max_pixels=256 * 32 * 32,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+    feature_extractor = WhisperFeatureExtractor(
+        feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300, n_fft=400,
+        padding_value=0.0, return_attention_mask=True,
+    )
+    return Qwen3OmniMoeProcessor(
+        image_processor=image_processor,
+        video_processor=video_processor,
+        feature_extractor=feature_extractor,
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def model_fingerprint(size: str) -> str:
+    """A short digest of everything that determines the built model (sizes, seed, format)."""
+    payload = json.dumps(
+        {"cfg": qwen3_omni_config_dict(SIZES[size]), "seed": SEED, "v": MODEL_FORMAT_VERSION},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
+    """Build the embedded Qwen3-Omni-MoE model directory.
+
+    Args:
+        out_dir: target directory (created).
+        size: a key of :data:`SIZES` (``tiny`` or ``bench``).
+        force: rebuild even if ``out_dir`` already holds this exact model.
+
+    Returns:
+        The model directory.
+
+    Raises:
+        KeyError: unknown ``size``.
+    """
+    import torch
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    if size not in SIZES:
+        raise KeyError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
+    out = Path(out_dir)
+    stamp = out / "omni_cache_model.json"
+    fp = model_fingerprint(size)
+    if not force and stamp.exists():
+        try:
+            if json.loads(stamp.read_text()).get("fingerprint") == fp:
+                return out
+        except (OSError, ValueError):
+            pass
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen3OmniMoeConfig(**qwen3_omni_config_dict(SIZES[size]))
+    torch.manual_seed(SEED)
+    with torch.device("cpu"):
+        model = Qwen3OmniMoeForConditionalGeneration(cfg)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    tokenizer = build_tokenizer(out)
+    processor = _build_processor(tokenizer)
+    processor.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stamp.write_text(json.dumps({"size": size, "seed": SEED, "fingerprint": fp}, indent=2))
+    return out
+
+
+def default_model_dir(size: str = "tiny") -> Path:
+    """Where ``omni-cache make-model`` puts a model by default:
+    ``$OMNI_CACHE_HOME/models/qwen3-omni-<size>`` (``OMNI_CACHE_HOME`` defaults to
+    ``~/.cache/omni-cache``)."""
+    home = Path(os.environ.get("OMNI_CACHE_HOME", Path.home() / ".cache" / "omni-cache"))
+    return home / "models" / f"qwen3-omni-{size}"
