@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SEED = 1234
-MODEL_FORMAT_VERSION = 1  # bump when the built model changes; part of the cache key
+MODEL_FORMAT_VERSION = 2  # bump when the built model changes; part of the cache key
 
 # Real Qwen3-Omni special-token ids (tokenizer_config.json of the released model).
 SPECIAL_TOKENS: dict[str, int] = {
@@ -236,6 +236,21 @@ def qwen3_omni_config_dict(size: ModelSize) -> dict:
     }
 
 
+_SYLLABLES = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]  # 75 syllables
+
+
+def _filler_word(i: int) -> str:
+    """A unique pronounceable pseudo-word for regular id ``i`` (byte-level form, with a
+    leading space ``Ġ`` on even ids), so random-weight output decodes to readable text."""
+    n, parts = i, []
+    while True:
+        n, r = divmod(n, len(_SYLLABLES))
+        parts.append(_SYLLABLES[r])
+        if n == 0:
+            break
+    return ("Ġ" if i % 2 == 0 else "") + "".join(parts) + "q"
+
+
 def build_tokenizer(out_dir: Path):
     """A byte-level BPE tokenizer with Qwen3-Omni's special tokens at their real ids.
 
@@ -277,7 +292,7 @@ def build_tokenizer(out_dir: Path):
     used = set(vocab.values())
     for i in range(BASE_VOCAB):
         if i not in used:
-            vocab[f"<|unused_{i}|>"] = i
+            vocab[_filler_word(i)] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

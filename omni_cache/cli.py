@@ -1,0 +1,151 @@
+"""``omni-cache`` command line: make-model | validate | run.
+
+``omni-cache run`` with no arguments builds (once) the embedded tiny Qwen3-Omni, starts the
+real three-stage vLLM-Omni pipeline (thinker → talker → code2wav) from
+``stage_configs/qwen3_omni_cpu.yaml``, sends the bundled photograph and speech recording
+with a text question, then a second request sharing the long prefix, and writes each
+request's text and ``.wav`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+DEFAULT_STAGE_CONFIG = "qwen3_omni_cpu.yaml"
+
+
+def stage_config_path(name_or_path: str) -> Path:
+    """A stage config by path, or by file name among the bundled ``stage_configs/``."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    for base in (Path(__file__).resolve().parent.parent / "stage_configs",
+                 Path(str(resources.files("omni_cache") / "stage_configs"))):
+        if (base / name_or_path).exists():
+            return base / name_or_path
+    return p  # let the loader report "file not found" with this path
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from omni_cache.models import build_qwen3_omni, default_model_dir
+
+    out = Path(args.out) if args.out else default_model_dir(args.size)
+    t0 = time.perf_counter()
+    print(f"building the embedded Qwen3-Omni ({args.size}) into {out} ...", flush=True)
+    build_qwen3_omni(out, args.size, force=args.force)
+    print(f"done in {time.perf_counter() - t0:.1f} s: {out}")
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from omni_cache.config import StageConfigError, load_stage_config
+
+    try:
+        cfg = load_stage_config(stage_config_path(args.stage_config), model_dir=args.model)
+    except StageConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for sid in cfg.stage_ids:
+        print(f"stage {sid}: prefix cache = {cfg.prefix_cache_backend(sid) or 'off'}")
+    print(f"{cfg.path}: OK")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import soundfile as sf
+
+    from omni_cache.config import StageConfigError, load_stage_config
+    from omni_cache.inputs import InputError, build_request, sample_path
+    from omni_cache.models import build_qwen3_omni, default_model_dir
+
+    model = Path(args.model) if args.model else default_model_dir("tiny")
+    if not args.model:
+        build_qwen3_omni(model, "tiny")
+    image = args.image if args.image is not None else (None if args.no_image else sample_path("astronaut.jpg"))
+    audio = args.audio if args.audio is not None else (None if args.no_audio else sample_path("speech.wav"))
+    try:
+        cfg = load_stage_config(stage_config_path(args.stage_config), model_dir=model)
+        requests = [build_request(args.text, image=image, audio=audio, system=args.system)
+                    for _ in range(args.repeat)]
+    except (StageConfigError, InputError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    from omni_cache.vllm_omni.pipeline import OmniPipeline
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"starting the pipeline ({cfg.path.name}, model {model}) — about 2-3 min on CPU ...", flush=True)
+    summary = []
+    with OmniPipeline(model, cfg.path) as pipe:
+        print(f"pipeline started in {pipe.start_s:.1f} s", flush=True)
+        for i, req in enumerate(requests):
+            (res,) = pipe.generate([req])
+            wav = out_dir / f"request{i}.wav"
+            if res.audio is not None:
+                sf.write(wav, res.audio, res.sample_rate)
+            stages = ", ".join(f"{k.removesuffix('_ms')} {v:.0f} ms" for k, v in sorted(res.stage_durations.items()))
+            print(f"[request {i}] {res.wall_s:.2f} s wall; thinker prompt {res.num_prompt_tokens} tokens, "
+                  f"prefix hit {res.num_cached_tokens} tokens" + (f"; stages: {stages}" if stages else ""))
+            print(f"  text: {res.text!r}")
+            print(f"  audio: {'none' if res.audio is None else f'{res.audio.shape[0]} samples @ {res.sample_rate} Hz -> {wav}'}")
+            if res.error:
+                print(f"  error: {res.error}")
+            summary.append({
+                "request_id": res.request_id, "text": res.text, "wall_s": res.wall_s,
+                "num_prompt_tokens": res.num_prompt_tokens, "num_cached_tokens": res.num_cached_tokens,
+                "stage_durations": res.stage_durations, "wav": str(wav) if res.audio is not None else None,
+                "error": res.error,
+            })
+        (out_dir / "summary.json").write_text(json.dumps({"start_s": pipe.start_s, "requests": summary}, indent=2))
+    print(f"wrote {out_dir}/summary.json")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="omni-cache", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    mm = sub.add_parser("make-model", help="build the embedded Qwen3-Omni model directory (no downloads)")
+    mm.add_argument("--size", default="tiny", choices=["tiny", "bench"])
+    mm.add_argument("--out", help="target directory (default: $OMNI_CACHE_HOME/models/qwen3-omni-<size>)")
+    mm.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    mm.set_defaults(func=_cmd_make_model)
+
+    va = sub.add_parser("validate", help="validate a stage config without starting engines")
+    va.add_argument("stage_config", nargs="?", default=DEFAULT_STAGE_CONFIG)
+    va.add_argument("--model", help="also check this model directory")
+    va.set_defaults(func=_cmd_validate)
+
+    from omni_cache.inputs import DEFAULT_SYSTEM_PROMPT, DEFAULT_TEXT
+
+    run = sub.add_parser("run", help="start the pipeline and answer a text+image+audio request")
+    run.add_argument("--stage-config", default=DEFAULT_STAGE_CONFIG, help="deploy YAML (path or bundled name)")
+    run.add_argument("--model", help="model directory (default: the embedded tiny model, built on first use)")
+    run.add_argument("--text", default=DEFAULT_TEXT)
+    run.add_argument("--system", default=DEFAULT_SYSTEM_PROMPT)
+    run.add_argument("--image", help="image file (default: bundled astronaut.jpg)")
+    run.add_argument("--audio", help="audio file (default: bundled speech.wav)")
+    run.add_argument("--no-image", action="store_true")
+    run.add_argument("--no-audio", action="store_true")
+    run.add_argument("--repeat", type=int, default=2, help="send the request N times (the 2nd+ hit the prefix cache)")
+    run.add_argument("--out", default="out", help="output directory for .wav files and summary.json")
+    run.set_defaults(func=_cmd_run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("OMNI_CACHE_LOG_LEVEL", "WARNING"))
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
