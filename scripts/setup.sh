@@ -17,7 +17,7 @@ step() { echo "==> [$(( $(date +%s) - t0 ))s] $*"; }
 
 step "creating $VENV with $($PY --version)"
 "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --isolated --disable-pip-version-check --progress-bar off)
+PIP=("$VENV/bin/python" -m pip --isolated --disable-pip-version-check)
 if [ -f /etc/ssl/certs/ca-certificates.crt ]; then PIP+=(--cert /etc/ssl/certs/ca-certificates.crt); fi
 
 step "torch 2.13.0 + torchvision 0.28.0 (PyPI builds)"
