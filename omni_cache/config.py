@@ -11,6 +11,10 @@ channel into the stage process, so the same YAML works with ``vllm-omni serve``)
 ``OMNI_CACHE_PREFIX_CACHE_BACKEND``
     ``omni_cache`` (default) or ``builtin`` (vLLM-Omni's own prefix cache), for stages
     with ``enable_prefix_caching: true``.
+``OMNI_CACHE_HANDOFF_DUMP``
+    a directory; with ``custom_process_next_stage_input_func:
+    omni_cache.vllm_omni.handoff.record_thinker2talker_full_payload`` on the thinker, every
+    request's thinker→talker tensors are saved there.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ from typing import Any
 
 import yaml
 
-OMNI_CACHE_ENV = {
+# omni-cache settings a stage's ``env:`` may carry → allowed values (None: any string).
+OMNI_CACHE_ENV: dict[str, tuple[str, ...] | None] = {
     "OMNI_CACHE_PREFIX_CACHE_BACKEND": ("omni_cache", "builtin"),
+    "OMNI_CACHE_HANDOFF_DUMP": None,  # directory: record thinker→talker tensors (tests, audits)
+    "OMNI_CACHE_CPU_PLATFORM": ("0", "1"),
 }
 
 
@@ -120,11 +127,12 @@ def _check_env(path: Path, env: Any, stage_id: int) -> None:
     if not isinstance(env, dict):
         raise StageConfigError(path, f"expected a mapping, got {type(env).__name__}", stage_id=stage_id, key="env")
     for name, value in env.items():
-        if name in OMNI_CACHE_ENV and str(value) not in OMNI_CACHE_ENV[name]:
+        allowed = OMNI_CACHE_ENV.get(name)
+        if allowed is not None and str(value) not in allowed:
             raise StageConfigError(
-                path, f"expected one of {OMNI_CACHE_ENV[name]}, got {value!r}", stage_id=stage_id, key=f"env.{name}"
+                path, f"expected one of {allowed}, got {value!r}", stage_id=stage_id, key=f"env.{name}"
             )
-        if name.startswith("OMNI_CACHE_") and name not in OMNI_CACHE_ENV and name != "OMNI_CACHE_CPU_PLATFORM":
+        if name.startswith("OMNI_CACHE_") and name not in OMNI_CACHE_ENV:
             close = difflib.get_close_matches(name, list(OMNI_CACHE_ENV), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise StageConfigError(path, f"unknown omni-cache setting{hint}", stage_id=stage_id, key=f"env.{name}")

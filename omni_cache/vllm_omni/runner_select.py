@@ -27,8 +27,6 @@ def ar_runner_cls(vllm_config) -> type:
 
     if prefix_cache_backend() == "builtin":
         return CPUARModelRunner
-    try:
-        from omni_cache.vllm_omni.runner import OmniCacheCPUARModelRunner
-    except ImportError:  # the cache runner is not built yet
-        return CPUARModelRunner
+    from omni_cache.vllm_omni.runner import OmniCacheCPUARModelRunner
+
     return OmniCacheCPUARModelRunner

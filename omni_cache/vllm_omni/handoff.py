@@ -1,0 +1,55 @@
+"""Stage hand-off recording: what the thinker hands the talker, for equality tests and audits.
+
+:func:`record_thinker2talker_full_payload` is a drop-in ``custom_process_next_stage_input_func``
+for a Qwen3-Omni thinker stage (set it on stage 0 of a stage config). It saves every tensor of
+the thinker's per-request pooling output — ``hidden`` (final layer) and the captured layers
+``hidden_states.layer_N`` — to ``$OMNI_CACHE_HANDOFF_DUMP/<request_id>.pt`` (CPU copies,
+``torch.save``), then delegates to vLLM-Omni's own ``thinker2talker_full_payload``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV_DUMP = "OMNI_CACHE_HANDOFF_DUMP"
+
+
+def record_thinker2talker_full_payload(transfer_manager: Any, pooling_output: dict, request: Any):
+    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import thinker2talker_full_payload
+
+    out_dir = os.environ.get(ENV_DUMP)
+    if out_dir and isinstance(pooling_output, dict):
+        rid = re.sub(r"[^A-Za-z0-9_.-]", "_", str(getattr(request, "request_id", "unknown")))
+        tensors = {k: v.detach().to("cpu").clone() for k, v in pooling_output.items() if isinstance(v, torch.Tensor)}
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        torch.save(tensors, Path(out_dir) / f"{rid}.pt")
+    return thinker2talker_full_payload(transfer_manager, pooling_output, request)
+
+
+RECORDING_PIPELINE = "qwen3_omni_moe_omni_cache_recorded"
+
+
+def register_recording_pipeline() -> str:
+    """Register (idempotent) a Qwen3-Omni pipeline whose thinker hand-off is
+    :func:`record_thinker2talker_full_payload`; select it with ``pipeline: <name>`` in a
+    stage config. vLLM-Omni 0.30 refuses ``custom_process_next_stage_input_func`` in a
+    deploy YAML, so the pipeline topology is the seam. Call in the driver process before
+    the pipeline starts. Returns the pipeline name."""
+    import dataclasses
+
+    from vllm_omni.config.pipeline_registry import register_pipeline
+    from vllm_omni.model_executor.models.qwen3_omni.pipeline import QWEN3_OMNI_PIPELINE
+
+    stages = tuple(
+        dataclasses.replace(
+            s, custom_process_next_stage_input_func=f"{__name__}.record_thinker2talker_full_payload"
+        ) if s.stage_id == 0 else s
+        for s in QWEN3_OMNI_PIPELINE.stages
+    )
+    register_pipeline(dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=RECORDING_PIPELINE, stages=stages))
+    return RECORDING_PIPELINE

@@ -1,0 +1,276 @@
+"""omni-cache in vLLM-Omni's runner: takes over the prefix-cache seam of the AR runner.
+
+vLLM-Omni's AR runner calls three methods of ``PrefixCacheRunnerMixin`` (its runner mixin)
+each step — ``_prefix_cache_step_begin(scheduler_output)`` before ``_update_states``,
+``_prefix_cache_save_step(hidden, mm, ...) -> step_id`` after the forward, and
+``_prefix_cache_materialize(step_id, req_ids)`` when it builds each request's hand-off to the
+next stage — on an ``omni_prefix_cache`` manager object. :class:`OmniCacheStageManager`
+is that object, built on :class:`omni_cache.core.HiddenStateCache`:
+
+1. ``new_step_starts``: mirror the scheduler's view — each request's block table row of the
+   mirrored KV cache group (full attention), its ``num_computed_tokens`` before this step,
+   the tokens scheduled now; new and resumed requests with ``num_computed_tokens > 0`` are
+   prefix hits.
+2. ``save_outputs``: **write** every scheduled token's rows (prefill chunks and decode
+   tokens) at their KV slot ids for every token-aligned key (final hidden ``hidden``, the
+   captured layers and other per-token multimodal outputs), sealing every block that became
+   full with its chained tag (token ids + multimodal identifiers, :func:`block_chain_tags`);
+   then **read** each hit's prefix rows (after all writes: same-step hits see this step's
+   rows); keep ``prefix ++ fresh`` per request.
+3. ``materialize``: hand the merged tensors to vLLM-Omni's payload builder.
+
+A hit whose rows the ledger cannot vouch for raises :class:`StaleRowsError` naming the request
+and block instead of serving a wrong row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, block_chain_tags
+from omni_cache.vllm_omni.workers_cpu import CPUARModelRunner
+
+logger = logging.getLogger(__name__)
+
+HIDDEN_KEY = "hidden"
+
+
+@dataclass
+class _ReqView:
+    """The cache's view of one request (its mirrored-group block table row and tags)."""
+
+    block_ids: list[int]
+    num_computed_tokens: int  # before the current step
+    hit_tokens: int = 0  # prefix hit to serve in the current step (0: none)
+    tags: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _StepOutputs:
+    hidden_states: dict[str, torch.Tensor] | None
+    mm_outputs: dict[str, dict[str, Any]]
+
+
+@dataclass
+class _StepCtx:
+    req_ids: list[str]
+    spans: dict[str, tuple[int, int]]
+    merged: dict[str, dict[str, torch.Tensor]]  # req -> key -> rows
+    leftover: dict[str, Any]
+    total: int
+
+
+def _mm_extra_keys(req_state) -> list[tuple[int, int, object]]:
+    keys = []
+    for f in getattr(req_state, "mm_features", None) or []:
+        pos = f.mm_position
+        keys.append((int(pos.offset), int(pos.offset + pos.length), f.identifier))
+    return keys
+
+
+class OmniCacheStageManager:
+    """Duck-types vLLM-Omni's ``OmniPrefixCacheManager`` for the AR runner's seam.
+
+    Args:
+        runner: the AR model runner (for ``requests`` — token ids, mm features).
+        block_size: tokens per KV block of the mirrored group.
+        num_blocks: KV blocks of the mirrored group (pool rows = ``num_blocks * block_size``).
+        group_id: index of the mirrored (full-attention) KV cache group.
+    """
+
+    def __init__(self, runner, block_size: int, num_blocks: int, group_id: int = 0):
+        self.runner = runner
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.group_id = group_id
+        self.cache: HiddenStateCache | None = None  # built at the first save (widths known then)
+        self.reqs: dict[str, _ReqView] = {}
+        self._scheduled: dict[str, int] = {}
+        self._steps: dict[int, _StepCtx] = {}
+        self._step_ids = itertools.count()
+
+    # ---- 1. step begin -------------------------------------------------------------
+    def new_step_starts(self, scheduler_output) -> None:
+        """Mirror the scheduler output (before the runner's ``_update_states``)."""
+        for rid in scheduler_output.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for nr in scheduler_output.scheduled_new_reqs:
+            self.reqs[nr.req_id] = _ReqView(
+                block_ids=list(nr.block_ids[self.group_id]),
+                num_computed_tokens=nr.num_computed_tokens,
+                hit_tokens=nr.num_computed_tokens,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            view = self.reqs.get(rid)
+            new_ids = cached.new_block_ids[i]
+            ncomp = cached.num_computed_tokens[i]
+            if view is None or rid in resumed:
+                # resumed after preemption: the block table is replaced, the prefix hit
+                # (if any) is served again from the cache like a new request's.
+                self.reqs[rid] = _ReqView(
+                    block_ids=list(new_ids[self.group_id]) if new_ids is not None else [],
+                    num_computed_tokens=ncomp, hit_tokens=ncomp,
+                )
+                continue
+            if new_ids is not None:
+                view.block_ids.extend(new_ids[self.group_id])
+            view.num_computed_tokens = ncomp
+            view.hit_tokens = 0
+        self._scheduled = dict(scheduler_output.num_scheduled_tokens)
+        if self.cache is not None:
+            self.cache.begin_step()
+
+    # ---- 2. save: write, then read ---------------------------------------------------
+    def _ensure_cache(self, tensors: dict[str, torch.Tensor]) -> HiddenStateCache:
+        if self.cache is None:
+            specs = [KeySpec(k, int(t.shape[-1]), t.dtype) for k, t in sorted(tensors.items())]
+            self.cache = HiddenStateCache(self.num_blocks, self.block_size, specs)
+            self.cache.begin_step()
+            logger.info("omni-cache: %s", self.cache.describe().replace("\n", "; "))
+        return self.cache
+
+    def _tags(self, rid: str, view: _ReqView, upto_tokens: int) -> list[int]:
+        nfull = upto_tokens // self.block_size
+        if len(view.tags) < nfull:
+            st = self.runner.requests[rid]
+            tokens = list(st.prompt_token_ids or []) + list(st.output_token_ids or [])
+            view.tags = block_chain_tags(tokens[: nfull * self.block_size], self.block_size, _mm_extra_keys(st))
+        return view.tags[:nfull]
+
+    def save_outputs(
+        self,
+        hidden_states: torch.Tensor,
+        multimodal_outputs: dict[str, Any],
+        *,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+    ) -> int:
+        """Write this step's rows, read this step's hits. Returns the step id to
+        materialize (or discard) exactly once."""
+        t0 = time.perf_counter()
+        n_tok = num_tokens_unpadded
+        aligned: dict[str, torch.Tensor] = {HIDDEN_KEY: hidden_states[:n_tok]}
+        leftover: dict[str, Any] = {}
+        for k, v in (multimodal_outputs or {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] in (n_tok, num_tokens_padded) and k != HIDDEN_KEY:
+                aligned[k] = v[:n_tok].reshape(n_tok, -1)
+            else:
+                leftover[k] = v
+        cache = self._ensure_cache(aligned)
+        missing = set(cache.specs) - set(aligned)
+        req_ids = [r for r in self.runner.input_batch.req_ids if r in self._scheduled]
+        spans: dict[str, tuple[int, int]] = {}
+        off = 0
+        for rid in req_ids:
+            n = self._scheduled[rid]
+            spans[rid] = (off, off + n)
+            off += n
+        if off != n_tok:
+            raise RuntimeError(f"omni-cache: batch spans {off} tokens but the forward produced {n_tok}")
+        fresh: dict[str, dict[str, torch.Tensor]] = {}
+        for rid in req_ids:  # 2a. every write of the step ...
+            view = self.reqs[rid]
+            s, e = spans[rid]
+            rows = {k: t[s:e] for k, t in aligned.items() if k in cache.specs}
+            fresh[rid] = rows
+            start = view.num_computed_tokens
+            end = start + (e - s)
+            tags = self._tags(rid, view, end)
+            first_new_full = start // self.block_size
+            block_tags = {b: tags[b] for b in range(first_new_full, len(tags))}
+            cache.write_request_rows(rid, view.block_ids, start, rows, block_tags, num_tokens=e - s)
+        merged: dict[str, dict[str, torch.Tensor]] = {}
+        keys = [k for k in cache.specs if k not in missing]
+        for rid in req_ids:  # 2b. ... before any read
+            view = self.reqs[rid]
+            if view.hit_tokens > 0:
+                tags = self._tags(rid, view, view.hit_tokens)
+                prefix = cache.read_prefix(rid, view.block_ids, view.hit_tokens, tags, keys)
+                merged[rid] = cache.merge(prefix, {k: fresh[rid][k] for k in keys})
+                view.hit_tokens = 0
+            else:
+                merged[rid] = {k: fresh[rid][k] for k in keys}
+        step_id = next(self._step_ids)
+        self._steps[step_id] = _StepCtx(req_ids, spans, merged, leftover, n_tok)
+        cache.metrics.seconds_write += 0.0  # write/read timing is inside the core
+        self.last_step_seconds = time.perf_counter() - t0
+        return step_id
+
+    # ---- 3. hand-off ----------------------------------------------------------------
+    def materialize(self, step_id: int, req_ids: list[str]) -> _StepOutputs:
+        """Per-request merged tensors of a saved step (consumes the step)."""
+        from vllm_omni.utils.mm_outputs import to_payload_element
+
+        ctx = self._steps.pop(step_id)
+        unknown = set(req_ids) - set(ctx.spans)
+        if unknown:
+            raise RuntimeError(f"omni-cache: materialize(step {step_id}) got unknown request ids {sorted(unknown)[:8]}")
+        hidden = {rid: ctx.merged[rid][HIDDEN_KEY] for rid in req_ids if HIDDEN_KEY in ctx.merged[rid]}
+        mm: dict[str, dict[str, Any]] = {}
+        for rid in req_ids:
+            for k, v in ctx.merged[rid].items():
+                if k != HIDDEN_KEY:
+                    mm.setdefault(k, {})[rid] = v
+        for k, v in ctx.leftover.items():
+            mm[k] = {
+                rid: to_payload_element(v, ctx.req_ids.index(rid), start=ctx.spans[rid][0], end=ctx.spans[rid][1],
+                                        pass_lists_through=True, seq_len=ctx.total)
+                for rid in req_ids
+            }
+        return _StepOutputs(hidden_states=hidden or None, mm_outputs=mm)
+
+    def discard_step(self, step_id: int) -> None:
+        self._steps.pop(step_id)
+
+    def shutdown(self) -> None:
+        if self.cache is not None:
+            logger.info("omni-cache metrics: %s", self.cache.metrics.as_dict())
+        self._steps.clear()
+
+    def metrics(self) -> dict[str, float]:
+        """Counters of the hidden-state cache (rows, bytes, hits, seconds)."""
+        return self.cache.metrics.as_dict() if self.cache is not None else {}
+
+
+def _full_attention_group(kv_cache_config) -> int:
+    """Index of the KV cache group to mirror: the first full-attention group."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    for i, g in enumerate(groups):
+        if isinstance(g.kv_cache_spec, FullAttentionSpec) and not getattr(g.kv_cache_spec, "sliding_window", None):
+            return i
+    return 0
+
+
+class OmniCacheRunnerMixin:
+    """Replaces vLLM-Omni's built-in prefix-cache manager with :class:`OmniCacheStageManager`."""
+
+    def _ensure_omni_prefix_cache(self) -> None:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        cfg = self._omni_prefix_cache_cfg
+        self._omni_prefix_cache_cfg = None
+        if cfg is None or not get_pp_group().is_last_rank:
+            return
+        group = _full_attention_group(self.kv_cache_config)
+        self.omni_prefix_cache = OmniCacheStageManager(
+            self, block_size=cfg.block_size, num_blocks=self.kv_cache_config.num_blocks, group_id=group
+        )
+        logger.info("omni-cache: hidden-state prefix cache active (KV group %d, block %d, %d blocks)",
+                    group, cfg.block_size, self.kv_cache_config.num_blocks)
+
+
+class OmniCacheCPUARModelRunner(OmniCacheRunnerMixin, CPUARModelRunner):
+    """CPU AR runner with omni-cache as the thinker's hidden-state prefix cache."""
+
+
+__all__ = ["OmniCacheCPUARModelRunner", "OmniCacheRunnerMixin", "OmniCacheStageManager", "StaleRowsError"]
