@@ -33,6 +33,7 @@ OMNI_CACHE_ENV: dict[str, tuple[str, ...] | None] = {
     "OMNI_CACHE_PREFIX_CACHE_BACKEND": ("omni_cache", "builtin"),
     "OMNI_CACHE_HANDOFF_DUMP": None,  # directory: record thinker→talker tensors (tests, audits)
     "OMNI_CACHE_CPU_PLATFORM": ("0", "1"),
+    "OMNI_CACHE_METRICS_DIR": None,  # directory: the cache's counters as JSON, per stage process
 }
 
 

@@ -8,8 +8,18 @@ import numpy as np
 import pytest
 
 from omni_cache.inputs import InputError, build_request, sample_path
+from tests.pipeline_util import REPO
 
 pytestmark = pytest.mark.pipeline
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model_dir):
+    """The real thinker → talker → code2wav pipeline on the CPU platform (omni-cache on)."""
+    from omni_cache.vllm_omni.pipeline import OmniPipeline
+
+    with OmniPipeline(tiny_model_dir, REPO / "stage_configs" / "qwen3_omni_cpu.yaml") as pipe:
+        yield pipe
 
 LONG_TEXT = (
     "Look carefully at the photograph and listen to the recording. " * 6

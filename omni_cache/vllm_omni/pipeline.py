@@ -101,13 +101,14 @@ class OmniPipeline:
         self.start_s = time.perf_counter() - t0
         logger.info("pipeline started in %.1f s", self.start_s)
 
-    def generate(self, requests: Sequence[OmniRequest]) -> list[RequestResult]:
-        """Run ``requests`` as one batch through all stages.
+    def generate(self, requests: Sequence[OmniRequest | dict]) -> list[RequestResult]:
+        """Run ``requests`` as one batch through all stages. A ``dict`` is passed to
+        vLLM-Omni as is (e.g. ``{"prompt_token_ids": [...]}``).
 
         Returns:
             One :class:`RequestResult` per request, in input order.
         """
-        prompts = [r.to_engine_prompt() for r in requests]
+        prompts = [r.to_engine_prompt() if isinstance(r, OmniRequest) else r for r in requests]
         t0 = time.perf_counter()
         outs = self.omni.generate(prompts, use_tqdm=False)
         wall = time.perf_counter() - t0
@@ -134,7 +135,8 @@ class OmniPipeline:
         # vLLM-Omni names the i-th prompt of a batch "{i}_{uuid}".
         results = sorted(by_id.values(), key=lambda r: _batch_index(r.request_id))
         for req, res in zip(requests, results):
-            req.request_id = res.request_id
+            if isinstance(req, OmniRequest):
+                req.request_id = res.request_id
         return results
 
     def close(self) -> None:

@@ -26,8 +26,11 @@ and block instead of serving a wrong row.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +42,7 @@ from omni_cache.vllm_omni.workers_cpu import CPUARModelRunner
 logger = logging.getLogger(__name__)
 
 HIDDEN_KEY = "hidden"
+ENV_METRICS_DIR = "OMNI_CACHE_METRICS_DIR"
 
 
 @dataclass
@@ -200,7 +204,6 @@ class OmniCacheStageManager:
                 merged[rid] = {k: fresh[rid][k] for k in keys}
         step_id = next(self._step_ids)
         self._steps[step_id] = _StepCtx(req_ids, spans, merged, leftover, n_tok)
-        cache.metrics.seconds_write += 0.0  # write/read timing is inside the core
         self.last_step_seconds = time.perf_counter() - t0
         return step_id
 
@@ -225,7 +228,20 @@ class OmniCacheStageManager:
                                         pass_lists_through=True, seq_len=ctx.total)
                 for rid in req_ids
             }
+        self._publish_metrics()
         return _StepOutputs(hidden_states=hidden or None, mm_outputs=mm)
+
+    def _publish_metrics(self) -> None:
+        """With ``OMNI_CACHE_METRICS_DIR`` set, write this stage's counters to
+        ``<dir>/metrics-<pid>.json`` (benchmarks and tests read them)."""
+        out = os.environ.get(ENV_METRICS_DIR)
+        if not out or self.cache is None:
+            return
+        path = Path(out) / f"metrics-{os.getpid()}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.cache.metrics.as_dict()))
+        tmp.replace(path)
 
     def discard_step(self, step_id: int) -> None:
         self._steps.pop(step_id)

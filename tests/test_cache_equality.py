@@ -1,0 +1,113 @@
+"""omni-cache on the real pipeline: cache on vs off, bitwise.
+
+The same workload runs on two real pipelines started from the CPU stage config: thinker
+prefix caching off, and on with omni-cache. Every request's thinker→talker tensors (final
+hidden + captured layers, recorded at the hand-off seam), sampled thinker tokens and
+code2wav audio must be bitwise equal; the hit requests must actually hit (otherwise the
+comparison would prove nothing), and omni-cache's own counters must show served rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from omni_cache.inputs import build_request, sample_path
+from tests.pipeline_util import variant_stage_config
+
+pytestmark = pytest.mark.pipeline
+
+BLOCK = 32
+LONG = "Look carefully and listen to every detail before you answer my questions today. " * 5
+
+
+def _two_turn_ids(tok, answer_ids: list[int] | None):
+    """Token-id prompts of a text conversation; turn 1's prompt ends 20 tokens into a
+    block so its answer crosses a block boundary (that block is filled by decode)."""
+    filler = ""
+    while True:
+        t1 = tok.encode(f"<|im_start|>system\n{LONG}<|im_end|>\n<|im_start|>user\nTell me a story{filler}.<|im_end|>\n<|im_start|>assistant\n")
+        if len(t1) % BLOCK == 20:
+            break
+        filler += " x"
+    if answer_ids is None:
+        return t1
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    tail = tok.encode("\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n")
+    return t1 + [t for t in answer_ids if t != im_end] + [im_end] + tail
+
+
+def _run_workload(pipe, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    img, wav = sample_path("astronaut.jpg"), sample_path("speech.wav")
+    named = []
+    for name, media in (("text", {}), ("image", {"image": img}), ("audio", {"audio": wav})):
+        for q in ("What is first?", "And what comes second, please?"):
+            (r,) = pipe.generate([build_request(LONG + q, **media)])
+            named.append((f"{name}:{q}", r))
+    t1 = _two_turn_ids(tok, None)
+    (r1,) = pipe.generate([{"prompt_token_ids": t1}])
+    named.append(("chat:turn1", r1))
+    t2 = _two_turn_ids(tok, r1.token_ids)
+    (r2,) = pipe.generate([{"prompt_token_ids": t2}])
+    named.append(("chat:turn2", r2))
+    return named, len(t1)
+
+
+def _handoffs(out_dir):
+    """Recorded thinker→talker tensors in hand-off order (requests are sent one by one)."""
+    return [torch.load(p) for p in sorted((out_dir / "handoff").glob("*.pt"))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    from omni_cache.vllm_omni.pipeline import OmniPipeline
+
+    out = {}
+    for variant in ("off", "omni_cache"):
+        d = tmp_path_factory.mktemp(variant)
+        with OmniPipeline(tiny_model_dir, variant_stage_config(d, variant)) as pipe:
+            named, t1_len = _run_workload(pipe, tiny_model_dir)
+        out[variant] = (d, named, t1_len)
+    return out
+
+
+def test_hits_happen_and_omni_cache_served_them(runs):
+    d, named, t1_len = runs["omni_cache"]
+    hits = {n: r.num_cached_tokens for n, r in named}
+    for n, r in named:
+        if n.endswith("second, please?"):
+            assert r.num_cached_tokens >= BLOCK, (n, hits)
+    # the second turn hits the first turn's answer tokens (block filled by decode)
+    assert hits["chat:turn2"] > t1_len, (hits, t1_len)
+    assert all(r.num_cached_tokens == 0 for _, r in runs["off"][1])
+    metrics = [json.loads(p.read_text()) for p in (d / "metrics").glob("metrics-*.json")]
+    assert metrics, "omni-cache wrote no metrics: its manager did not run"
+    m = metrics[0]
+    assert m["hits_served"] >= 4 and m["rows_read"] > 0 and m["hits_refused"] == 0
+    assert m["hit_tokens"] == sum(hits.values())
+
+
+def test_cache_on_equals_cache_off_bitwise(runs):
+    d_off, off, _ = runs["off"]
+    d_on, on, _ = runs["omni_cache"]
+    assert [n for n, _ in off] == [n for n, _ in on]
+    ho_off, ho_on = _handoffs(d_off), _handoffs(d_on)
+    assert len(ho_off) == len(ho_on) == len(off)
+    for (name, r_off), (_, r_on), h_off, h_on in zip(off, on, ho_off, ho_on):
+        assert r_off.error is None and r_on.error is None
+        assert r_on.num_prompt_tokens == r_off.num_prompt_tokens
+        assert r_on.token_ids == r_off.token_ids, name
+        assert set(h_off) == set(h_on) and "hidden" in h_on, (name, sorted(h_on))
+        assert any(k.startswith("hidden_states.layer_") for k in h_on), sorted(h_on)
+        for k in h_off:
+            assert h_on[k].shape == h_off[k].shape, (name, k)
+            assert torch.equal(h_on[k], h_off[k]), (name, k)
+        assert r_off.audio is not None and r_on.audio is not None, name
+        assert np.array_equal(r_on.audio, r_off.audio), name
