@@ -194,6 +194,11 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
             if sid not in seen:
                 raise StageConfigError(p, f"platforms.{name} names stage {sid!r}, which is not in stages", key="stage_id")
             _check_keys(p, {k: v for k, v in s.items()}, schema, sid)
+    if str(raw.get("pipeline", "")).startswith("qwen3_omni_moe_omni_cache"):
+        s0 = next(s for s in stages if s.get("stage_id") == 0)
+        if s0.get("async_scheduling"):
+            raise StageConfigError(p, "omni-cache's capped thinker scheduler is synchronous; set async_scheduling: false",
+                                   stage_id=0, key="async_scheduling")
     if model_dir is not None:
         md = Path(model_dir)
         if not (md / "config.json").is_file():

@@ -36,25 +36,11 @@ def record_thinker2talker_full_payload(transfer_manager: Any, pooling_output: di
     return thinker2talker_full_payload(transfer_manager, pooling_output, request)
 
 
-RECORDING_PIPELINE = "qwen3_omni_moe_omni_cache_recorded"
-
 
 def register_recording_pipeline() -> str:
-    """Register (idempotent) a Qwen3-Omni pipeline whose thinker hand-off is
-    :func:`record_thinker2talker_full_payload`; select it with ``pipeline: <name>`` in a
-    stage config. vLLM-Omni 0.30 refuses ``custom_process_next_stage_input_func`` in a
-    deploy YAML, so the pipeline topology is the seam. Call in the driver process before
-    the pipeline starts. Returns the pipeline name."""
-    import dataclasses
+    """Register omni-cache's pipelines (:func:`omni_cache.vllm_omni.plugin.register`) and
+    return the name of the one whose thinker hand-off is recorded."""
+    from omni_cache.vllm_omni.plugin import RECORDING_PIPELINE, register
 
-    from vllm_omni.config.pipeline_registry import register_pipeline
-    from vllm_omni.model_executor.models.qwen3_omni.pipeline import QWEN3_OMNI_PIPELINE
-
-    stages = tuple(
-        dataclasses.replace(
-            s, custom_process_next_stage_input_func=f"{__name__}.record_thinker2talker_full_payload"
-        ) if s.stage_id == 0 else s
-        for s in QWEN3_OMNI_PIPELINE.stages
-    )
-    register_pipeline(dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=RECORDING_PIPELINE, stages=stages))
+    register()
     return RECORDING_PIPELINE

@@ -1,0 +1,39 @@
+"""Engine-independent core of omni-cache: a hidden-state prefix cache that
+mirrors vLLM's paged KV cache.
+
+Import invariant: nothing under ``omni_cache.core`` imports ``vllm`` or
+``vllm_omni`` -- only ``torch``, ``numpy`` and the standard library
+(enforced by ``tests/test_core_import.py``). Engine glue lives in
+``omni_cache.vllm_omni``.
+
+One concept per module:
+
+- :mod:`.slots`  -- block table -> slot id mapping, chained block tags.
+- :mod:`.pool`   -- :class:`HiddenPool`, one key's ``[num_blocks, block_size, width]`` storage.
+- :mod:`.ledger` -- :class:`BlockLedger`, per-block integrity (tag, owner, fill).
+- :mod:`.cache`  -- :class:`HiddenStateCache`, pools + ledger + metrics.
+"""
+
+from omni_cache.core.cache import (
+    CacheMetrics,
+    HiddenStateCache,
+    KeySpec,
+    StaleRowsError,
+)
+from omni_cache.core.ledger import TAG_MISMATCH, BlockLedger
+from omni_cache.core.pool import HiddenPool, Tier
+from omni_cache.core.slots import block_chain_tags, num_full_blocks, slot_ids
+
+__all__ = [
+    "BlockLedger",
+    "CacheMetrics",
+    "HiddenPool",
+    "HiddenStateCache",
+    "KeySpec",
+    "StaleRowsError",
+    "TAG_MISMATCH",
+    "Tier",
+    "block_chain_tags",
+    "num_full_blocks",
+    "slot_ids",
+]

@@ -1,0 +1,99 @@
+"""One cached key's row storage, laid out like the KV cache's slots."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class Tier(enum.Enum):
+    """Where a pool's storage lives."""
+
+    DEVICE = "device"  #: on ``device`` (e.g. the GPU running the model)
+    PINNED_HOST = "pinned_host"  #: page-locked host memory (plain host memory without CUDA)
+    HOST = "host"  #: pageable host memory
+
+
+class HiddenPool:
+    """Rows of one cached tensor key, indexed by KV slot id.
+
+    Storage is ``[num_blocks, block_size, width]`` of ``dtype``; its flat view
+    ``[num_blocks * block_size, width]`` has row ``slot_id`` = the KV slot of that token,
+    so a request's block table addresses its rows exactly as it addresses its KV.
+
+    Invariant: the pool never decides validity; :class:`~omni_cache.core.ledger.BlockLedger`
+    says which rows may be served. The storage device is ``device`` for ``Tier.DEVICE`` and
+    the CPU for host tiers.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        num_blocks: int,
+        block_size: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tier: Tier = Tier.HOST,
+    ) -> None:
+        self.key = key
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.width = width
+        self.dtype = dtype
+        self.tier = tier
+        self.device = torch.device(device) if tier is Tier.DEVICE else torch.device("cpu")
+        pin = tier is Tier.PINNED_HOST and torch.cuda.is_available()
+        self.storage = torch.zeros(
+            (num_blocks, block_size, width), dtype=dtype, device=self.device, pin_memory=pin
+        )
+        self._flat = self.storage.view(num_blocks * block_size, width)
+
+    @property
+    def nbytes(self) -> int:
+        """Storage size in bytes."""
+        return self.storage.numel() * self.storage.element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row (``width * itemsize``)."""
+        return self.width * self.dtype.itemsize
+
+    def _on_storage(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # Non-blocking only towards a device: a CPU op right after a non-blocking
+        # device->host copy could read the buffer before the copy lands.
+        return t.to(self.device, dtype, non_blocking=self.device.type != "cpu")
+
+    def write(self, slot_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows`` (``[n, width]``, any float dtype, cast to ``dtype``) at ``slot_ids``
+        (int64 ``[n]``).
+
+        Host -> device copies use ``non_blocking=True`` (stream-ordered, no host sync).
+        Device -> host copies (a host tier fed from the GPU) are synchronous, because the
+        scatter then runs on the CPU and must see the copied data.
+
+        Raises:
+            ValueError: ``rows`` is not ``[len(slot_ids), width]``.
+        """
+        if rows.dim() != 2 or rows.shape[1] != self.width or rows.shape[0] != slot_ids.numel():
+            raise ValueError(
+                f"key {self.key!r}: rows of shape {tuple(rows.shape)} do not match "
+                f"[{slot_ids.numel()}, {self.width}]"
+            )
+        index = self._on_storage(slot_ids, torch.int64)
+        self._flat.index_copy_(0, index, self._on_storage(rows, self.dtype))
+
+    def gather(
+        self, slot_ids: torch.Tensor, out_device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Copy of the rows at ``slot_ids`` (int64 ``[n]``): ``[n, width]`` of ``dtype`` on
+        ``out_device`` (default: the storage device). Pinned-host pools gather into pinned
+        memory so the move to a CUDA ``out_device`` is non-blocking."""
+        index = self._on_storage(slot_ids, torch.int64)
+        out_device = self.device if out_device is None else torch.device(out_device)
+        if out_device.type == "cuda" and self.device.type == "cpu" and self.storage.is_pinned():
+            out = torch.empty((index.numel(), self.width), dtype=self.dtype, pin_memory=True)
+            torch.index_select(self._flat, 0, index, out=out)
+            return out.to(out_device, non_blocking=True)
+        return self._flat.index_select(0, index).to(out_device)

@@ -1,0 +1,90 @@
+"""A vLLM-Omni AR scheduler that caps each prefix hit to what the hidden-state tier covers.
+
+``_get_local_prefix_cache_hit`` (vLLM's scheduler seam for the local KV prefix-cache lookup)
+returns the KV hit; :class:`OmniCacheSchedulerMixin` truncates it to the leading blocks whose
+hidden-state rows are complete (:class:`~omni_cache.core.coverage.WrittenBlocks`), so the
+runner never has to serve — or refuse — rows it does not have: the uncovered tail is simply
+recomputed, and the engine keeps serving. After each ``schedule()`` it records the blocks
+that this step's scheduled tokens complete.
+
+Selected through the pipeline topology (vLLM-Omni 0.30 owns ``scheduler_cls`` there, not in
+the deploy YAML): ``pipeline: qwen3_omni_moe_omni_cache`` (see :mod:`omni_cache.vllm_omni.plugin`).
+Synchronous scheduling only (``async_scheduling: false``; the CPU platform forces it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm_omni.core.sched.omni_ar_scheduler import OmniARScheduler
+
+from omni_cache.core.coverage import WrittenBlocks
+
+logger = logging.getLogger(__name__)
+
+# Fault injection for tests: the first N requests' writes are not recorded (as if their
+# rows were lost), so hits on their blocks must be capped and recomputed.
+ENV_TEST_FORGET = "OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS"
+
+
+class OmniCacheSchedulerMixin:
+    """Caps KV prefix hits to the hidden-state tier's coverage."""
+
+    def _omni_cache_state(self):
+        st = getattr(self, "_oc_state", None)
+        if st is None:
+            from omni_cache.vllm_omni.runner import _full_attention_group
+
+            st = self._oc_state = {
+                "written": WrittenBlocks(),
+                "group": _full_attention_group(self.kv_cache_config),
+                "bs": None,
+                "forget_left": int(os.environ.get(ENV_TEST_FORGET, "0") or 0),
+                "forgotten": set(),
+                "capped_tokens": 0,
+            }
+            groups = self.kv_cache_config.kv_cache_groups
+            st["bs"] = groups[st["group"]].kv_cache_spec.block_size
+        return st
+
+    def _get_local_prefix_cache_hit(self, request):
+        blocks, num_local, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        if num_local <= 0:
+            return blocks, num_local, boundary, diverged
+        st = self._omni_cache_state()
+        g, bs = st["group"], st["bs"]
+        mirrored = blocks.blocks[g]
+        covered = st["written"].covered([(b.block_id, b.block_hash) for b in mirrored[: num_local // bs]])
+        if covered * bs < num_local:
+            st["capped_tokens"] += num_local - covered * bs
+            logger.info("omni-cache: request %s prefix hit capped %d -> %d tokens (hidden rows not covered)",
+                        request.request_id, num_local, covered * bs)
+            blocks = KVCacheBlocks(tuple(list(gb[:covered]) for gb in blocks.blocks))
+            num_local = covered * bs
+        return blocks, num_local, boundary, diverged
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        st = self._omni_cache_state()
+        g, bs, written = st["group"], st["bs"], st["written"]
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, start in starts.items():
+            if st["forget_left"] > 0 and rid not in st["forgotten"] and rid in {r.req_id for r in out.scheduled_new_reqs}:
+                st["forgotten"].add(rid)
+                st["forget_left"] -= 1
+            if rid in st["forgotten"]:
+                continue
+            end = start + out.num_scheduled_tokens.get(rid, 0)
+            req_blocks = self.kv_cache_manager.get_blocks(rid).blocks[g]
+            for i in range(start // bs, min(end // bs, len(req_blocks))):
+                b = req_blocks[i]
+                written.record(b.block_id, b.block_hash)
+        return out
+
+
+class OmniCacheARScheduler(OmniCacheSchedulerMixin, OmniARScheduler):
+    """vLLM-Omni's synchronous AR scheduler with the hidden-tier hit cap."""

@@ -1,0 +1,302 @@
+"""Property tests: HiddenStateCache driven by a reference model of vLLM's block lifecycle.
+
+The reference model (``KvBlockPool`` + ``Sim``) mimics vLLM v1 prefix caching: a block pool
+with an LRU free queue, a tag -> block map for cached full blocks, prefix hits of whole
+blocks (at most ``num_tokens - 1``), blocks cached at schedule time (so a request can hit
+blocks another request computes in the same step), chunked prefill, decode, free/abort
+and preempt+resume. The "model" output at a position is a hash of everything the position
+depends on (token prefix and the multimodal items started so far), so the correct row of
+every slot is known and the test keeps a shadow of what each pool slot really holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, block_chain_tags
+
+BS = 4
+NUM_BLOCKS = 12
+ALPHABET = (1, 2)
+SPECS = (
+    KeySpec("hidden", 4, torch.float32),
+    KeySpec("layer_0", 3, torch.bfloat16),
+    KeySpec("mm_out", 2, torch.float16),
+)
+KEYS = tuple(s.name for s in SPECS)
+SCHEDULED = st.sampled_from((True, True, True, False))  # is a request in this step's batch
+SHARE = st.sampled_from((True, True, False))  # does a new prompt reuse an earlier one's prefix
+SPEC = {s.name: s for s in SPECS}
+
+
+@functools.lru_cache(maxsize=None)
+def model_row(content: tuple, key: str) -> torch.Tensor:
+    """The model's deterministic output row for one position's content id."""
+    width = SPEC[key].width
+    digest = hashlib.blake2b(repr((key, content)).encode(), digest_size=4 * width).digest()
+    vals = np.frombuffer(digest, dtype="<u4").astype(np.float32) / np.float32(2**32) - 0.5
+    return torch.from_numpy(vals).to(SPEC[key].dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+@dataclass
+class Req:
+    rid: str
+    tokens: list[int]
+    spans: tuple[tuple[int, int, str], ...] = ()  # multimodal placeholders (start, end, image)
+    table: list[int] = field(default_factory=list)
+    computed: int = 0  # num_computed_tokens
+    admitted: bool = False
+
+    def content(self, p: int) -> tuple:
+        return tuple(self.tokens[: p + 1]), tuple(s for s in self.spans if s[0] <= p)
+
+    def rows(self, lo: int, hi: int, key: str) -> torch.Tensor:
+        return torch.stack([model_row(self.content(p), key) for p in range(lo, hi)])
+
+    def tags(self, num_blocks: int) -> list[int]:
+        return block_chain_tags(self.tokens[: num_blocks * BS], BS, self.spans)
+
+
+class KvBlockPool:
+    """vLLM's BlockPool: ref counts, LRU free queue, tag -> cached full block."""
+
+    def __init__(self) -> None:
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(NUM_BLOCKS))
+        self.ref = [0] * NUM_BLOCKS
+        self.tag: list[int | None] = [None] * NUM_BLOCKS
+        self.cached: dict[int, int] = {}
+
+    def longest_hit(self, tags: list[int]) -> list[int]:
+        hit = []
+        for t in tags:
+            if t not in self.cached:
+                break
+            hit.append(self.cached[t])
+        return hit
+
+    def touch(self, b: int) -> None:
+        if self.ref[b] == 0:
+            del self.free[b]
+        self.ref[b] += 1
+
+    def allocate(self) -> int:
+        b, _ = self.free.popitem(last=False)  # evicts the LRU block and its cached tag
+        if self.tag[b] is not None:
+            del self.cached[self.tag[b]]
+            self.tag[b] = None
+        self.ref[b] = 1
+        return b
+
+    def release(self, table: list[int]) -> None:
+        for b in reversed(table):  # tail blocks are evicted first
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+
+    def cache_block(self, b: int, tag: int) -> None:
+        if self.tag[b] is None and tag not in self.cached:
+            self.tag[b] = tag
+            self.cached[tag] = b
+
+
+class Sim:
+    def __init__(self, data, drops: bool) -> None:
+        self.data, self.drops = data, drops
+        self.cache = HiddenStateCache(NUM_BLOCKS, BS, SPECS)
+        self.kv = KvBlockPool()
+        self.reqs: list[Req] = []
+        self.next_id = 0
+        self.shadow: dict[tuple[int, int, str], tuple] = {}  # (block, offset, key) -> content
+        self.tag_content: dict[int, list[tuple]] = {}  # tag -> content of its block's slots
+        self.sealed: dict[int, set[int]] = {b: set() for b in range(NUM_BLOCKS)}
+        self.dropped: dict[int, set[str]] = {}  # block -> keys skipped during its current fill
+        self.prompts: list[tuple[list[int], tuple]] = []
+
+    def draw(self, strategy):
+        return self.data.draw(strategy)
+
+    # -- operations -------------------------------------------------------
+    def add(self) -> None:
+        tokens = self.draw(st.lists(st.sampled_from(ALPHABET), min_size=3, max_size=14))
+        spans = ()
+        if self.prompts and self.draw(SHARE):  # share a prefix (system prompt, image)
+            base, base_spans = self.draw(st.sampled_from(self.prompts))
+            cut = self.draw(st.integers(1, len(base)))
+            tokens = base[:cut] + tokens[: self.draw(st.integers(1, 6))]
+            other = {"imgA": "imgB", "imgB": "imgA"}
+            flip = self.draw(st.booleans())  # same placeholder tokens, other image
+            spans = tuple((s, e, other[i] if flip else i) for s, e, i in base_spans if e <= cut)
+        elif self.draw(st.booleans()):
+            s = self.draw(st.integers(0, len(tokens) - 1))
+            e = min(s + self.draw(st.integers(1, 3)), len(tokens))
+            tokens[s:e] = [0] * (e - s)  # image placeholder tokens
+            spans = ((s, e, self.draw(st.sampled_from(("imgA", "imgB")))),)
+        self.prompts.append((list(tokens), spans))
+        self.reqs.append(Req(f"r{self.next_id}", tokens, spans))
+        self.next_id += 1
+
+    def finish(self, preempt: bool) -> None:
+        if not self.reqs:
+            return
+        req = self.draw(st.sampled_from(self.reqs))
+        self.kv.release(req.table)
+        req.table, req.computed, req.admitted = [], 0, False
+        if not preempt:
+            self.reqs.remove(req)
+
+    def schedule(self, req: Req):
+        hit: list[int] = []
+        if not req.admitted:  # prefix hit: whole blocks, at most num_tokens - 1
+            hit = self.kv.longest_hit(req.tags((len(req.tokens) - 1) // BS))
+        computed = req.computed if req.admitted else len(hit) * BS
+        n = min(self.draw(st.integers(1, 6)), len(req.tokens) - computed)
+        need = -(-(computed + n) // BS) - (len(req.table) if req.admitted else len(hit))
+        if need > len(self.kv.free) - sum(self.kv.ref[b] == 0 for b in hit):
+            return None
+        if not req.admitted:
+            for b in hit:
+                self.kv.touch(b)
+            req.table, req.computed, req.admitted = list(hit), computed, True
+        for _ in range(need):
+            b = self.kv.allocate()
+            self.dropped.pop(b, None)
+            req.table.append(b)
+        full_tags = req.tags((computed + n) // BS)
+        for b, t in zip(req.table, full_tags):
+            self.kv.cache_block(b, t)  # cached at schedule time, hittable this step
+        return req, computed, n, full_tags, len(hit)
+
+    def step(self) -> None:
+        self.cache.begin_step()
+        batch = [s for r in list(self.reqs) if self.draw(SCHEDULED) and (s := self.schedule(r))]
+        self.write_all(self.draw(st.permutations(batch)))  # batch order != schedule order
+        for req, start, n, _, hit_blocks in batch:
+            if hit_blocks:
+                self.check_hit(req, start, n, hit_blocks)
+            req.computed = start + n
+            if req.computed == len(req.tokens):
+                req.tokens.append(self.draw(st.sampled_from(ALPHABET)))  # sampled token
+        self.check_ledger()
+
+    # -- forward: all writes of the step precede its reads ----------------
+    def write_all(self, batch) -> None:
+        for req, start, n, full_tags, _ in batch:
+            drop = self.draw(st.sets(st.sampled_from(KEYS))) if self.drops and self.draw(
+                st.integers(0, 3)) == 0 else set()
+            keep = [k for k in KEYS if k not in drop]
+            self.cache.write_request_rows(
+                req.rid, req.table, start, {k: req.rows(start, start + n, k) for k in keep},
+                dict(enumerate(full_tags)), num_tokens=n,
+            )
+            for i, t in enumerate(full_tags):
+                b = req.table[i]
+                self.sealed[b].add(t)
+                self.tag_content[t] = [req.content(p) for p in range(i * BS, (i + 1) * BS)]
+            for p in range(start, start + n):
+                b, o = req.table[p // BS], p % BS
+                for k in keep:
+                    self.shadow[b, o, k] = req.content(p)
+                if drop:
+                    self.dropped.setdefault(b, set()).update(drop)
+
+    # -- properties -------------------------------------------------------
+    def check_hit(self, req: Req, start: int, n: int, hit_blocks: int) -> None:
+        tags = req.tags(hit_blocks)
+        table = req.table[:hit_blocks]
+        covered = self.cache.covered_prefix_tokens(table, tags, KEYS)
+        assert covered <= start
+        if not self.drops:
+            assert covered == start, "ledger refused a valid hit"
+        if covered < start:
+            with pytest.raises(StaleRowsError):
+                self.cache.read_prefix(req.rid, table, start, tags, KEYS)
+        got = self.cache.read_prefix(req.rid, table, covered, tags, KEYS)
+        assert all(got[k].shape == (covered, SPEC[k].width) for k in KEYS)
+        if covered:  # served rows are bitwise the model's rows
+            assert all(same_bits(got[k], req.rows(0, covered, k)) for k in KEYS)
+        if covered == start:
+            merged = self.cache.merge(got, {k: req.rows(start, start + n, k) for k in KEYS})
+            assert all(same_bits(merged[k], req.rows(0, start + n, k)) for k in KEYS)
+
+    def check_ledger(self) -> None:
+        """Covered (block, tag, key) => every slot truly holds that tag's rows."""
+        ledger = self.cache.ledger
+        for b, tags in self.sealed.items():
+            for t in tags:
+                stale = True
+                for k in KEYS:
+                    if ledger.covered_blocks([b], [t], [k]):
+                        stale = False
+                        assert all(
+                            self.shadow.get((b, o, k)) == self.tag_content[t][o] for o in range(BS)
+                        ), f"block {b} served stale rows for key {k}"
+                if stale:
+                    with pytest.raises(StaleRowsError):
+                        self.cache.read_prefix("probe", [b], BS, [t], KEYS)
+        for b, keys in self.dropped.items():  # a dropped key never becomes covered
+            for t in self.sealed[b]:
+                for k in keys:
+                    assert ledger.covered_blocks([b], [t], [k]) == 0
+
+
+OPS = ("add",) * 3 + ("step",) * 6 + ("free", "preempt")  # enough load to evict and reuse blocks
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.booleans())
+def test_lifecycle_never_serves_wrong_rows(data, drops):
+    sim = Sim(data, drops)
+    ops = data.draw(st.lists(st.sampled_from(OPS), min_size=20, max_size=60))
+    for op in ops:
+        if op == "add":
+            sim.add()
+        elif op == "step":
+            sim.step()
+        else:
+            sim.finish(preempt=op == "preempt")
+
+
+def test_same_step_hit_gets_writers_rows():
+    """B hits blocks A computes in the same step; B's write (restating the hit blocks' tags)
+    comes first in batch order, yet after the step's writes B reads A's rows."""
+    cache = HiddenStateCache(NUM_BLOCKS, BS, SPECS)
+    a = Req("A", [1, 2, 1, 2, 2, 2, 1, 1, 2], table=[3, 7, 5])
+    b = Req("B", a.tokens[:8] + [1, 1, 2], table=[3, 7, 9])
+    tags = a.tags(2)
+    assert b.tags(2) == tags
+    cache.begin_step()
+    cache.write_request_rows("B", b.table, 8, {k: b.rows(8, 11, k) for k in KEYS},
+                             dict(enumerate(tags)))
+    cache.write_request_rows("A", a.table, 0, {k: a.rows(0, 9, k) for k in KEYS},
+                             dict(enumerate(tags)))
+    got = cache.read_prefix("B", b.table, 8, tags, KEYS)
+    assert all(same_bits(got[k], a.rows(0, 8, k)) for k in KEYS)
+    merged = cache.merge(got, {k: b.rows(8, 11, k) for k in KEYS})
+    assert all(same_bits(merged[k], b.rows(0, 11, k)) for k in KEYS)
+
+
+def test_dropped_key_step_is_never_served():
+    cache = HiddenStateCache(NUM_BLOCKS, BS, SPECS)
+    r = Req("A", [1, 2, 1, 2, 2, 1, 1, 1], table=[0, 1])
+    tags = r.tags(2)
+    cache.write_request_rows("A", r.table, 0, {k: r.rows(0, 6, k) for k in KEYS}, {0: tags[0]})
+    cache.write_request_rows("A", r.table, 6, {k: r.rows(6, 8, k) for k in ("hidden",)},
+                             dict(enumerate(tags)))
+    assert cache.covered_prefix_tokens(r.table, tags, ["hidden"]) == 8
+    assert cache.covered_prefix_tokens(r.table, tags, KEYS) == 4
+    with pytest.raises(StaleRowsError, match="layer_0"):
+        cache.read_prefix("B", r.table, 8, tags, KEYS)
