@@ -33,7 +33,8 @@ OMNI_CACHE_ENV: dict[str, tuple[str, ...] | None] = {
     "OMNI_CACHE_PREFIX_CACHE_BACKEND": ("omni_cache", "builtin"),
     "OMNI_CACHE_HANDOFF_DUMP": None,  # directory: record thinker→talker tensors (tests, audits)
     "OMNI_CACHE_CPU_PLATFORM": ("0", "1"),
-    "OMNI_CACHE_METRICS_DIR": None,  # directory: the cache's counters as JSON, per stage process
+    "OMNI_CACHE_METRICS_DIR": None,
+    "OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS": None,  # fault injection (tests): lose N requests' rows  # directory: the cache's counters as JSON, per stage process
 }
 
 

@@ -23,6 +23,9 @@ def variant_stage_config(out_dir: Path, variant: str) -> Path:
     s0["env"]["OMNI_CACHE_METRICS_DIR"] = str(out_dir / "metrics")
     if variant == "off":
         s0["enable_prefix_caching"] = False
+    elif variant == "omni_cache_forget":  # fault injection: the first request's rows are "lost"
+        s0["env"]["OMNI_CACHE_PREFIX_CACHE_BACKEND"] = "omni_cache"
+        s0["env"]["OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS"] = "1"
     else:
         s0["env"]["OMNI_CACHE_PREFIX_CACHE_BACKEND"] = variant
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,7 @@ def runs(tmp_path_factory, tiny_model_dir):
     from omni_cache.vllm_omni.pipeline import OmniPipeline
 
     out = {}
-    for variant in ("off", "omni_cache"):
+    for variant in ("off", "omni_cache", "omni_cache_forget"):
         d = tmp_path_factory.mktemp(variant)
         with OmniPipeline(tiny_model_dir, variant_stage_config(d, variant)) as pipe:
             named, t1_len = _run_workload(pipe, tiny_model_dir)
@@ -93,9 +93,23 @@ def test_hits_happen_and_omni_cache_served_them(runs):
     assert m["hit_tokens"] == sum(hits.values())
 
 
-def test_cache_on_equals_cache_off_bitwise(runs):
+def test_lost_rows_cap_the_hit_and_stay_exact(runs):
+    """The scheduler caps a hit whose hidden rows it cannot vouch for (here: the first
+    request's rows are declared lost); the engine keeps serving and nothing wrong is served."""
+    d, named, _ = runs["omni_cache_forget"]
+    normal = dict(runs["omni_cache"][1])
+    forgot = dict(named)
+    second_text = "text:And what comes second, please?"
+    assert normal[second_text].num_cached_tokens > 0
+    assert forgot[second_text].num_cached_tokens < normal[second_text].num_cached_tokens
+    m = json.loads(next((d / "metrics").glob("metrics-*.json")).read_text())
+    assert m["hits_refused"] == 0  # capped before the forward, never refused in the worker
+
+
+@pytest.mark.parametrize("variant", ["omni_cache", "omni_cache_forget"])
+def test_cache_on_equals_cache_off_bitwise(runs, variant):
     d_off, off, _ = runs["off"]
-    d_on, on, _ = runs["omni_cache"]
+    d_on, on, _ = runs[variant]
     assert [n for n, _ in off] == [n for n, _ in on]
     ho_off, ho_on = _handoffs(d_off), _handoffs(d_on)
     assert len(ho_off) == len(ho_on) == len(off)

@@ -173,10 +173,19 @@ class HiddenStateCache:
                 raise ValueError(f"request {req_id!r}: block {b} is tagged but only "
                                  f"filled to offset {hi} of {bs}")
         if n:
-            slots = slot_ids(torch.tensor(blocks, dtype=torch.int64),
-                             torch.arange(start, start + n), bs)
+            # head / tail partial blocks row by row, whole blocks as slabs
+            lo_full = min(-(-start // bs) * bs, start + n)
+            hi_full = max(((start + n) // bs) * bs, lo_full)
+            parts = [(a, b) for a, b in ((start, lo_full), (hi_full, start + n)) if b > a]
+            slots = (slot_ids(torch.tensor(blocks, dtype=torch.int64),
+                              torch.cat([torch.arange(a, b) for a, b in parts]), bs) if parts else None)
+            full = torch.tensor(blocks[lo_full // bs: hi_full // bs], dtype=torch.int64)
             for key, rows in tensors.items():
-                self.pools[key].write(slots, rows)
+                pool = self.pools[key]
+                if full.numel():
+                    pool.write_blocks(full, rows[lo_full - start: hi_full - start])
+                if slots is not None:
+                    pool.write(slots, torch.cat([rows[a - start: b - start] for a, b in parts]))
                 self.metrics.bytes_written += n * self.pools[key].row_bytes
             self.metrics.rows_written += n * len(tensors)
         for b, (lo, hi) in touched.items():
@@ -228,9 +237,8 @@ class HiddenStateCache:
             if key is not None:
                 self.metrics.hits_refused += 1
                 raise StaleRowsError(req_id, i, key)
-        slots = slot_ids(torch.tensor(blocks[:nb], dtype=torch.int64),
-                         torch.arange(num_tokens), bs)
-        out = {k: self.pools[k].gather(slots, out_device) for k in keys}
+        idx = torch.tensor(blocks[:nb], dtype=torch.int64)
+        out = {k: self.pools[k].gather_blocks(idx, out_device) for k in keys}
         self.metrics.rows_read += num_tokens * len(keys)
         self.metrics.bytes_read += sum(t.numel() * t.element_size() for t in out.values())
         if num_tokens:

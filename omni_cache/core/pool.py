@@ -84,6 +84,34 @@ class HiddenPool:
         index = self._on_storage(slot_ids, torch.int64)
         self._flat.index_copy_(0, index, self._on_storage(rows, self.dtype))
 
+    def write_blocks(self, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store whole blocks: ``rows`` ``[k * block_size, width]`` fill blocks ``block_ids``
+        (int64 ``[k]``) in order. One slab copy per block instead of one row copy per token
+        (the fast path for prefill steps and every prefix-hit read).
+
+        Raises:
+            ValueError: ``rows`` is not ``[len(block_ids) * block_size, width]``.
+        """
+        k = block_ids.numel()
+        if rows.dim() != 2 or rows.shape != (k * self.block_size, self.width):
+            raise ValueError(f"key {self.key!r}: rows of shape {tuple(rows.shape)} do not fill "
+                             f"{k} blocks of [{self.block_size}, {self.width}]")
+        index = self._on_storage(block_ids, torch.int64)
+        src = self._on_storage(rows, self.dtype).view(k, self.block_size, self.width)
+        self.storage.index_copy_(0, index, src)
+
+    def gather_blocks(self, block_ids: torch.Tensor, out_device: torch.device | str | None = None) -> torch.Tensor:
+        """Rows of whole blocks ``block_ids`` (int64 ``[k]``) in order: ``[k * block_size,
+        width]`` on ``out_device`` (pinned staging + non-blocking copy from a pinned pool)."""
+        index = self._on_storage(block_ids, torch.int64)
+        out_device = self.device if out_device is None else torch.device(out_device)
+        shape = (index.numel(), self.block_size, self.width)
+        if out_device.type == "cuda" and self.device.type == "cpu" and self.storage.is_pinned():
+            out = torch.empty(shape, dtype=self.dtype, pin_memory=True)
+            torch.index_select(self.storage, 0, index, out=out)
+            return out.view(-1, self.width).to(out_device, non_blocking=True)
+        return self.storage.index_select(0, index).view(-1, self.width).to(out_device)
+
     def gather(
         self, slot_ids: torch.Tensor, out_device: torch.device | str | None = None
     ) -> torch.Tensor:

@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, block_chain_tags
-from omni_cache.vllm_omni.workers_cpu import CPUARModelRunner
+from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, Tier, block_chain_tags
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +135,11 @@ class OmniCacheStageManager:
     def _ensure_cache(self, tensors: dict[str, torch.Tensor]) -> HiddenStateCache:
         if self.cache is None:
             specs = [KeySpec(k, int(t.shape[-1]), t.dtype) for k, t in sorted(tensors.items())]
-            self.cache = HiddenStateCache(self.num_blocks, self.block_size, specs)
+            device = next(iter(tensors.values())).device
+            # On an accelerator the pool lives next to the hidden states (no host sync on
+            # the forward path); on the CPU platform it is plain host memory.
+            tier = Tier.DEVICE if device.type != "cpu" else Tier.HOST
+            self.cache = HiddenStateCache(self.num_blocks, self.block_size, specs, device=device, tier=tier)
             self.cache.begin_step()
             logger.info("omni-cache: %s", self.cache.describe().replace("\n", "; "))
         return self.cache
@@ -285,8 +288,23 @@ class OmniCacheRunnerMixin:
                     group, cfg.block_size, self.kv_cache_config.num_blocks)
 
 
-class OmniCacheCPUARModelRunner(OmniCacheRunnerMixin, CPUARModelRunner):
-    """CPU AR runner with omni-cache as the thinker's hidden-state prefix cache."""
+def _cpu_runner_cls():
+    from omni_cache.vllm_omni.workers_cpu import CPUARModelRunner
+
+    class OmniCacheCPUARModelRunner(OmniCacheRunnerMixin, CPUARModelRunner):
+        """CPU AR runner with omni-cache as the thinker's hidden-state prefix cache."""
+
+    return OmniCacheCPUARModelRunner
+
+
+def __getattr__(name: str):
+    # The CPU runner class is built on first use so importing this module on a GPU
+    # install does not import vLLM's CPU worker.
+    if name == "OmniCacheCPUARModelRunner":
+        cls = globals()[name] = _cpu_runner_cls()
+        cls.__module__, cls.__qualname__ = __name__, name
+        return cls
+    raise AttributeError(name)
 
 
 __all__ = ["OmniCacheCPUARModelRunner", "OmniCacheRunnerMixin", "OmniCacheStageManager", "StaleRowsError"]
