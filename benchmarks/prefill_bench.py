@@ -1,8 +1,10 @@
 """Thinker prefill time: cache off vs vLLM-Omni's built-in cache vs omni-cache, side by side.
 
-All three variants run at once, each in its own pipeline process (same model, same stage
-config except the thinker's prefix-cache setting); every round sends the same prompts to
-each variant in turn (alternating, order rotated per round), for ``--repeats`` rounds;
+Each variant runs in its own pipeline process (same model, same stage config except the
+thinker's prefix-cache setting). With ``--concurrent`` all variants are up at once and every
+round sends the same prompts to each variant in turn (alternating, order rotated per round);
+by default (2 cores / 24 GiB cannot hold three bench-size pipelines: 9 stage processes
+exhausted the memory) the variants run one after another, each for ``--repeats`` rounds;
 reported: median and spread of the thinker's generation time (``stage_0_gen_ms``, thinker
 ``max_tokens: 1`` so it is prefill), hit ratio h = cached / prompt tokens, speedup vs off
 and its ratio to the ideal 1/(1-h).
@@ -118,6 +120,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefix-words", type=int, default=1400, help="shared prefix length in words (~2 tokens each)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--concurrent", action="store_true", help="all variants up at once, requests alternated")
     args = ap.parse_args()
 
     from omni_cache.models import build_qwen3_omni, default_model_dir
@@ -125,20 +128,22 @@ def main() -> int:
     out = Path(args.out) / time.strftime("prefill-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     model = args.model or str(build_qwen3_omni(default_model_dir(args.size), args.size))
-    print(f"starting {len(VARIANTS)} pipelines ({', '.join(VARIANTS)}) on {model} ...", flush=True)
-    variants = [Variant(v, model, stage_config(out, v), out / f"log_{v}.txt") for v in VARIANTS]
-    try:
-        starts = {v.name: v.read()["start_s"] for v in variants}
-        shared = text(args.prefix_words, 1)
-        workloads = {
-            "miss": lambda r, i: chat(f"{text(8, 1000 * r + i + 7)}. " + text(args.prefix_words, 50 + r * 31 + i)),
-            "shared": lambda r, i: chat(shared + f" Question {r}-{i}: " + text(12, 900 + 37 * r + i)),
-        }
-        for v in variants:  # warm the shared prefix (and the engines) once per variant
-            v.run([chat(shared + " warm-up")])
-        samples = {w: {v.name: [] for v in variants} for w in workloads}
-        total = len(workloads) * args.repeats * len(variants)
-        with tqdm(total=total, desc="rounds x variants") as bar:
+    shared = text(args.prefix_words, 1)
+    workloads = {
+        "miss": lambda r, i: chat(f"{text(8, 1000 * r + i + 7)}. " + text(args.prefix_words, 50 + r * 31 + i)),
+        "shared": lambda r, i: chat(shared + f" Question {r}-{i}: " + text(12, 900 + 37 * r + i)),
+    }
+    samples = {w: {v: [] for v in VARIANTS} for w in workloads}
+    starts: dict[str, float] = {}
+    groups = [list(VARIANTS)] if args.concurrent else [[v] for v in VARIANTS]
+    bar = tqdm(total=len(workloads) * args.repeats * len(VARIANTS), desc="rounds x variants")
+    for names in groups:
+        print(f"starting pipeline(s) {', '.join(names)} on {model} ...", flush=True)
+        variants = [Variant(v, model, stage_config(out, v), out / f"log_{v}.txt") for v in names]
+        try:
+            starts.update({v.name: v.read()["start_s"] for v in variants})
+            for v in variants:  # warm the shared prefix (and the engine) once per variant
+                v.run([chat(shared + " warm-up")])
             for r in range(args.repeats):
                 for w, make in workloads.items():
                     prompts = [make(r, i) for i in range(args.requests)]
@@ -146,9 +151,10 @@ def main() -> int:
                     for v in order:
                         samples[w][v.name].extend(v.run(prompts))
                         bar.update(1)
-    finally:
-        for v in variants:
-            v.close()
+        finally:
+            for v in variants:
+                v.close()
+    bar.close()
     result = {
         "command": " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),

@@ -91,6 +91,12 @@ class OmniPipeline:
         self.model_dir = Path(model_dir)
         from vllm_omni import Omni
 
+        from omni_cache.vllm_omni.plugin import register
+
+        # vLLM-Omni resolves ``pipeline:`` in this (driver) process before it loads general
+        # plugins, so omni-cache's pipeline variants are registered here first.
+        register()
+
         t0 = time.perf_counter()
         self.omni = Omni(
             model=str(self.model_dir),
