@@ -6,7 +6,7 @@ round sends the same prompts to each variant in turn (alternating, order rotated
 by default (2 cores / 24 GiB cannot hold three bench-size pipelines: 9 stage processes
 exhausted the memory) the variants run one after another, each for ``--repeats`` rounds;
 reported: median and spread of the thinker's generation time (``stage_0_gen_ms``, thinker
-``max_tokens: 1`` so it is prefill), hit ratio h = cached / prompt tokens, speedup vs off
+``max_tokens: 2``: prefill plus one decode step), hit ratio h = cached / prompt tokens, speedup vs off
 and its ratio to the ideal 1/(1-h).
 
 Workloads: ``miss`` — every prompt has a distinct opening (no shared block), so every
@@ -39,7 +39,9 @@ WORDS = ("river stone cloud lantern meadow copper violin harbor orchard falcon e
 def stage_config(out: Path, variant: str) -> Path:
     raw = yaml.safe_load((REPO / "stage_configs" / "qwen3_omni_cpu.yaml").read_text())
     s0, s1 = raw["stages"][0], raw["stages"][1]
-    s0["default_sampling_params"]["max_tokens"] = 1  # thinker time == prefill
+    # thinker time = prefill + one decode step (max_tokens 1 breaks vLLM-Omni's talker hand-off:
+    # "size of tensor a (8) must match b (9)")
+    s0["default_sampling_params"]["max_tokens"] = 2
     s1["default_sampling_params"]["max_tokens"] = 4
     s0["max_num_batched_tokens"] = 8192
     s0["kv_cache_memory_bytes"] = 1 << 30
@@ -68,12 +70,14 @@ class Variant:
         self.name = name
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.variant_worker", "--model", model, "--stage-config", str(cfg)],
-            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, bufsize=1)
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.log = open(log, "w")
 
     def read(self) -> dict:
         for line in self.proc.stdout:
             if line.startswith("@@RESULT "):
                 return json.loads(line[len("@@RESULT "):])
+            self.log.write(line)
         raise RuntimeError(f"variant {self.name} exited (rc={self.proc.wait()}); see its log")
 
     def run(self, prompts: list[str]) -> list[dict]:
@@ -118,7 +122,7 @@ def main() -> int:
     ap.add_argument("--size", default="bench", choices=["tiny", "bench"])
     ap.add_argument("--requests", type=int, default=5, help="prompts per workload per round")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--prefix-words", type=int, default=1400, help="shared prefix length in words (~2 tokens each)")
+    ap.add_argument("--prefix-words", type=int, default=400, help="shared prefix length in words (~7 byte-level tokens each)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--concurrent", action="store_true", help="all variants up at once, requests alternated")
     args = ap.parse_args()

@@ -81,3 +81,10 @@ def test_cli_validate_exit_codes(tmp_path, capsys):
     p = _write(tmp_path, lambda r: r["stages"][0].update(blocksize=32))
     assert main(["validate", str(p)]) == 2
     assert "did you mean 'block_size'" in capsys.readouterr().err
+
+
+def test_engine_argument_vllm_omni_refuses_is_refused_early(tmp_path):
+    # vLLM-Omni owns worker selection; it would fail only after the engines start
+    p = _write(tmp_path, lambda r: r["stages"][0].update(worker_cls="my.Worker"))
+    with pytest.raises(StageConfigError, match="stage 0: key 'worker_cls': unknown key"):
+        load_stage_config(p)

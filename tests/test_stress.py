@@ -91,6 +91,10 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
         assert set(h_off) == set(h_on)
         for k in h_off:
             a, b = h_off[k].float(), h_on[k].float()
+            if k.startswith("embed."):
+                # request-invariant TTS embeddings, appended once per engine step: the number
+                # of steps differs when a hit shortens chunked prefill; the talker uses one
+                a, b = a[:1], b[:1]
             assert a.shape == b.shape, k
             err = (a - b).abs().amax(dim=-1) / a.abs().amax(dim=-1).clamp_min(1e-6)
             bad = int((err > 0.05).sum())

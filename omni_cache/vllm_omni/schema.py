@@ -30,6 +30,18 @@ def deploy_fields() -> dict[str, Any]:
     return _field_types(DeployConfig)
 
 
+def _owned_engine_fields() -> set[str] | None:
+    """Engine arguments vLLM-Omni lets a deploy YAML set on LLM stages (it refuses the rest,
+    e.g. ``worker_cls``, with "no structured config owner" at start-up). None if this
+    vLLM-Omni version does not expose the table (then every engine argument is accepted)."""
+    try:
+        from vllm_omni.config.omni_config import _STAGE_ENGINE_FIELDS_BY_EXECUTION_TYPE as owned
+        from vllm_omni.config.stage_config import StageExecutionType
+    except ImportError:
+        return None
+    return set(owned[StageExecutionType.LLM_AR]) | set(owned[StageExecutionType.LLM_GENERATION])
+
+
 @functools.cache
 def stage_fields() -> dict[str, Any]:
     """Per-stage keys → declared type: ``StageDeployConfig`` fields plus the engine
@@ -37,7 +49,9 @@ def stage_fields() -> dict[str, Any]:
     from vllm_omni.config.stage_config import StageDeployConfig
     from vllm_omni.engine.arg_utils import OmniEngineArgs
 
-    out = _field_types(OmniEngineArgs)
+    engine = _field_types(OmniEngineArgs)
+    owned = _owned_engine_fields()
+    out = {k: v for k, v in engine.items() if owned is None or k in owned}
     out.update(_field_types(StageDeployConfig))
     out.pop("engine_extras", None)
     return out
