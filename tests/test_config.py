@@ -84,7 +84,8 @@ def test_cli_validate_exit_codes(tmp_path, capsys):
 
 
 def test_engine_argument_vllm_omni_refuses_is_refused_early(tmp_path):
-    # vLLM-Omni owns worker selection; it would fail only after the engines start
-    p = _write(tmp_path, lambda r: r["stages"][0].update(worker_cls="my.Worker"))
-    with pytest.raises(StageConfigError, match="stage 0: key 'worker_cls': unknown key"):
+    # vLLM-Omni owns the hand-off function in the pipeline topology; it would refuse it
+    # only while starting the engines
+    p = _write(tmp_path, lambda r: r["stages"][0].update(custom_process_next_stage_input_func="my.func"))
+    with pytest.raises(StageConfigError, match="stage 0: key 'custom_process_next_stage_input_func': unknown key"):
         load_stage_config(p)

@@ -1,8 +1,8 @@
 """Opt-in CUDA ``OmniPlatform`` that gives AR stages omni-cache's runner on GPUs.
 
-vLLM-Omni 0.30 lets the runtime, not the deploy YAML, pick a stage's worker class
-(``worker_cls`` in a deploy YAML is refused: "no structured config owner"), so on GPUs the
-way in is the platform: :class:`OmniCacheCudaOmniPlatform` is vLLM-Omni's own
+vLLM-Omni 0.30 picks a stage's worker class from the platform (a ``worker_cls`` stage key may
+also be honoured — it is in vLLM-Omni's owned engine fields — but that was not verified
+here), so on GPUs the way in is the platform: :class:`OmniCacheCudaOmniPlatform` is vLLM-Omni's own
 ``CudaOmniPlatform`` with ``get_omni_ar_worker_cls`` pointing at
 :class:`omni_cache.vllm_omni.workers_gpu.OmniCacheGPUARWorker`. That worker picks the runner
 per stage exactly like the CPU worker (``OMNI_CACHE_PREFIX_CACHE_BACKEND``), so ``builtin``
