@@ -125,6 +125,7 @@ def main() -> int:
     ap.add_argument("--prefix-words", type=int, default=400, help="shared prefix length in words (~7 byte-level tokens each)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--concurrent", action="store_true", help="all variants up at once, requests alternated")
+    ap.add_argument("--order", help="variant order, e.g. omni_cache,builtin,off (sequential mode: checks run-order drift)")
     args = ap.parse_args()
 
     from omni_cache.models import build_qwen3_omni, default_model_dir
@@ -139,7 +140,10 @@ def main() -> int:
     }
     samples = {w: {v: [] for v in VARIANTS} for w in workloads}
     starts: dict[str, float] = {}
-    groups = [list(VARIANTS)] if args.concurrent else [[v] for v in VARIANTS]
+    order = args.order.split(",") if args.order else list(VARIANTS)
+    if sorted(order) != sorted(VARIANTS):
+        ap.error(f"--order must name each of {VARIANTS} once")
+    groups = [order] if args.concurrent else [[v] for v in order]
     bar = tqdm(total=len(workloads) * args.repeats * len(VARIANTS), desc="rounds x variants")
     for names in groups:
         print(f"starting pipeline(s) {', '.join(names)} on {model} ...", flush=True)
