@@ -119,13 +119,11 @@ class OmniPipeline:
         outs = self.omni.generate(prompts, use_tqdm=False)
         wall = time.perf_counter() - t0
         by_id: dict[str, RequestResult] = {}
-        order = []
         for o in outs:
             rid = str(o.request_id)
             res = by_id.get(rid)
             if res is None:
                 res = by_id[rid] = RequestResult(request_id=rid, wall_s=wall)
-                order.append(rid)
             if o.error:
                 res.error = o.error
             res.stage_durations.update(o.stage_durations or {})

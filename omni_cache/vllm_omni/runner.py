@@ -207,7 +207,7 @@ class OmniCacheStageManager:
                 merged[rid] = {k: fresh[rid][k] for k in keys}
         step_id = next(self._step_ids)
         self._steps[step_id] = _StepCtx(req_ids, spans, merged, leftover, n_tok)
-        self.last_step_seconds = time.perf_counter() - t0
+        self.step_seconds = time.perf_counter() - t0  # whole save (tags, writes, reads, merge)
         return step_id
 
     # ---- 3. hand-off ----------------------------------------------------------------
@@ -243,7 +243,8 @@ class OmniCacheStageManager:
         path = Path(out) / f"metrics-{os.getpid()}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.cache.metrics.as_dict()))
+        tmp.write_text(json.dumps({**self.cache.metrics.as_dict(),
+                                   "last_save_seconds": getattr(self, "step_seconds", 0.0)}))
         tmp.replace(path)
 
     def discard_step(self, step_id: int) -> None:
