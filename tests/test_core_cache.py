@@ -261,3 +261,22 @@ def test_cuda_rows_every_tier(tier):
     assert got.device.type == "cuda" and torch.equal(got, expected[:992])
     merged = cache.merge({"hidden": got.cpu()}, {"hidden": expected[992:]})["hidden"]
     assert merged.device.type == "cuda" and torch.equal(merged, expected)
+
+
+def test_chain_tags_continue_from_parent_with_span_across_the_split():
+    """The runner hashes only newly filled blocks (parent = last tag); that must equal
+    hashing the whole prompt, also when a multimodal span crosses the split."""
+    import random
+
+    from omni_cache.core import block_chain_tags
+
+    rng = random.Random(0)
+    toks = [rng.randrange(1000) for _ in range(32 * 7)]
+    spans = [(40, 130, "img-A")]
+    whole = block_chain_tags(toks, 32, spans)
+    for split in (1, 2, 3, 5):
+        lo = split * 32
+        head = block_chain_tags(toks[:lo], 32, [s for s in spans if s[0] < lo])
+        tail = block_chain_tags(toks[lo:], 32, [(a - lo, b - lo, i) for a, b, i in spans if b > lo],
+                                parent=head[-1])
+        assert head + tail == whole

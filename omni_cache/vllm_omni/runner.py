@@ -145,11 +145,19 @@ class OmniCacheStageManager:
         return self.cache
 
     def _tags(self, rid: str, view: _ReqView, upto_tokens: int) -> list[int]:
+        """Chained tags of the request's first ``upto_tokens // block_size`` blocks; only
+        blocks not tagged yet are hashed (continuing the chain from the last tag)."""
         nfull = upto_tokens // self.block_size
-        if len(view.tags) < nfull:
+        done = len(view.tags)
+        if done < nfull:
             st = self.runner.requests[rid]
-            tokens = list(st.prompt_token_ids or []) + list(st.output_token_ids or [])
-            view.tags = block_chain_tags(tokens[: nfull * self.block_size], self.block_size, _mm_extra_keys(st))
+            lo, hi = done * self.block_size, nfull * self.block_size
+            n_prompt = len(st.prompt_token_ids or [])
+            tokens = (list(st.prompt_token_ids or [])[lo:hi]
+                      + list(st.output_token_ids or [])[max(lo - n_prompt, 0):max(hi - n_prompt, 0)])
+            extra = [(a - lo, b - lo, ident) for a, b, ident in _mm_extra_keys(st) if b > lo and a < hi]
+            view.tags = view.tags + block_chain_tags(
+                tokens, self.block_size, extra, parent=view.tags[-1] if view.tags else None)
         return view.tags[:nfull]
 
     def save_outputs(
