@@ -70,10 +70,11 @@ class OmniCacheSchedulerMixin:
         st = self._omni_cache_state()
         g, bs, written = st["group"], st["bs"], st["written"]
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        new_ids = set(starts)
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
         for rid, start in starts.items():
-            if st["forget_left"] > 0 and rid not in st["forgotten"] and rid in {r.req_id for r in out.scheduled_new_reqs}:
+            if st["forget_left"] > 0 and rid not in st["forgotten"] and rid in new_ids:
                 st["forgotten"].add(rid)
                 st["forget_left"] -= 1
             if rid in st["forgotten"]:
