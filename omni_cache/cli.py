@@ -138,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--repeat", type=int, default=2, help="send the request N times (the 2nd+ hit the prefix cache)")
     run.add_argument("--out", default="out", help="output directory for .wav files and summary.json")
     run.set_defaults(func=_cmd_run)
+
+    from omni_cache.bench.harness import add_arguments as _bench_arguments, run as _bench_run
+
+    be = sub.add_parser("bench", help="benchmarks on the real pipeline (see docs/benchmarks.md)")
+    be_sub = be.add_subparsers(dest="bench_cmd", required=True)
+    bp = be_sub.add_parser("prefill", help="thinker prefill per modality: cache off vs built-in vs omni-cache")
+    _bench_arguments(bp)
+    bp.set_defaults(func=_bench_run)
     return ap
 
 
