@@ -1,4 +1,4 @@
-"""``omni-cache`` command line: make-model | validate | run.
+"""``omni-cache`` command line: make-model | validate | run | serve.
 
 ``omni-cache run`` with no arguments builds (once) the embedded tiny Qwen3-Omni, starts the
 real three-stage vLLM-Omni pipeline (thinker → talker → code2wav) from
@@ -109,6 +109,54 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from omni_cache.config import StageConfigError
+    from omni_cache.models import build_qwen3_omni, default_model_dir
+    from omni_cache.serve import OmniServer, ServeError
+
+    model = args.model or str(default_model_dir("tiny"))
+    if not args.model:
+        build_qwen3_omni(model, "tiny")
+    extra = list(args.vllm_args or [])
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    try:
+        server = OmniServer(model, stage_config_path(args.stage_config), host=args.host, port=args.port,
+                            log_path=args.log, extra_args=extra)
+    except StageConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("server command: " + " ".join(server.command()), flush=True)
+    print(f"server log: {server.log_path}", flush=True)
+    # SIGTERM to us stops the server too (Ctrl-C arrives as KeyboardInterrupt).
+    def _interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    server.start()
+    try:
+        print(f"starting vLLM-Omni's server ({server.stage_config.path.name}, model {model}) "
+              "- about 2-3 min on CPU ...", flush=True)
+        ready = server.wait_ready(timeout=args.ready_timeout, progress=lambda s: print(s, flush=True))
+        print(f"ready in {ready:.0f} s: {server.url}", flush=True)
+        print(f"  OpenAI base_url: {server.base_url}   model: {server.model_name()}", flush=True)
+        print(f"  metrics: {server.url}/metrics   health: {server.url}/health", flush=True)
+        print("  stop with Ctrl-C", flush=True)
+        rc = server.proc.wait()
+        print(f"server exited with code {rc}; log {server.log_path}", file=sys.stderr)
+        return 1
+    except ServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopping the server ...", flush=True)
+        return 0
+    finally:
+        server.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="omni-cache", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -138,6 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--repeat", type=int, default=2, help="send the request N times (the 2nd+ hit the prefix cache)")
     run.add_argument("--out", default="out", help="output directory for .wav files and summary.json")
     run.set_defaults(func=_cmd_run)
+
+    sv = sub.add_parser("serve", help="serve the model with vLLM-Omni's OpenAI-compatible server (omni-cache on)",
+                        description="Start vLLM-Omni's OpenAI-compatible server (vllm-omni serve --omni) with "
+                                    "omni-cache's pipeline variants registered, wait until /health answers, "
+                                    "print the URL, and run until Ctrl-C. Arguments after '--' go to vllm serve.")
+    sv.add_argument("--stage-config", default=DEFAULT_STAGE_CONFIG, help="deploy YAML (path or bundled name)")
+    sv.add_argument("--model", help="model directory or id (default: the embedded tiny model, built on first use)")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    sv.add_argument("--port", type=int, default=8091, help="TCP port (0: a free one)")
+    sv.add_argument("--log", default="out/serve.log", help="server log file")
+    sv.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- followed by more `vllm serve` arguments")
+    sv.set_defaults(func=_cmd_serve)
 
     from omni_cache.bench.harness import add_arguments as _bench_arguments, run as _bench_run
 

@@ -1,0 +1,225 @@
+"""Load on vLLM-Omni's OpenAI-compatible server: omni-cache on vs thinker prefix cache off.
+
+Bursts of ``--concurrency`` streaming chat completions (text + audio out) that share one long
+system prompt and differ in the user question, sent all at once with the official ``openai``
+client (``AsyncOpenAI``). Each round uses a fresh system prompt (a round salt at its start),
+so the first requests of a burst miss and the rest can hit what they computed. Per request:
+
+- **TTFT**: seconds from sending to the first streamed text chunk with content;
+- **TTFP**: seconds to the first streamed audio packet (``modality: "audio"`` chunk);
+- e2e seconds, thinker prompt / cached tokens (``usage.prompt_tokens_details``).
+
+The variants run one after the other (one server at a time: two bench-size pipelines do not
+fit next to other work in 24 GiB), each on a server started by
+:class:`omni_cache.serve.OmniServer` from ``--stage-config`` (``on``: as given, omni-cache on
+the thinker; ``off``: the same file with the thinker's ``enable_prefix_caching: false``).
+``--cycles N`` repeats the whole on/off sequence (fresh servers) to expose run-order drift.
+Results: JSON under ``benchmarks/results/serve-load-<timestamp>/`` with every sample,
+percentiles (p50/p90/p99, linear interpolation) and on/off ratios.
+
+    /work/tools/with-slot --all .venv/bin/python -m benchmarks.serve_load   # on this shared machine
+    .venv/bin/python -m benchmarks.serve_load --concurrency 16 --rounds 3 --model-size bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PARAGRAPH = ("You are a careful assistant for a museum of natural history. Visitors send photos "
+             "and voice notes; answer briefly, name what you see, and keep a friendly tone. ")
+
+
+def _percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0}
+    a = np.asarray(xs, dtype=float)
+    return {"n": int(a.size), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "min": float(a.min()),
+            "max": float(a.max())}
+
+
+def _system_prompt(tokenizer, round_idx: int, target_tokens: int) -> str:
+    text = f"[session {round_idx}] "
+    while len(tokenizer.encode(text)) < target_tokens:
+        text += PARAGRAPH
+    return text
+
+
+async def _one_chat(client, model: str, system: str, question: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    rec: dict = {"ttft_s": None, "ttfp_s": None, "e2e_s": None, "prompt_tokens": None,
+                 "cached_tokens": None, "text_chars": 0, "audio_chunks": 0, "error": None}
+    try:
+        stream = await client.chat.completions.create(
+            model=model, stream=True, modalities=["text", "audio"], max_tokens=max_tokens, seed=0,
+            stream_options={"include_usage": True},
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+        async for chunk in stream:
+            now = time.perf_counter() - t0
+            extra = chunk.model_extra or {}
+            modality = extra.get("modality", "text")
+            content = chunk.choices[0].delta.content if chunk.choices else None
+            if content:
+                if modality == "audio":
+                    rec["audio_chunks"] += 1
+                    if rec["ttfp_s"] is None:
+                        rec["ttfp_s"] = now
+                elif modality == "text":
+                    rec["text_chars"] += len(content)
+                    if rec["ttft_s"] is None:
+                        rec["ttft_s"] = now
+            if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None and modality == "text":
+                rec["prompt_tokens"] = chunk.usage.prompt_tokens
+                rec["cached_tokens"] = chunk.usage.prompt_tokens_details.cached_tokens
+    except Exception as exc:  # a failed request is reported, not hidden
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    rec["e2e_s"] = time.perf_counter() - t0
+    if rec["error"] is None and (rec["ttft_s"] is None or rec["ttfp_s"] is None):
+        rec["error"] = "stream ended without " + ("text" if rec["ttft_s"] is None else "audio")
+    return rec
+
+
+async def _burst(base_url: str, model: str, system: str, concurrency: int, max_tokens: int, round_idx: int):
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=900, max_retries=0)
+    try:
+        t0 = time.perf_counter()
+        recs = await asyncio.gather(*[
+            _one_chat(client, model, system, f"Visitor {round_idx}-{i} asks: what is exhibit number {i * 7 + 3}?",
+                      max_tokens)
+            for i in range(concurrency)])
+        wall = time.perf_counter() - t0
+    finally:
+        await client.close()
+    for i, r in enumerate(recs):
+        r.update(round=round_idx, index=i)
+    return recs, wall
+
+
+def _variant_config(stage_config: Path, variant: str, out_dir: Path) -> Path:
+    raw = yaml.safe_load(stage_config.read_text())
+    if variant == "off":
+        raw["stages"][0]["enable_prefix_caching"] = False
+    elif variant != "on":
+        raise ValueError(f"unknown variant {variant!r} (on | off)")
+    p = out_dir / f"stage_config_{variant}.yaml"
+    p.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return p
+
+
+def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path, tokenizer) -> dict:
+    from omni_cache.serve import OmniServer
+
+    cfg = _variant_config(Path(args.stage_config), variant, out_dir)
+    srv = OmniServer(model_dir, cfg, log_path=out_dir / f"server-{variant}-{cycle}.log").start()
+    print(f"[{variant} #{cycle}] starting the server ...", flush=True)
+    try:
+        ready = srv.wait_ready(timeout=1800, progress=lambda s: print(f"[{variant} #{cycle}] {s}", flush=True))
+        print(f"[{variant} #{cycle}] ready in {ready:.0f} s", flush=True)
+        model = srv.model_name()
+        # Warm-up (excluded): one request with an unrelated system prompt.
+        asyncio.run(_burst(srv.base_url, model, "Warm-up.", 1, args.max_tokens, -1))
+        recs, walls = [], []
+        for r in range(args.rounds):
+            system = _system_prompt(tokenizer, cycle * 1000 + r, args.system_tokens)
+            rr, wall = asyncio.run(_burst(srv.base_url, model, system, args.concurrency, args.max_tokens, r))
+            ok = [x for x in rr if not x["error"]]
+            print(f"[{variant} #{cycle}] round {r}: {len(ok)}/{len(rr)} ok in {wall:.1f} s; TTFT p50 "
+                  f"{_percentiles([x['ttft_s'] for x in ok]).get('p50', float('nan')):.2f} s", flush=True)
+            recs += rr
+            walls.append(wall)
+        _, metrics = srv.get("/metrics")
+    finally:
+        rc = srv.stop()
+    hits = [ln for ln in metrics.decode().splitlines()
+            if ln.startswith(("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")) and 'stage="0"' in ln]
+    return {"variant": variant, "cycle": cycle, "ready_s": ready, "exit_code": rc, "round_wall_s": walls,
+            "requests": recs, "stage0_prefix_cache_metrics": hits}
+
+
+def _summary(runs: list[dict]) -> dict:
+    out = {}
+    for variant in sorted({r["variant"] for r in runs}):
+        recs = [x for r in runs if r["variant"] == variant for x in r["requests"]]
+        ok = [x for x in recs if not x["error"]]
+        prompt = sum(x["prompt_tokens"] or 0 for x in ok)
+        cached = sum(x["cached_tokens"] or 0 for x in ok)
+        out[variant] = {
+            "requests": len(recs), "errors": len(recs) - len(ok),
+            "ttft_s": _percentiles([x["ttft_s"] for x in ok]),
+            "ttfp_s": _percentiles([x["ttfp_s"] for x in ok]),
+            "e2e_s": _percentiles([x["e2e_s"] for x in ok]),
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_ratio": cached / prompt if prompt else 0.0,
+        }
+    if "on" in out and "off" in out:
+        out["off_over_on"] = {m: {p: out["off"][m][p] / out["on"][m][p] for p in ("p50", "p90", "p99")}
+                              for m in ("ttft_s", "ttfp_s", "e2e_s")
+                              if out["on"][m].get("n") and out["off"][m].get("n")}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-size", default="bench", choices=["tiny", "bench"])
+    ap.add_argument("--model", help="model directory (default: the embedded model of --model-size)")
+    ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"))
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="bursts per server (fresh system prompt each)")
+    ap.add_argument("--system-tokens", type=int, default=2000, help="length of the shared system prompt")
+    ap.add_argument("--max-tokens", type=int, default=16, help="thinker output tokens per request")
+    ap.add_argument("--order", default="on,off", help="variant order per cycle")
+    ap.add_argument("--cycles", type=int, default=1, help="repeat the whole order (fresh servers)")
+    ap.add_argument("--out", help="result directory (default: benchmarks/results/serve-load-<timestamp>)")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from omni_cache.models import build_qwen3_omni, default_model_dir
+
+    model_dir = Path(args.model) if args.model else build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"serve-load-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    runs = []
+    for cycle in range(args.cycles):
+        for variant in args.order.split(","):
+            runs.append(_run_variant(args, variant.strip(), cycle, model_dir, out_dir, tokenizer))
+    import openai
+    import vllm
+    import vllm_omni
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    result = {
+        "benchmark": "serve_load", "date": stamp, "command": " ".join([Path(sys.executable).name, "-m",
+                                                                       "benchmarks.serve_load", *sys.argv[1:]]),
+        "git_commit": commit, "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
+        "versions": {"vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__, "openai": openai.__version__},
+        "model": str(model_dir), "args": vars(args), "summary": _summary(runs), "runs": runs,
+    }
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"], indent=2))
+    print(f"wrote {out_dir / 'result.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""vLLM-Omni's OpenAI-compatible server with omni-cache, driven by the official ``openai`` client.
+
+Two real servers, one after the other (never both at once): the bundled CPU stage config
+(thinker prefix cache on, omni-cache), then the same config with the thinker's prefix cache
+off. Both are started by :class:`omni_cache.serve.OmniServer` on 127.0.0.1 (free port), exactly
+as ``omni-cache serve`` starts them. Checked:
+
+- text, text+image, text+audio chat completions answer with text and a WAV;
+- a two-turn chat (system prompt, image, audio, first answer repeated in turn 2) gets a thinker
+  prefix hit that covers the first answer's tokens — the exact hit expected from the token ids
+  the server returns — and the same hit shows in ``/metrics`` (stage 0 counters);
+- the two-turn chat's text and audio are bitwise equal to the cache-off server's (same seed);
+- a non-image in ``image_url``, undecodable audio, and a prompt longer than ``max_model_len``
+  answer HTTP 400 with a message naming the problem, and the next request is served;
+- the server stops cleanly (exit code 0, port closed).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import numpy as np
+import pytest
+import soundfile as sf
+import yaml
+
+from omni_cache.inputs import sample_path
+from omni_cache.serve import OmniServer
+from tests.pipeline_util import CPU_STAGE_CONFIG
+
+pytestmark = pytest.mark.pipeline
+
+BLOCK = 32  # thinker block_size in the bundled CPU stage config
+SEED = 1234
+SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
+          "perceiving auditory and visual inputs, as well as generating text and speech. ") * 3
+
+
+def _data_url(path, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(open(path, "rb").read()).decode()
+
+
+IMAGE_URL = _data_url(sample_path("astronaut.jpg"), "image/jpeg")
+AUDIO_B64 = base64.b64encode(open(sample_path("speech.wav"), "rb").read()).decode()
+
+
+def _client(server: OmniServer):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
+
+
+def _chat(server: OmniServer, messages: list, max_tokens: int | None = None) -> dict:
+    """One non-streaming chat completion with text + audio out; the response as a dict."""
+    kw = {"max_tokens": max_tokens} if max_tokens else {}
+    r = _client(server).chat.completions.create(
+        model=server.model_name(), messages=messages, modalities=["text", "audio"], seed=SEED,
+        extra_body={"return_token_ids": True}, **kw)
+    return r.model_dump()
+
+
+def _wav(resp: dict) -> tuple[np.ndarray, int, bytes]:
+    raw = base64.b64decode(resp["choices"][0]["message"]["audio"]["data"])
+    audio, sr = sf.read(io.BytesIO(raw), dtype="int16")
+    return audio, sr, raw
+
+
+def _check_text_and_audio(resp: dict) -> None:
+    msg = resp["choices"][0]["message"]
+    assert isinstance(msg["content"], str) and msg["content"].strip(), resp
+    audio, sr, _ = _wav(resp)
+    assert sr == 24_000 and audio.ndim == 1 and audio.shape[0] > 1000 and np.abs(audio).max() > 0
+
+
+def _turn1() -> list:
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": IMAGE_URL}},
+            {"type": "input_audio", "input_audio": {"data": AUDIO_B64, "format": "wav"}},
+            {"type": "text", "text": "Describe the picture and answer the spoken question."},
+        ]},
+    ]
+
+
+def _two_turn_chat(server: OmniServer) -> dict:
+    """Turn 1, then turn 2 repeating system prompt, media and turn 1's answer; /metrics read
+    around turn 2."""
+    r1 = _chat(server, _turn1(), max_tokens=48)  # 48 > BLOCK: the answer fills a block by decode
+    before = _stage0_prefix_counters(server)
+    r2 = _chat(server, _turn1() + [
+        {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And what would you do next?"},
+    ], max_tokens=16)
+    after = _stage0_prefix_counters(server, wait_for_change_from=before)
+    return {"r1": r1, "r2": r2, "metrics_before": before, "metrics_after": after}
+
+
+def _stage0_prefix_counters(server: OmniServer, wait_for_change_from=None, timeout=20.0) -> tuple[float, float]:
+    """(queries, hits) of vLLM's prefix cache on stage 0 (the thinker) from ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    t0 = time.time()
+    while True:
+        status, body = server.get("/metrics")
+        assert status == 200
+        vals = {"vllm:prefix_cache_queries": 0.0, "vllm:prefix_cache_hits": 0.0}
+        for fam in text_string_to_metric_families(body.decode()):
+            if fam.name in vals:
+                vals[fam.name] = sum(s.value for s in fam.samples
+                                     if s.name.endswith("_total") and s.labels.get("stage") == "0")
+        got = (vals["vllm:prefix_cache_queries"], vals["vllm:prefix_cache_hits"])
+        if wait_for_change_from is None or got != wait_for_change_from or time.time() - t0 > timeout:
+            return got
+        time.sleep(0.5)
+
+
+def _expected_hit(p1: list[int], o1: list[int], p2: list[int]) -> int:
+    """The prefix hit turn 2 must get: whole blocks of the longest common prefix of turn 2's
+    prompt and what turn 1 left in the KV cache (its prompt and all but its last sampled
+    token), at most ``len(p2) - 1`` (vLLM recomputes the last prompt token)."""
+    kv = p1 + o1[:-1]
+    common = 0
+    for a, b in zip(p2, kv):
+        if a != b:
+            break
+        common += 1
+    return (min(common, len(p2) - 1) // BLOCK) * BLOCK
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def server_on(tiny_model_dir, tmp_path_factory):
+    """The bundled CPU stage config (omni-cache on the thinker), as `omni-cache serve` runs it."""
+    log = tmp_path_factory.mktemp("serve_on") / "server.log"
+    srv = OmniServer(tiny_model_dir, CPU_STAGE_CONFIG, log_path=log).start()
+    try:
+        srv.wait_ready(timeout=1500)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_on(server_on):
+    return _two_turn_chat(server_on)
+
+
+@pytest.fixture(scope="module")
+def chat_off(server_on, chat_on, tiny_model_dir, tmp_path_factory):
+    """The same two-turn chat on a cache-off server, started after the cache-on server stopped
+    (one server at a time)."""
+    rc = server_on.stop()
+    assert rc == 0, f"cache-on server exited with {rc}"
+    d = tmp_path_factory.mktemp("serve_off")
+    raw = yaml.safe_load(CPU_STAGE_CONFIG.read_text())
+    raw["stages"][0]["enable_prefix_caching"] = False
+    cfg = d / "stage_config_off.yaml"
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    srv = OmniServer(tiny_model_dir, cfg, log_path=d / "server.log").start()
+    try:
+        srv.wait_ready(timeout=1500)
+        result = _two_turn_chat(srv)
+    finally:
+        rc = srv.stop()
+    assert rc == 0, f"cache-off server exited with {rc}"
+    return result
+
+
+# ----------------------------------------------------------------------------- tests
+def test_models_and_health(server_on):
+    assert server_on.get("/health")[0] == 200
+    assert server_on.model_name() == str(server_on.model)
+
+
+@pytest.mark.parametrize("kind", ["text", "text+image", "text+audio"])
+def test_chat_answers_text_and_audio(server_on, kind):
+    content: list = [{"type": "text", "text": "What do you see and hear?"}]
+    if kind == "text+image":
+        content.insert(0, {"type": "image_url", "image_url": {"url": IMAGE_URL}})
+    if kind == "text+audio":
+        content.insert(0, {"type": "input_audio", "input_audio": {"data": AUDIO_B64, "format": "wav"}})
+    resp = _chat(server_on, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}])
+    _check_text_and_audio(resp)
+    mm = resp["usage"]["prompt_tokens_details"].get("multimodal_tokens") or {}
+    if kind == "text+image":
+        assert mm.get("image", 0) > 0, resp["usage"]
+    if kind == "text+audio":
+        assert mm.get("audio", 0) > 0, resp["usage"]
+
+
+def test_two_turn_chat_hit_covers_first_answer(chat_on):
+    r1, r2 = chat_on["r1"], chat_on["r2"]
+    _check_text_and_audio(r1)
+    _check_text_and_audio(r2)
+    p1, o1 = r1["prompt_token_ids"], r1["choices"][0]["token_ids"]
+    p2 = r2["prompt_token_ids"]
+    assert len(o1) > BLOCK, "turn 1's answer must be long enough to fill a block by decode"
+    expected = _expected_hit(p1, o1, p2)
+    cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == expected, (cached, expected, len(p1), len(o1), len(p2))
+    # The hit reaches past turn 1's prompt into its answer (a block filled by decode).
+    assert cached > len(p1), (cached, len(p1), len(o1))
+
+
+def test_metrics_endpoint_shows_the_hit(chat_on):
+    (q0, h0), (q1, h1) = chat_on["metrics_before"], chat_on["metrics_after"]
+    r2 = chat_on["r2"]
+    assert q1 - q0 == len(r2["prompt_token_ids"])
+    assert h1 - h0 == r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+BAD = {
+    "non-image in image_url": (
+        [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"plain text, no image").decode()}},
+         {"type": "text", "text": "What is this?"}],
+        "image"),
+    "undecodable audio": (
+        [{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....WAVEnot audio").decode(), "format": "wav"}},
+         {"type": "text", "text": "What is said?"}],
+        "audio"),
+    "prompt longer than max_model_len": ("word " * 9000, "maximum context length"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_request_is_4xx_and_server_keeps_serving(server_on, name):
+    import openai
+
+    content, words = BAD[name]
+    with pytest.raises(openai.BadRequestError) as ei:
+        _chat(server_on, [{"role": "user", "content": content}])
+    assert ei.value.status_code == 400
+    assert words in str(ei.value).lower() or words in str(ei.value), str(ei.value)
+    assert server_on.alive() and server_on.get("/health")[0] == 200
+    _check_text_and_audio(_chat(server_on, [{"role": "user", "content": "Still there?"}]))
+
+
+def test_cache_off_server_gives_identical_text_and_audio(chat_on, chat_off):
+    for turn in ("r1", "r2"):
+        on, off = chat_on[turn], chat_off[turn]
+        assert on["choices"][0]["token_ids"] == off["choices"][0]["token_ids"], turn
+        assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"], turn
+        a_on, sr_on, _ = _wav(on)
+        a_off, sr_off, _ = _wav(off)
+        assert sr_on == sr_off and a_on.shape == a_off.shape and np.array_equal(a_on, a_off), turn
+    assert chat_off["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert chat_on["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_server_stopped_cleanly(server_on, chat_off):
+    # chat_off stopped the cache-on server (exit code asserted there) and its own.
+    assert not server_on.alive()
+    assert server_on.get("/health")[0] == 0
