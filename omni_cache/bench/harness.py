@@ -61,6 +61,7 @@ class Variant:
         self._q: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.ready: dict | None = None
+        self.frozen = False
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -95,7 +96,47 @@ class Variant:
     def mem(self) -> list[dict]:
         return self.call({"op": "mem"}, timeout=120)["mem"]
 
+    def _tree(self):
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the worker and its stage processes."""
+        total = 0.0
+        for p in self._tree():
+            try:
+                ct = p.cpu_times()
+                total += ct.user + ct.system
+            except Exception:
+                pass
+        return total
+
+    def freeze(self) -> None:
+        """SIGSTOP the worker and its stage processes (an idle pipeline still polls: ~0.1–0.2
+        of a core), so they do not compete with the pipeline being timed."""
+        for p in self._tree():
+            try:
+                p.suspend()
+            except Exception:
+                pass
+        self.frozen = True
+
+    def thaw(self) -> None:
+        for p in reversed(self._tree()):
+            try:
+                p.resume()
+            except Exception:
+                pass
+        self.frozen = False
+
     def close(self) -> None:
+        if self.frozen:
+            self.thaw()
         try:
             self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
             self.proc.stdin.flush()
@@ -107,7 +148,7 @@ class Variant:
 
 
 def mem_total(rows: list[dict]) -> dict[str, int]:
-    return {k: sum(r[k] for r in rows) for k in ("rss", "pss", "uss")}
+    return {k: sum(r.get(k, 0) for r in rows) for k in ("rss", "pss", "uss", "cpu_s")}
 
 
 def _rotate(xs: list, k: int) -> list:
@@ -137,6 +178,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--alternation", default="auto", choices=["auto", "concurrent", "restart"])
     ap.add_argument("--mem-margin-gib", type=float, default=1.5,
                     help="auto: memory to leave free when deciding to run all pipelines at once")
+    ap.add_argument("--freeze-idle", action=argparse.BooleanOptionalAction, default=True,
+                    help="concurrent: SIGSTOP the pipelines not being timed (default on)")
+    ap.add_argument("--idle-probe-s", type=float, default=10.0,
+                    help="concurrent: seconds to measure the CPU use of idle pipelines before timing")
     ap.add_argument("--thinker-kv-mib", type=int, default=MemorySettings.thinker_kv_bytes // MiB)
     ap.add_argument("--talker-kv-mib", type=int, default=MemorySettings.talker_kv_bytes // MiB)
     ap.add_argument("--code2wav-kv-mib", type=int, default=MemorySettings.code2wav_kv_bytes // MiB)
@@ -184,9 +229,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --model {model}: no config.json (build one with `omni-cache make-model`)", file=sys.stderr)
             return 2
     else:
-        from omni_cache.models import build_qwen3_omni, default_model_dir
+        from omni_cache.models import default_model_dir
 
-        model = str(build_qwen3_omni(default_model_dir(args.size), args.size))
+        # built (if missing or stale) in a child process: importing torch here would add ~0.7 GiB
+        # to this driver, which stays up next to the pipelines for the whole run
+        subprocess.run([sys.executable, "-m", "omni_cache.cli", "make-model", "--size", args.size], check=True)
+        model = str(default_model_dir(args.size))
 
     out = Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
@@ -195,8 +243,10 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if mem.malloc_arena_max:
         env["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
-    if mem.cpu_executor:
-        env["OMNI_CACHE_CPU_EXECUTOR"] = mem.cpu_executor
+    if mem.cpu_executor == "uni":
+        # vLLM's CPU platform turns "uni" into "mp" unless engine multiprocessing is off; vLLM-Omni
+        # starts its stage processes itself, so this only keeps each stage's worker in-process.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
 
     samples: dict[str, dict[str, list[dict]]] = {w: {v: [] for v in variants} for w in workloads}
@@ -232,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     try:
         mode = args.alternation
+        # the pipeline measured for the memory decision: omni-cache's (it holds the largest pool)
+        variants = sorted(variants, key=lambda v: v != "omni_cache")
         first = start(variants[0])
         live.append(first)
         ready_and_warm(first)
@@ -256,16 +308,42 @@ def run(args: argparse.Namespace) -> int:
             live.extend(others)
             for var in others:
                 ready_and_warm(var)
+            bar.set_postfix_str(f"idle probe {args.idle_probe_s:.0f} s")
+            c0 = {var.name: var.cpu_s() for var in live}
+            time.sleep(args.idle_probe_s)
+            alternation["idle_cpu_cores"] = {var.name: (var.cpu_s() - c0[var.name]) / max(args.idle_probe_s, 1e-9)
+                                             for var in live}
+            alternation["freeze_idle"] = bool(args.freeze_idle)
+            if args.freeze_idle:
+                alternation["how"] += ("; the pipelines not being timed are stopped (SIGSTOP on the worker and its "
+                                       "stage processes) and continued just before their next request")
+                for var in live:
+                    var.freeze()
             for r in range(args.repeats):
                 for w in workloads:
                     for i, spec in enumerate(round_specs[(w, r)]):
                         for var in _rotate(live, r + i):
                             bar.set_postfix_str(f"round {r} {w} {var.name}")
+                            if args.freeze_idle:
+                                var.thaw()
                             record(var.name, var.run([spec]))
+                            if args.freeze_idle:
+                                var.freeze()
+            for var in live:
+                if var.frozen:
+                    var.thaw()
             for var in live:
                 m = var.mem()
                 memory["samples"].append({"variant": var.name, "when": "end", "t": time.time(),
                                           "total": mem_total(m), "processes": m})
+            # idle pipelines must not steal CPU from the one being timed: CPU seconds each
+            # pipeline used during the timed phase vs the wall time of its own requests
+            cpu = {}
+            for v in variants:
+                a = [m for m in memory["samples"] if m["variant"] == v]
+                busy = sum(r.get("e2e_ms") or 0 for w in workloads for r in samples[w][v]) / 1000
+                cpu[v] = {"cpu_s": a[-1]["total"]["cpu_s"] - a[0]["total"]["cpu_s"], "own_requests_wall_s": busy}
+            alternation["cpu_during_timed_phase"] = cpu
         else:
             alternation["how"] = ("one pipeline at a time, restarted every round; variant order rotated "
                                   "per round; all workloads of a round run on one pipeline before the next")

@@ -30,15 +30,10 @@ class MemorySettings:
     talker_kv_bytes: int = 32 * MiB
     code2wav_kv_bytes: int = 32 * MiB
     max_num_seqs: int = 2                 # requests are sent one at a time
-    thinker_max_num_batched_tokens: int = 8192
-    talker_max_num_batched_tokens: int = 2048
-    code2wav_max_num_batched_tokens: int = 2048
-    thinker_max_model_len: int = 8192
-    talker_max_model_len: int = 4096
-    code2wav_max_model_len: int = 4096
-    cpu_executor: str | None = "uni"      # OMNI_CACHE_CPU_EXECUTOR: each stage's worker runs inside its
-                                          # engine-core process (vLLM's CPU default "mp" adds one
-                                          # ~0.9 GiB process per stage)
+    cpu_executor: str | None = "uni"      # distributed_executor_backend of every stage: "uni" runs the
+                                          # worker inside the stage's engine-core process (vLLM's CPU
+                                          # default "mp" adds one ~0.9 GiB process per stage); needs
+                                          # VLLM_ENABLE_V1_MULTIPROCESSING=0 in the driver's environment
     malloc_arena_max: int | None = 2      # glibc MALLOC_ARENA_MAX in the worker's environment
                                           # (inherited by the stage processes; read at start)
 
@@ -64,15 +59,18 @@ def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: Memory
     # hand-off: "size of tensor a (8) must match b (9)")
     s0["default_sampling_params"]["max_tokens"] = thinker_max_tokens
     s1["default_sampling_params"]["max_tokens"] = talker_max_tokens
-    for s, kv, nbt, mml in ((s0, mem.thinker_kv_bytes, mem.thinker_max_num_batched_tokens, mem.thinker_max_model_len),
-                            (s1, mem.talker_kv_bytes, mem.talker_max_num_batched_tokens, mem.talker_max_model_len),
-                            (s2, mem.code2wav_kv_bytes, mem.code2wav_max_num_batched_tokens, mem.code2wav_max_model_len)):
+    # Thinker and talker take a whole prompt in one step (max_num_batched_tokens ≥
+    # max_model_len): a talker prompt split into chunks fails on CPU in vLLM's seeded-sampling
+    # bookkeeping ("CPU Generator does not use offset"), and an unchunked thinker prefill is
+    # what is being measured. code2wav keeps its base settings (chunked prefill off).
+    for s in (s0, s1):
+        s["max_num_batched_tokens"] = max(int(s.get("max_num_batched_tokens", 0)), int(s.get("max_model_len", 8192)))
+    for s, kv in ((s0, mem.thinker_kv_bytes), (s1, mem.talker_kv_bytes), (s2, mem.code2wav_kv_bytes)):
         s["kv_cache_memory_bytes"] = int(kv)
         s["max_num_seqs"] = int(mem.max_num_seqs)
-        s["max_model_len"] = int(mml)
-        s["max_num_batched_tokens"] = max(int(nbt), int(mml)) if s.get("enable_chunked_prefill") is False else int(nbt)
-        env = s.setdefault("env", {})
-        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind
+        if mem.cpu_executor:
+            s["distributed_executor_backend"] = mem.cpu_executor
+        s.setdefault("env", {})["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind
     if variant == "off":
         s0["enable_prefix_caching"] = False
         s0["env"].pop("OMNI_CACHE_PREFIX_CACHE_BACKEND", None)

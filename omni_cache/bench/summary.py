@@ -192,8 +192,10 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
                 ax.hlines(ideal, k - 0.4, k + 0.4, colors="k", linestyles="--", linewidth=1,
                           label="ideal 1/(1−h)" if k == 1 else None)
             sp = summ[v].get("speedup_vs_off")
-            ax.text(k, meds[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
+            ax.text(k, meds[k] + hi[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
                     ha="center", va="bottom", fontsize=7)
+        if vs:
+            ax.set_ylim(0, 1.3 * max(m + e for m, e in zip(meds, hi)))
         h = max((summ[v]["hit_ratio"] for v in vs), default=0.0)
         ax.set_title(f"{w} (h={h:.2f})", fontsize=9)
         ax.set_xticks(range(len(vs)))

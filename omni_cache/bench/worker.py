@@ -46,7 +46,8 @@ def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
 
     Returns one dict per process: ``pid``, ``name`` (short command line), ``rss``, ``pss``,
     ``uss`` in bytes (Linux ``/proc/<pid>/smaps_rollup`` via psutil; PSS splits shared pages
-    between the processes that map them, so the PSS column sums to what the tree really uses).
+    between the processes that map them, so the PSS column sums to what the tree really uses)
+    and ``cpu_s``, the CPU seconds it has used so far (user + system).
     """
     import psutil
 
@@ -55,9 +56,11 @@ def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
     for p in [root] + root.children(recursive=True):
         try:
             mi = p.memory_full_info()
+            ct = p.cpu_times()
             cmd = " ".join(p.cmdline())[:120]
             out.append({"pid": p.pid, "name": p.name(), "cmd": cmd,
-                        "rss": int(mi.rss), "pss": int(getattr(mi, "pss", 0)), "uss": int(mi.uss)})
+                        "rss": int(mi.rss), "pss": int(getattr(mi, "pss", 0)), "uss": int(mi.uss),
+                        "cpu_s": float(ct.user + ct.system)})
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out
