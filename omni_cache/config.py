@@ -33,7 +33,10 @@ OMNI_CACHE_ENV: dict[str, tuple[str, ...] | None] = {
     "OMNI_CACHE_PREFIX_CACHE_BACKEND": ("omni_cache", "builtin"),
     "OMNI_CACHE_HANDOFF_DUMP": None,  # directory: record thinker→talker tensors (tests, audits)
     "OMNI_CACHE_CPU_PLATFORM": ("0", "1"),
+    "OMNI_CACHE_CPU_EXECUTOR": ("mp", "uni"),  # CPU platform: the stage's vLLM executor
     "OMNI_CACHE_METRICS_DIR": None,
+    "OMNI_CACHE_YOCO_ACCEPT_LAYER": None,  # KV-shared thinker: layer index | self_decoder_output | final
+    "OMNI_CACHE_YOCO_CAPTURE_LAYERS": None,  # KV-shared thinker: extra captured layers, comma-separated
     "OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS": None,  # fault injection (tests): lose N requests' rows  # directory: the cache's counters as JSON, per stage process
 }
 
@@ -204,4 +207,33 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
         md = Path(model_dir)
         if not (md / "config.json").is_file():
             raise StageConfigError(p, f"model directory {str(md)!r} has no config.json (run 'omni-cache make-model')", key="model")
+        _check_yoco(p, raw, stages, md)
     return StageConfig(path=p, raw=raw, stage_ids=seen)
+
+
+def _check_yoco(p: Path, raw: dict, stages: list[dict], model_dir: Path) -> None:
+    """KV-shared (YOCO) thinkers: refuse a stage whose hand-off needs rows that
+    ``kv_sharing_fast_prefill`` truncates (rule: captured layers must be full-length; the
+    final hidden states are not) — at start-up, not as silent wrong data. See docs/yoco.md."""
+    import json
+
+    from omni_cache.vllm_omni.plugin import STAGE_MODEL_SUBDIRS
+    from omni_cache.yoco import YocoConfigError, stage_plan
+
+    subdirs = STAGE_MODEL_SUBDIRS.get(str(raw.get("pipeline", "")), {})
+    for s in stages:
+        sid, env = s["stage_id"], s.get("env") or {}
+        fast = bool(s.get("kv_sharing_fast_prefill", False))
+        if not fast and not any(k.startswith("OMNI_CACHE_YOCO_") for k in env):
+            continue
+        cfg_dir = Path(s["model"]) if s.get("model") else model_dir / subdirs.get(sid, "")
+        try:
+            hf = json.loads((cfg_dir / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise StageConfigError(p, f"cannot read the stage's model config {str(cfg_dir / 'config.json')!r}: {exc}",
+                                   stage_id=sid, key="kv_sharing_fast_prefill") from exc
+        try:
+            stage_plan(hf, fast, {k: str(v) for k, v in env.items()})[0].check(where=f"{p}: stage {sid}")
+        except YocoConfigError as exc:
+            raise StageConfigError(p, str(exc).replace(f"{p}: stage {sid}: ", ""), stage_id=sid,
+                                   key="kv_sharing_fast_prefill") from exc

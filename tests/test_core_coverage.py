@@ -17,3 +17,22 @@ def test_covered_stops_at_first_unrecorded_or_changed_block():
     assert w.covered([(3, "a"), (7, "B")]) == 0
     w.record(9, None)
     assert len(w) == 1
+
+
+def test_per_key_validity_caps_hits_that_need_a_missing_key():
+    """Blocks written under KV-sharing fast prefill are valid for the captured keys only."""
+    from omni_cache.core.coverage import spans_overlap
+
+    w = WrittenBlocks()
+    w.record(1, "a")  # normal forward: every key
+    w.record(2, "b", keys=frozenset({"hidden_states.layer_0", "hidden_states.layer_4"}))
+    w.record(3, "c")
+    blocks = [(1, "a"), (2, "b"), (3, "c")]
+    assert w.covered(blocks) == 1  # needs every key (incl. the final hidden): capped at block 2
+    assert w.covered(blocks, keys=["hidden_states.layer_4"]) == 3
+    assert w.covered(blocks, keys=["hidden", "hidden_states.layer_4"]) == 1
+    w.record(2, "b")  # recomputed without truncation: valid for all keys again
+    assert w.covered(blocks) == 3
+    w.record(2, None)
+    assert w.covered(blocks, keys=["hidden_states.layer_4"]) == 1
+    assert spans_overlap([(0, 40)], 32, 64) and not spans_overlap([(0, 32)], 32, 64)

@@ -13,37 +13,62 @@ none) and ends the run. Source of the idea: LMCache #3221's note that a consiste
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+
+
+#: ``keys`` value meaning "every cached key" (the default: a normal forward writes all keys).
+ALL_KEYS = None
 
 
 class WrittenBlocks:
-    """block id → content hash of the block when its rows were completed.
+    """block id → content hash of the block when its rows were completed, and which keys
+    those rows are valid for.
 
-    Invariant: ``covered(...)`` counts a block only if its current content hash equals the
-    hash recorded when its rows were completed.
+    Invariant: ``covered(blocks, keys)`` counts a block only if its current content hash
+    equals the hash recorded when its rows were completed, and every key in ``keys`` was
+    valid in every write into it. Per-key validity: under KV-sharing fast prefill the final
+    hidden rows of a prefill chunk are wrong, so such a block is recorded valid for the
+    captured keys only (``keys=frozenset({...})``) and a hit that needs the final hidden
+    states is capped before it (docs/yoco.md).
     """
 
     def __init__(self) -> None:
         self._hash: dict[int, Hashable] = {}
+        self._keys: dict[int, frozenset[str] | None] = {}
 
-    def record(self, block_id: int, block_hash: Hashable | None) -> None:
-        """Rows of ``block_id`` are complete for content ``block_hash`` (None: forget)."""
+    def record(self, block_id: int, block_hash: Hashable | None,
+               keys: frozenset[str] | None = ALL_KEYS) -> None:
+        """Rows of ``block_id`` are complete for content ``block_hash`` (None: forget),
+        valid for ``keys`` (:data:`ALL_KEYS`: every key)."""
         if block_hash is None:
-            self._hash.pop(block_id, None)
+            self.forget(block_id)
         else:
             self._hash[block_id] = block_hash
+            self._keys[block_id] = None if keys is ALL_KEYS else frozenset(keys)
 
     def forget(self, block_id: int) -> None:
         self._hash.pop(block_id, None)
+        self._keys.pop(block_id, None)
 
-    def covered(self, blocks: Sequence[tuple[int, Hashable | None]]) -> int:
-        """Number of leading ``(block_id, current_hash)`` pairs whose rows are complete."""
+    def covered(self, blocks: Sequence[tuple[int, Hashable | None]],
+                keys: Iterable[str] | None = ALL_KEYS) -> int:
+        """Number of leading ``(block_id, current_hash)`` pairs whose rows are complete and
+        valid for every key in ``keys`` (:data:`ALL_KEYS`: valid for all keys)."""
+        need = None if keys is ALL_KEYS else frozenset(keys)
         n = 0
         for block_id, h in blocks:
             if h is None or self._hash.get(block_id) != h:
+                break
+            have = self._keys.get(block_id)
+            if have is not None and (need is None or not need <= have):
                 break
             n += 1
         return n
 
     def __len__(self) -> int:
         return len(self._hash)
+
+
+def spans_overlap(spans: Iterable[tuple[int, int]], lo: int, hi: int) -> bool:
+    """Whether any ``[a, b)`` in ``spans`` overlaps ``[lo, hi)`` (token positions)."""
+    return any(a < hi and lo < b for a, b in spans)

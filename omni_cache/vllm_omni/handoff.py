@@ -22,9 +22,9 @@ ENV_DUMP = "OMNI_CACHE_HANDOFF_DUMP"
 _SEQ = itertools.count()  # hand-off order in this stage process
 
 
-def record_thinker2talker_full_payload(transfer_manager: Any, pooling_output: dict, request: Any):
-    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import thinker2talker_full_payload
-
+def record_payload(pooling_output: Any, request: Any) -> None:
+    """With ``OMNI_CACHE_HANDOFF_DUMP`` set, save every tensor of a stage's per-request
+    pooling output (CPU copies) to ``<dir>/<seq>-<request_id>.pt``; otherwise do nothing."""
     out_dir = os.environ.get(ENV_DUMP)
     if out_dir and isinstance(pooling_output, dict):
         raw = next((getattr(request, a) for a in ("request_id", "req_id", "external_req_id")
@@ -33,6 +33,12 @@ def record_thinker2talker_full_payload(transfer_manager: Any, pooling_output: di
         tensors = {k: v.detach().to("cpu").clone() for k, v in pooling_output.items() if isinstance(v, torch.Tensor)}
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         torch.save(tensors, Path(out_dir) / f"{rid}.pt")
+
+
+def record_thinker2talker_full_payload(transfer_manager: Any, pooling_output: dict, request: Any):
+    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import thinker2talker_full_payload
+
+    record_payload(pooling_output, request)
     return thinker2talker_full_payload(transfer_manager, pooling_output, request)
 
 

@@ -36,6 +36,8 @@ class RequestResult:
         wall_s: request wall time in the batch that carried it (seconds).
         stage_durations: vLLM-Omni's per-stage durations (seconds), where it reports them.
         error: vLLM-Omni's error text for a failed request, else None.
+        prompt_logprobs: the thinker's prompt logprobs (vLLM's per-position list) when the
+            request asked for them (``SamplingParams.prompt_logprobs``), else None.
     """
 
     request_id: str
@@ -48,6 +50,7 @@ class RequestResult:
     wall_s: float = 0.0
     stage_durations: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    prompt_logprobs: Any = None
 
 
 def _audio_of(out: Any) -> tuple[np.ndarray | None, int]:
@@ -107,16 +110,19 @@ class OmniPipeline:
         self.start_s = time.perf_counter() - t0
         logger.info("pipeline started in %.1f s", self.start_s)
 
-    def generate(self, requests: Sequence[OmniRequest | dict]) -> list[RequestResult]:
+    def generate(self, requests: Sequence[OmniRequest | dict], sampling_params_list: Sequence | None = None
+                 ) -> list[RequestResult]:
         """Run ``requests`` as one batch through all stages. A ``dict`` is passed to
-        vLLM-Omni as is (e.g. ``{"prompt_token_ids": [...]}``).
+        vLLM-Omni as is (e.g. ``{"prompt_token_ids": [...]}``). ``sampling_params_list``:
+        one sampling-params object per stage (default: the stage config's
+        ``default_sampling_params``; see :meth:`default_sampling_params`).
 
         Returns:
             One :class:`RequestResult` per request, in input order.
         """
         prompts = [r.to_engine_prompt() if isinstance(r, OmniRequest) else r for r in requests]
         t0 = time.perf_counter()
-        outs = self.omni.generate(prompts, use_tqdm=False)
+        outs = self.omni.generate(prompts, sampling_params_list, use_tqdm=False)
         wall = time.perf_counter() - t0
         by_id: dict[str, RequestResult] = {}
         for o in outs:
@@ -134,6 +140,8 @@ class OmniPipeline:
                     res.token_ids = list(comp.token_ids or [])
                 res.num_prompt_tokens = len(o.prompt_token_ids or [])
                 res.num_cached_tokens = int(o.num_cached_tokens or 0)
+                if getattr(o, "prompt_logprobs", None) is not None:
+                    res.prompt_logprobs = o.prompt_logprobs
             if o.final_output_type == "audio":
                 res.audio, res.sample_rate = _audio_of(o)
         # vLLM-Omni names the i-th prompt of a batch "{i}_{uuid}".
@@ -142,6 +150,13 @@ class OmniPipeline:
             if isinstance(req, OmniRequest):
                 req.request_id = res.request_id
         return results
+
+    def default_sampling_params(self) -> list:
+        """Copies of the per-stage default sampling params (to adjust and pass to
+        :meth:`generate`)."""
+        import copy
+
+        return [copy.deepcopy(sp) for sp in self.omni.resolve_sampling_params_list(None)]
 
     def close(self) -> None:
         """Stop all stage processes."""

@@ -191,11 +191,16 @@ class OmniCacheStageManager:
         if off != n_tok:
             raise RuntimeError(f"omni-cache: batch spans {off} tokens but the forward produced {n_tok}")
         fresh: dict[str, dict[str, torch.Tensor]] = {}
+        truncating = _fast_prefill_truncates(self.runner)
         for rid in req_ids:  # 2a. every write of the step ...
             view = self.reqs[rid]
             s, e = spans[rid]
             rows = {k: t[s:e] for k, t in aligned.items() if k in cache.specs}
             fresh[rid] = rows
+            if truncating and e - s > 1:
+                # KV-sharing fast prefill: the final hidden rows of a prefill chunk are the
+                # self-decoder output, not the final layer's; they are never marked valid.
+                rows = {k: v for k, v in rows.items() if k != HIDDEN_KEY}
             start = view.num_computed_tokens
             end = start + (e - s)
             tags = self._tags(rid, view, end)
@@ -203,7 +208,9 @@ class OmniCacheStageManager:
             block_tags = {b: tags[b] for b in range(first_new_full, len(tags))}
             cache.write_request_rows(rid, view.block_ids, start, rows, block_tags, num_tokens=e - s)
         merged: dict[str, dict[str, torch.Tensor]] = {}
-        keys = [k for k in cache.specs if k not in missing]
+        # keys handed downstream (and needed on a hit): the final hidden states only for
+        # models that hand them off (vLLM-Omni's ``omni_pooler_payload_include_hidden``)
+        keys = [k for k in cache.specs if k not in missing and (k != HIDDEN_KEY or _hands_off_hidden(self.runner))]
         for rid in req_ids:  # 2b. ... before any read
             view = self.reqs[rid]
             if view.hit_tokens > 0:
@@ -268,6 +275,18 @@ class OmniCacheStageManager:
         return self.cache.metrics.as_dict() if self.cache is not None else {}
 
 
+def _fast_prefill_truncates(runner) -> bool:
+    """True if this step's forward runs KV-sharing fast prefill (cross-decoder on logit rows
+    only): the engine setting is on (it is switched off for a step that falls back, see
+    :meth:`OmniCacheRunnerMixin.execute_model`) and the model has KV-shared layers."""
+    return bool(getattr(runner.cache_config, "kv_sharing_fast_prefill", False)
+                and getattr(runner, "kv_sharing_fast_prefill_eligible_layers", None))
+
+
+def _hands_off_hidden(runner) -> bool:
+    return bool(getattr(getattr(runner, "model", None), "omni_pooler_payload_include_hidden", True))
+
+
 def _full_attention_group(kv_cache_config) -> int:
     """Index of the KV cache group to mirror: the first full-attention group."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -280,7 +299,41 @@ def _full_attention_group(kv_cache_config) -> int:
 
 
 class OmniCacheRunnerMixin:
-    """Replaces vLLM-Omni's built-in prefix-cache manager with :class:`OmniCacheStageManager`."""
+    """Replaces vLLM-Omni's built-in prefix-cache manager with :class:`OmniCacheStageManager`.
+
+    Also (KV-shared / hybrid models, docs/yoco.md):
+
+    - multi-group KV layouts (sliding-window + full-attention groups) are accepted: vLLM-Omni's
+      gate refuses them in ``initialize_metadata_builders``; omni-cache mirrors the first
+      full-attention group instead (:func:`_full_attention_group`).
+    - per-batch fast-prefill eligibility: a step whose batch holds a request with prompt
+      logprobs runs without KV-sharing fast prefill (vLLM would assert), so the request is
+      served and the engine keeps running.
+    """
+
+    def initialize_metadata_builders(self, kv_cache_config, kernel_block_sizes) -> None:
+        from vllm_omni.core.prefix_cache.interface import OmniPrefixCacheUnmatchError
+
+        try:
+            super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
+            return
+        except OmniPrefixCacheUnmatchError:
+            # vLLM-Omni's gate runs after vLLM's metadata builders are set up; it refuses
+            # every multi-group layout. Re-raise anything else it refuses.
+            if len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) <= 1:
+                raise
+        self._omni_prefix_cache_cfg = _stage_multi_group_config(self, kv_cache_config)
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        cc = self.cache_config
+        if not (cc.kv_sharing_fast_prefill and _batch_has_prompt_logprobs(self, scheduler_output)):
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        logger.info("omni-cache: step without KV-sharing fast prefill (a request needs prompt logprobs)")
+        cc.kv_sharing_fast_prefill = False
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            cc.kv_sharing_fast_prefill = True
 
     def _ensure_omni_prefix_cache(self) -> None:
         from vllm.distributed.parallel_state import get_pp_group
@@ -295,6 +348,45 @@ class OmniCacheRunnerMixin:
         )
         logger.info("omni-cache: hidden-state prefix cache active (KV group %d, block %d, %d blocks)",
                     group, cfg.block_size, self.kv_cache_config.num_blocks)
+
+
+def _batch_has_prompt_logprobs(runner, scheduler_output) -> bool:
+    """Whether the runner will hold a request pending prompt logprobs in this step (vLLM's
+    ``num_prompt_logprobs`` after ``_update_states``)."""
+    finished = set(scheduler_output.finished_req_ids)
+    if set(getattr(runner, "num_prompt_logprobs", {}) or {}) - finished:
+        return True
+    return any(getattr(nr.sampling_params, "prompt_logprobs", None) is not None
+               for nr in scheduler_output.scheduled_new_reqs if nr.sampling_params is not None)
+
+
+def _stage_multi_group_config(runner, kv_cache_config):
+    """vLLM-Omni's prefix-cache staging for a multi-group KV layout: its other refusals
+    (KV consumer, speculative decoding, sub-block hits) still apply; a layout without a
+    full-attention group is refused (nothing to mirror).
+
+    Raises:
+        OmniPrefixCacheUnmatchError: as above.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_omni.core.prefix_cache.group_view import (
+        check_prefix_cache_kv_transfer,
+        check_prefix_cache_token_accounting,
+    )
+    from vllm_omni.core.prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig
+
+    check_prefix_cache_kv_transfer(getattr(runner.vllm_config, "kv_transfer_config", None))
+    check_prefix_cache_token_accounting(runner.cache_config, runner.speculative_config)
+    groups = kv_cache_config.kv_cache_groups
+    g = _full_attention_group(kv_cache_config)
+    spec = groups[g].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
+        raise OmniPrefixCacheUnmatchError(
+            f"omni-cache mirrors a full-attention KV cache group; none among {len(groups)} groups "
+            f"({[type(x.kv_cache_spec).__name__ for x in groups]}). Disable enable_prefix_caching on this stage")
+    logger.info("omni-cache: %d KV cache groups; mirroring full-attention group %d", len(groups), g)
+    return PrefixCacheConfig.from_vllm_config(num_blocks=kv_cache_config.num_blocks, block_size=spec.block_size,
+                                              scheduler_config=runner.scheduler_config, model_config=runner.model_config)
 
 
 def _cpu_runner_cls():

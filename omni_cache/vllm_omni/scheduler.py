@@ -20,7 +20,7 @@ import os
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm_omni.core.sched.omni_ar_scheduler import OmniARScheduler
 
-from omni_cache.core.coverage import WrittenBlocks
+from omni_cache.core.coverage import ALL_KEYS, WrittenBlocks, spans_overlap
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +44,11 @@ class OmniCacheSchedulerMixin:
                 "forget_left": int(os.environ.get(ENV_TEST_FORGET, "0") or 0),
                 "forgotten": set(),
                 "capped_tokens": 0,
+                "truncated_spans": {},  # req id -> [(start, end)] written under fast prefill
             }
             groups = self.kv_cache_config.kv_cache_groups
             st["bs"] = groups[st["group"]].kv_cache_spec.block_size
+            st["truncates"], st["hit_keys"] = _yoco_rules(self.vllm_config)
         return st
 
     def _get_local_prefix_cache_hit(self, request):
@@ -56,13 +58,22 @@ class OmniCacheSchedulerMixin:
         st = self._omni_cache_state()
         g, bs = st["group"], st["bs"]
         mirrored = blocks.blocks[g]
-        covered = st["written"].covered([(b.block_id, b.block_hash) for b in mirrored[: num_local // bs]])
+        covered = st["written"].covered([(b.block_id, b.block_hash) for b in mirrored[: num_local // bs]],
+                                        keys=st["hit_keys"])
         if covered * bs < num_local:
             st["capped_tokens"] += num_local - covered * bs
             logger.info("omni-cache: request %s prefix hit capped %d -> %d tokens (hidden rows not covered)",
                         request.request_id, num_local, covered * bs)
-            blocks = KVCacheBlocks(tuple(list(gb[:covered]) for gb in blocks.blocks))
-            num_local = covered * bs
+            if len(blocks.blocks) == 1:
+                blocks = KVCacheBlocks(tuple(list(gb[:covered]) for gb in blocks.blocks))
+                num_local = covered * bs
+            else:
+                # Hybrid KV groups (sliding window + full attention): a shorter hit must be
+                # recomputed by vLLM's coordinator (a sliding group needs the blocks inside
+                # the window before the new hit end), never cut per group.
+                mgr = self.kv_cache_manager
+                computed, num_local, _ = mgr.coordinator.find_longest_cache_hit(request.block_hashes, covered * bs)
+                blocks = mgr.create_kv_cache_blocks(computed)
         return blocks, num_local, boundary, diverged
 
     def schedule(self, *args, **kwargs):
@@ -73,6 +84,9 @@ class OmniCacheSchedulerMixin:
         new_ids = set(starts)
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        trunc = st["truncated_spans"]
+        for rid in out.finished_req_ids:
+            trunc.pop(rid, None)
         for rid, start in starts.items():
             if st["forget_left"] > 0 and rid not in st["forgotten"] and rid in new_ids:
                 st["forgotten"].add(rid)
@@ -80,11 +94,38 @@ class OmniCacheSchedulerMixin:
             if rid in st["forgotten"]:
                 continue
             end = start + out.num_scheduled_tokens.get(rid, 0)
+            if st["truncates"] and end - start > 1:
+                trunc.setdefault(rid, []).append((start, end))
+            spans = trunc.get(rid, ())
             req_blocks = self.kv_cache_manager.get_blocks(rid).blocks[g]
             for i in range(start // bs, min(end // bs, len(req_blocks))):
                 b = req_blocks[i]
-                written.record(b.block_id, b.block_hash)
+                keys = CAPTURED_ONLY if spans_overlap(spans, i * bs, (i + 1) * bs) else ALL_KEYS
+                written.record(b.block_id, b.block_hash, keys)
         return out
+
+
+#: per-key validity of a block written by a fast-prefill chunk: every key but the final hidden
+#: states (the runner writes the same subset, :mod:`omni_cache.vllm_omni.runner`)
+CAPTURED_ONLY = frozenset({"captured"})
+
+
+def _yoco_rules(vllm_config) -> tuple[bool, frozenset[str] | None]:
+    """``(truncates, hit_keys)``: whether fast prefill truncates this stage's prefill rows (a
+    KV-shared model with ``kv_sharing_fast_prefill``), and the keys a hit needs: only the
+    captured ones, unless the stage hands the final hidden states downstream
+    (``OMNI_CACHE_YOCO_ACCEPT_LAYER=final``, refused at start-up together with fast
+    prefill) — then every key (:data:`ALL_KEYS`)."""
+    from omni_cache.yoco import YocoConfigError, stage_plan
+
+    try:
+        plan, _ = stage_plan(vllm_config.model_config.hf_config,
+                             bool(vllm_config.cache_config.kv_sharing_fast_prefill), os.environ)
+    except YocoConfigError:
+        return False, ALL_KEYS
+    if plan.num_kv_shared_layers == 0:
+        return False, ALL_KEYS  # not a YOCO model: every write carries every key
+    return plan.truncates, (ALL_KEYS if plan.needs_final else CAPTURED_ONLY)
 
 
 class OmniCacheARScheduler(OmniCacheSchedulerMixin, OmniARScheduler):
