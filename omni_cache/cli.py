@@ -36,6 +36,16 @@ def stage_config_path(name_or_path: str) -> Path:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from omni_cache.models import build_qwen3_omni, default_model_dir
 
+    if getattr(args, "family", "qwen3-omni") == "gemma3n":
+        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+
+        out = Path(args.out) if args.out else default_gemma_dir(args.size)
+        t0 = time.perf_counter()
+        print(f"building the embedded KV-shared Gemma-3n thinker + Qwen3-Omni talker ({args.size}) "
+              f"into {out} ...", flush=True)
+        build_gemma_omni(out, args.size, force=args.force)
+        print(f"done in {time.perf_counter() - t0:.1f} s: {out}")
+        return 0
     out = Path(args.out) if args.out else default_model_dir(args.size)
     t0 = time.perf_counter()
     print(f"building the embedded Qwen3-Omni ({args.size}) into {out} ...", flush=True)
@@ -163,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     mm = sub.add_parser("make-model", help="build the embedded Qwen3-Omni model directory (no downloads)")
     mm.add_argument("--size", default="tiny", choices=["tiny", "bench"])
+    mm.add_argument("--family", default="qwen3-omni", choices=["qwen3-omni", "gemma3n"],
+                    help="qwen3-omni (default) or gemma3n: a KV-shared (YOCO) thinker in thinker/ feeding "
+                         "the Qwen3-Omni talker (stage_configs/gemma3n_yoco_cpu.yaml)")
     mm.add_argument("--out", help="target directory (default: $OMNI_CACHE_HOME/models/qwen3-omni-<size>)")
     mm.add_argument("--force", action="store_true", help="rebuild even if up to date")
     mm.set_defaults(func=_cmd_make_model)
