@@ -12,10 +12,10 @@ Captured layers follow vLLM-Omni's convention (index ``i`` = hidden state enteri
 (``altup_active_idx``) of Gemma-3n's ``[altup_num_inputs, num_tokens, hidden_size]`` state
 with forward hooks (``torch.nn.Module`` hooks, no vLLM code changed):
 
-- ``0 < i < F``: pre-hook of decoder layer ``i``;
-- ``F`` (the self-decoder output, ``F`` = first KV-shared layer): forward hook of the
-  self-decoder — full-length even under fast prefill;
-- ``F < i <= L``: cross-decoder hooks — only allowed with fast prefill off
+- ``0``: forward pre-hook of decoder layer 0 (its input: the scaled embeddings);
+- ``i >= 1``: forward hook of decoder layer ``i - 1`` (its output). ``F`` (``F`` = first
+  KV-shared layer) is the self-decoder output — full-length even under fast prefill;
+  ``F < i <= L`` are cross-decoder outputs, only allowed with fast prefill off
   (:meth:`omni_cache.yoco.LayerPlan.check` refuses them otherwise, at model construction).
 
 The final hidden states are never handed downstream (``omni_pooler_payload_include_hidden
@@ -82,14 +82,15 @@ class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
 
     # ---- capture ---------------------------------------------------------------------
     def _install_capture_hooks(self) -> None:
-        m = self.model
-        L, F = self.layer_plan.num_hidden_layers, self.layer_plan.first_kv_shared_layer
+        # Hooks on the decoder layers (plain modules). Not on the self-/cross-decoder: their
+        # class is wrapped by vLLM's ``support_torch_compile``, whose ``__call__`` calls
+        # ``forward`` directly and so bypasses module hooks.
+        layers = self.model.layers
         for i in self.layer_plan.captured_layers:
-            if i == F and F < L or i == L:
-                dec = m.self_decoder if i == F else m.cross_decoder
-                dec.register_forward_hook(self._capture_decoder_output(i))
+            if i == 0:
+                layers[0].register_forward_pre_hook(self._capture_layer_input(0), with_kwargs=True)
             else:
-                m.layers[i].register_forward_pre_hook(self._capture_layer_input(i), with_kwargs=True)
+                layers[i - 1].register_forward_hook(self._capture_layer_output(i))
 
     def _capture_layer_input(self, index: int):
         def hook(_module, args, kwargs):
@@ -97,10 +98,9 @@ class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
             self._captured[index] = hs[self._active].clone()  # [num_tokens, hidden]
         return hook
 
-    def _capture_decoder_output(self, index: int):
-        def hook(_module, _args, output):
-            hs = output[0] if isinstance(output, tuple) else output  # [num_tokens, hidden, altup]
-            self._captured[index] = hs[..., self._active].clone()
+    def _capture_layer_output(self, index: int):
+        def hook(_module, _args, output):  # output: [altup_num_inputs, num_tokens, hidden]
+            self._captured[index] = output[self._active].clone()
         return hook
 
     def _count_forward(self, num_tokens: int) -> None:
@@ -135,7 +135,12 @@ class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
             path.with_suffix(".tmp").write_text(json.dumps(c))
             path.with_suffix(".tmp").replace(path)
 
+    _FORWARD_KWARGS = ("intermediate_tensors", "inputs_embeds", "per_layer_inputs")
+
     def forward(self, input_ids, positions, **kwargs):
+        # vLLM-Omni's runner adds per-step extras (model_intermediate_buffer,
+        # request_token_spans, ...) that this model does not use.
+        kwargs = {k: v for k, v in kwargs.items() if k in self._FORWARD_KWARGS}
         self._captured = {}
         hidden = super().forward(input_ids, positions, **kwargs)
         self._count_forward(int(positions.shape[-1]))
