@@ -263,6 +263,29 @@ def test_cuda_rows_every_tier(tier):
     assert merged.device.type == "cuda" and torch.equal(merged, expected)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pinned_host_writes_are_asynchronous_and_reads_wait_only_on_conflict():
+    """A pinned-host pool fed from the GPU returns from a write before the copy lands (no host
+    sync), a read of other blocks does not wait, and a read of the written blocks sees the
+    rows (it waits for the committer)."""
+    cache = HiddenStateCache(64, 16, [KeySpec("hidden", 1024, torch.bfloat16)], "cuda", Tier.PINNED_HOST)
+    pool = cache.pools["hidden"]
+    old = torch.randn(16 * 8, 1024, device="cuda")
+    tags_old = block_chain_tags(list(range(128)), 16)
+    cache.write_request_rows("A", list(range(8)), 0, {"hidden": old}, dict(enumerate(tags_old)))
+    pool.wait_pending()
+    torch.cuda._sleep(200_000_000)  # keep the stream busy (~0.1 s): the next copy cannot land yet
+    new = torch.randn(16 * 8, 1024, device="cuda")
+    tags_new = block_chain_tags(list(range(1000, 1128)), 16)
+    cache.write_request_rows("B", list(range(8, 16)), 0, {"hidden": new}, dict(enumerate(tags_new)))
+    assert pool._committer._inflight, "the write waited for the device"
+    got_old = cache.read_prefix("C", list(range(8)), 128, tags_old, ["hidden"])["hidden"]
+    assert torch.equal(got_old, old.to(torch.bfloat16).cpu())
+    got_new = cache.read_prefix("D", list(range(8, 16)), 128, tags_new, ["hidden"], out_device="cuda")["hidden"]
+    assert torch.equal(got_new, new.to(torch.bfloat16))
+    assert not pool._committer._inflight
+
+
 def test_chain_tags_continue_from_parent_with_span_across_the_split():
     """The runner hashes only newly filled blocks (parent = last tag); that must equal
     hashing the whole prompt, also when a multimodal span crosses the split."""
