@@ -136,3 +136,18 @@ def test_media_copies_differ():
     assert len({audio_copy(wav, k, 4).tobytes() for k in range(4)}) == 4
     opts = WorkloadOptions(requests=2, media_copies=3)
     assert all(s["media_copies"] == 3 for s in specs("image", 0, opts))
+
+
+def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
+    from omni_cache.cli import main
+
+    assert main(["bench", "prefill", "--modalities", "text,video", "--out", str(tmp_path)]) == 2
+    assert "video" in capsys.readouterr().err
+    bad = tmp_path / "broken.jpg"
+    bad.write_bytes(b"not an image")
+    assert main(["bench", "prefill", "--image", str(bad), "--out", str(tmp_path)]) == 2
+    assert "broken.jpg" in capsys.readouterr().err
+    assert main(["bench", "prefill", "--modalities", "chat", "--requests", "1", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "prefill", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert not any(tmp_path.glob("prefill-*"))   # no run directory, no pipeline

@@ -21,7 +21,7 @@ soundfile and processed by the model's own HF processors inside vLLM):
   system prompt and a distinct document of the same length): no block is shared.
 
 Rounds use distinct questions, so a timed request never hits its own full prompt; the shared
-prefix is warmed once per pipeline (``warmup_specs``) before timing.
+prefix is warmed by an untimed request (``warmup_specs``) before each round of a workload.
 """
 
 from __future__ import annotations
