@@ -56,9 +56,16 @@ def _tail(path: Path, n_bytes: int = 4000) -> str:
         return ""
 
 
+_LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?([A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]*\]\s*)?")
+
+
 def _last_log_line(path: Path) -> str:
+    """The server log's last line without vLLM's ``(Proc pid=N) LEVEL date [file:line]`` prefix."""
     lines = [ln.strip() for ln in _tail(path, 2000).splitlines() if ln.strip()]
-    return lines[-1][-120:] if lines else ""
+    if not lines:
+        return ""
+    msg = _LOG_PREFIX.sub("", lines[-1])
+    return msg[:100] + ("..." if len(msg) > 100 else "")
 
 
 _STAGE_UP = re.compile(rb"stage-(\d+) \[rep-\d+\] EngineCore running")
@@ -81,8 +88,8 @@ class OmniServer:
             :func:`omni_cache.config.load_stage_config` before anything starts.
         host: bind address (default loopback).
         port: TCP port; 0 picks a free one.
-        log_path: file receiving the server's stdout + stderr (default: a file next to
-            nothing — ``./omni-cache-serve-<port>.log``).
+        log_path: file receiving the server's stdout + stderr (default:
+            ``./omni-cache-serve-<port>.log``).
         extra_args: more ``vllm serve`` arguments, appended after the defaults.
         env: extra environment variables for the server process.
         stage_init_timeout: seconds a stage may take to start (vLLM-Omni's
