@@ -81,7 +81,10 @@ def _workload(pipe, model_dir, out_dir):
 
     run(["single:first"], [_chat(tok, LONG, "What is first?")])
     run(["single:second"], [_chat(tok, LONG, "And what comes second, please?")])
-    run(["batch:a", "batch:b"], [_chat(tok, OTHER, "Name a bridge."), _chat(tok, OTHER, "Name a river.")])
+    # a batch whose requests share the cached prefix (and a third, new prefix): one step
+    # computes several requests' suffixes and the budget (512) splits them into chunks
+    run(["batch:a", "batch:b", "batch:c"], [_chat(tok, LONG, "Name a bridge."), _chat(tok, LONG, "Name a river."),
+                                            _chat(tok, OTHER, "Name a town.")])
     run(["chunked:first"], [_chat(tok, STORY, "Continue the story.")])
     run(["chunked:second"], [_chat(tok, STORY, "Who is the hero?")])
     t1 = _chat(tok, LONG, "Tell me a story.")
@@ -167,9 +170,10 @@ def test_runs_exercise_fast_prefill_and_hits(runs, combo):
     if cache == "off":
         assert not any(hits.values()), hits
         return
-    for n in ("single:second", "chunked:second", "after-logprobs", "batch:b"):
+    for n in ("single:second", "chunked:second", "after-logprobs", "batch:a", "batch:b"):
         assert hits[n] >= BLOCK, (n, hits)
-    assert hits["chat:turn2"] > named[[n for n, _, _ in named].index("chat:turn1")][1].num_prompt_tokens, hits
+    turn1 = next(r for n, r, _ in named if n == "chat:turn1")
+    assert hits["chat:turn2"] >= turn1.num_prompt_tokens // BLOCK * BLOCK, hits
     assert hits["logprobs"] == 0, hits  # vLLM does not read the prefix cache for prompt logprobs
     m = _metrics(d, "metrics")
     assert m["hits_refused"] == 0 and m["hits_served"] >= 5, m
