@@ -95,6 +95,9 @@ def _workload(pipe, model_dir, out_dir):
     run(["chat:turn2"], [t2])
     sps = pipe.default_sampling_params()
     sps[0].prompt_logprobs = 1
+    # SamplingParams derives this from prompt_logprobs only at construction; vLLM computes
+    # prompt logprobs only for the tokens it computes, so such a request must not hit
+    sps[0].skip_reading_prefix_cache = True
     run(["logprobs"], [_chat(tok, LONG, "Score this prompt.")], sps)
     run(["after-logprobs"], [_chat(tok, LONG, "Still there?")])
     return named
