@@ -53,7 +53,6 @@ def _stage_config(out_dir: Path, fast: str, cache: str) -> Path:
     s0 = raw["stages"][0]
     s0["kv_sharing_fast_prefill"] = fast == "on"
     s0["enable_prefix_caching"] = cache == "on"
-    s0["kv_cache_memory_bytes"] = 1 << 30
     s0["default_sampling_params"]["max_tokens"] = 1
     raw["stages"][1]["default_sampling_params"]["max_tokens"] = 4
     path = out_dir / f"stage_config_fast-{fast}_cache-{cache}.yaml"
