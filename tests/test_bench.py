@@ -151,3 +151,11 @@ def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
     assert main(["bench", "prefill", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     assert "config.json" in capsys.readouterr().err
     assert not any(tmp_path.glob("prefill-*"))   # no run directory, no pipeline
+
+
+def test_no_samples_is_never_a_pass(tmp_path):
+    s = {"text": S.summarize_workload({"off": [], "builtin": [], "omni_cache": []})}
+    checks = {"text": S.bar_checks("text", s["text"])}
+    assert all(c["passed"] is None for c in checks["text"])
+    assert "PASS" not in S.format_table(s, checks)
+    S.plot(s, tmp_path / "empty.png")

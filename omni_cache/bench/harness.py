@@ -86,8 +86,11 @@ class Variant:
         return self.ready
 
     def call(self, cmd: dict, timeout: float = 900) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise WorkerDied(f"variant {self.name}: worker gone ({exc}); see {self.log_path}") from None
         return self.read(timeout)
 
     def run(self, batch: list[dict]) -> list[dict]:
@@ -292,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         bar.update(len(rows))
 
     live: list[Variant] = []
+    aborted: str | None = None
     t_start = time.time()
     try:
         mode = args.alternation
@@ -379,6 +383,10 @@ def run(args: argparse.Namespace) -> int:
         alternation["variant_order_per_round"] = (
             [",".join(_rotate(variants, r)) for r in range(args.repeats)] if mode == "restart"
             else "per request: variants rotated by (round + request index)")
+    except WorkerDied as exc:  # keep what was measured; the JSON and the exit code say it is partial
+        aborted = str(exc)
+        alternation.setdefault("mode", mode if mode != "auto" else "undecided")
+        print(f"\nerror: {aborted}", file=sys.stderr)
     finally:
         for var in live:
             var.close()
@@ -412,6 +420,7 @@ def run(args: argparse.Namespace) -> int:
         "samples": samples,
         "warmup_samples": warm,
         "omni_cache_metrics": metrics,
+        "aborted": aborted,
     }
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
     png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {Path(model).name}, {alternation['mode']}, "
@@ -419,9 +428,16 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(S.format_table(summ, checks))
     print(f"\nalternation: {alternation['mode']} ({alternation.get('reason', 'requested')})")
-    print(f"one pipeline after warm-up: PSS {alternation['one_pipeline_pss_bytes'] / GiB:.2f} GiB, "
-          f"RSS {alternation['one_pipeline_rss_bytes'] / GiB:.2f} GiB")
+    if "one_pipeline_pss_bytes" in alternation:
+        print(f"one pipeline after warm-up: PSS {alternation['one_pipeline_pss_bytes'] / GiB:.2f} GiB, "
+              f"RSS {alternation['one_pipeline_rss_bytes'] / GiB:.2f} GiB")
+    if alternation.get("idle_cpu_cores"):
+        print("idle pipeline CPU (cores): " + ", ".join(f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
+              + ("; frozen while others are timed" if alternation.get("freeze_idle") else ""))
     print(f"wrote {out / 'result.json'} and {png}")
+    if aborted:
+        print(f"INCOMPLETE RUN: {aborted}", file=sys.stderr)
+        return 1
     return 0
 
 
