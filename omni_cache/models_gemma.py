@@ -21,8 +21,9 @@ the Qwen3-Omni thinker's so the Qwen3-Omni talker consumes its captured layers u
 Sizes:
 
 - ``tiny`` (tests): hidden 64, 8 layers (4 KV-shared = 50 %), head_dim 32, window 64.
-- ``bench`` (benchmarks): hidden 512, 16 layers (8 KV-shared = 50 %), 8 heads of 64,
-  window 512 — prefill of a few thousand tokens dominates on 2 CPU cores.
+- ``bench`` (benchmarks): hidden = the bench Qwen3-Omni thinker's (768 today), 16 layers
+  (8 KV-shared = 50 %), heads of 64, window 512 — prefill of a few thousand tokens
+  dominates on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -58,9 +59,17 @@ class GemmaSize:
     qwen_size: str  # the Qwen3-Omni size whose talker consumes this thinker
 
 
+def _bench_size() -> GemmaSize:
+    # The talker consumes the thinker's hidden states: follow the bench Qwen3-Omni's width.
+    from omni_cache.models import SIZES
+
+    h = SIZES["bench"].thinker_hidden
+    return GemmaSize("bench", h, 16, 8, h // 64, 2, 64, 2 * h, 512, 32, 32, "bench")
+
+
 GEMMA_SIZES: dict[str, GemmaSize] = {
     "tiny": GemmaSize("tiny", 64, 8, 4, 2, 1, 32, 128, 64, 16, 16, "tiny"),
-    "bench": GemmaSize("bench", 512, 16, 8, 8, 2, 64, 1024, 512, 32, 32, "bench"),
+    "bench": _bench_size(),
 }
 
 
@@ -111,9 +120,13 @@ def gemma3n_config_dict(size: GemmaSize) -> dict:
 
 
 def gemma_fingerprint(size: str) -> str:
-    """A short digest of everything that determines the built thinker."""
+    """A short digest of everything that determines the built thinker (and, for the pipeline
+    directory, the Qwen3-Omni it is paired with)."""
+    from omni_cache.models import model_fingerprint
+
     payload = json.dumps({"cfg": gemma3n_config_dict(GEMMA_SIZES[size]), "seed": SEED,
-                          "v": GEMMA_FORMAT_VERSION}, sort_keys=True)
+                          "v": GEMMA_FORMAT_VERSION,
+                          "qwen": model_fingerprint(GEMMA_SIZES[size].qwen_size)}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
