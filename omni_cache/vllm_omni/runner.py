@@ -325,6 +325,7 @@ class OmniCacheRunnerMixin:
         self._omni_prefix_cache_cfg = _stage_multi_group_config(self, kv_cache_config)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
+        self._restart_resumed_payloads(scheduler_output)
         cc = self.cache_config
         if not (cc.kv_sharing_fast_prefill and _batch_has_prompt_logprobs(self, scheduler_output)):
             return super().execute_model(scheduler_output, *args, **kwargs)
@@ -334,6 +335,28 @@ class OmniCacheRunnerMixin:
             return super().execute_model(scheduler_output, *args, **kwargs)
         finally:
             cc.kv_sharing_fast_prefill = True
+
+    def _restart_resumed_payloads(self, scheduler_output) -> None:
+        """A request resumed after preemption restarts its hand-off accumulation.
+
+        vLLM-Omni accumulates a request's per-step hand-off rows (``hidden``, captured layers)
+        across steps and never resets them on preemption, so a resumed request that
+        recomputes its prompt would hand the talker some positions twice (seen in the stress
+        run: 1,216 rows for a 617-token request). Under this runner a resumed request's first
+        step always yields rows ``[0, end)``: omni-cache serves its re-hit prefix from the
+        hidden-state cache (merged with the fresh rows), and without prefix caching it
+        recomputes from position 0. So the rows accumulated before the preemption are
+        dropped here, before the step's forward. (vLLM-Omni's built-in cache does not mirror
+        a resume as a hit; it runs on the plain runner, unchanged.)
+        """
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None)
+        pending = getattr(self, "_pending_full_payload_send", None)
+        if not resumed or pending is None:
+            return
+        for rid in resumed:
+            if pending.pop(rid, None) is not None:
+                logger.debug("omni-cache: request %s resumed after preemption; hand-off rows restart", rid)
 
     def _ensure_omni_prefix_cache(self) -> None:
         from vllm.distributed.parallel_state import get_pp_group

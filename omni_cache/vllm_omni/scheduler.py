@@ -14,12 +14,15 @@ Synchronous scheduling only (``async_scheduling: false``; the CPU platform force
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm_omni.core.sched.omni_ar_scheduler import OmniARScheduler
 
+from omni_cache.vllm_omni.runner import ENV_METRICS_DIR
 from omni_cache.core.coverage import ALL_KEYS, WrittenBlocks, spans_overlap
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,9 @@ class OmniCacheSchedulerMixin:
                 "forget_left": int(os.environ.get(ENV_TEST_FORGET, "0") or 0),
                 "forgotten": set(),
                 "capped_tokens": 0,
+                "preemptions": 0,
+                "resumed_hits": 0,
+                "resumed_hit_tokens": 0,
                 "truncated_spans": {},  # req id -> [(start, end)] written under fast prefill
             }
             groups = self.kv_cache_config.kv_cache_groups
@@ -74,7 +80,35 @@ class OmniCacheSchedulerMixin:
                 mgr = self.kv_cache_manager
                 computed, num_local, _ = mgr.coordinator.find_longest_cache_hit(request.block_hashes, covered * bs)
                 blocks = mgr.create_kv_cache_blocks(computed)
+        if request.num_preemptions > 0 and num_local > 0:
+            st["resumed_hits"] += 1  # a preempted request resumes from its (re-hit) blocks
+            st["resumed_hit_tokens"] += num_local
         return blocks, num_local, boundary, diverged
+
+    def _preempt_request(self, request, *args, **kwargs):
+        super()._preempt_request(request, *args, **kwargs)
+        st = self._omni_cache_state()
+        st["preemptions"] += 1
+        self._publish_scheduler_metrics()
+
+    def _publish_scheduler_metrics(self) -> None:
+        """With ``OMNI_CACHE_METRICS_DIR`` set, write the scheduler's counters (preemptions,
+        resumed hits, capped tokens) to ``<dir>/scheduler-<pid>.json``; called on each
+        preemption and at shutdown (rare events, never per step)."""
+        out = os.environ.get(ENV_METRICS_DIR)
+        if not out:
+            return
+        st = self._omni_cache_state()
+        keys = ("preemptions", "resumed_hits", "resumed_hit_tokens", "capped_tokens")
+        path = Path(out) / f"scheduler-{os.getpid()}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({k: st[k] for k in keys}))
+        tmp.replace(path)
+
+    def shutdown(self) -> None:
+        self._publish_scheduler_metrics()
+        super().shutdown()
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
