@@ -48,8 +48,7 @@ class OmniCacheSchedulerMixin:
                 "forgotten": set(),
                 "capped_tokens": 0,
                 "preemptions": 0,
-                "resumed_hits": 0,
-                "resumed_hit_tokens": 0,
+                "resumed": {},  # (request id, num_preemptions) -> prefix-hit tokens on resume
                 "truncated_spans": {},  # req id -> [(start, end)] written under fast prefill
             }
             groups = self.kv_cache_config.kv_cache_groups
@@ -81,8 +80,9 @@ class OmniCacheSchedulerMixin:
                 computed, num_local, _ = mgr.coordinator.find_longest_cache_hit(request.block_hashes, covered * bs)
                 blocks = mgr.create_kv_cache_blocks(computed)
         if request.num_preemptions > 0 and num_local > 0:
-            st["resumed_hits"] += 1  # a preempted request resumes from its (re-hit) blocks
-            st["resumed_hit_tokens"] += num_local
+            # a preempted request resumes from its (re-hit) blocks; the lookup repeats while
+            # it waits, so keep the last hit per (request, preemption)
+            st["resumed"][(request.request_id, request.num_preemptions)] = num_local
         return blocks, num_local, boundary, diverged
 
     def _preempt_request(self, request, *args, **kwargs):
@@ -99,11 +99,12 @@ class OmniCacheSchedulerMixin:
         if not out:
             return
         st = self._omni_cache_state()
-        keys = ("preemptions", "resumed_hits", "resumed_hit_tokens", "capped_tokens")
+        counters = {"preemptions": st["preemptions"], "resumed_hits": len(st["resumed"]),
+                    "resumed_hit_tokens": sum(st["resumed"].values()), "capped_tokens": st["capped_tokens"]}
         path = Path(out) / f"scheduler-{os.getpid()}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({k: st[k] for k in keys}))
+        tmp.write_text(json.dumps(counters))
         tmp.replace(path)
 
     def shutdown(self) -> None:
