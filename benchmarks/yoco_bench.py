@@ -5,7 +5,8 @@ The embedded bench-size Gemma-3n-style thinker (hidden 512, 16 layers, 8 of them
 (``stage_configs/gemma3n_yoco_cpu.yaml``, talker + code2wav of the bench Qwen3-Omni) in four
 variants, one pipeline process at a time (memory): fast prefill off/on x prefix caching with
 omni-cache off/on. Workload: ``--prefix-tokens`` (default ~3,000) of shared system prompt,
-then per request a distinct question; thinker ``max_tokens=1`` so prefill dominates. In each
+then per request a distinct question; thinker ``max_tokens=2`` (the Qwen3-Omni talker needs
+at least two thinker tokens) so prefill dominates. In each
 variant a warm-up request with another prefix runs first (not measured), then the first
 shared-prefix request (a miss everywhere: ``miss``), then ``--requests`` more (``hit`` rows;
 hits only where the cache is on). Measured per request: vLLM's own thinker prefill time
@@ -53,7 +54,7 @@ def _stage_config(out_dir: Path, fast: str, cache: str) -> Path:
     s0 = raw["stages"][0]
     s0["kv_sharing_fast_prefill"] = fast == "on"
     s0["enable_prefix_caching"] = cache == "on"
-    s0["default_sampling_params"]["max_tokens"] = 1
+    s0["default_sampling_params"]["max_tokens"] = 2  # the talker needs >= 2 thinker tokens
     raw["stages"][1]["default_sampling_params"]["max_tokens"] = 4
     path = out_dir / f"stage_config_fast-{fast}_cache-{cache}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -63,11 +64,11 @@ def _stage_config(out_dir: Path, fast: str, cache: str) -> Path:
 def _specs(args) -> list[dict]:
     prefix = _text(args.prefix_tokens, 1)  # the byte-level tokenizer: ~1 token per character
     other = _text(args.prefix_tokens, 5)
-    specs = [{"workload": "warmup", "index": 0, "system": other, "text": "Warm up.", "max_tokens": 1,
+    specs = [{"workload": "warmup", "index": 0, "system": other, "text": "Warm up.", "max_tokens": 2,
               "measure": False}]
     for i in range(args.requests + 1):
         specs.append({"workload": "miss" if i == 0 else "hit", "index": i, "system": prefix,
-                      "text": f"Question {i}: {_text(args.suffix_tokens, 100 + i)}", "max_tokens": 1})
+                      "text": f"Question {i}: {_text(args.suffix_tokens, 100 + i)}", "max_tokens": 2})
     return specs
 
 
