@@ -33,7 +33,6 @@ OMNI_CACHE_ENV: dict[str, tuple[str, ...] | None] = {
     "OMNI_CACHE_PREFIX_CACHE_BACKEND": ("omni_cache", "builtin"),
     "OMNI_CACHE_HANDOFF_DUMP": None,  # directory: record thinker→talker tensors (tests, audits)
     "OMNI_CACHE_CPU_PLATFORM": ("0", "1"),
-    "OMNI_CACHE_CPU_EXECUTOR": ("mp", "uni"),  # CPU platform: the stage's vLLM executor
     "OMNI_CACHE_METRICS_DIR": None,
     "OMNI_CACHE_YOCO_ACCEPT_LAYER": None,  # KV-shared thinker: layer index | self_decoder_output | final
     "OMNI_CACHE_YOCO_CAPTURE_LAYERS": None,  # KV-shared thinker: extra captured layers, comma-separated
