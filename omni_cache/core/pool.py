@@ -133,7 +133,8 @@ class HiddenPool:
     def gather_blocks(self, block_ids: torch.Tensor, out_device: torch.device | str | None = None) -> torch.Tensor:
         """Rows of whole blocks ``block_ids`` (int64 ``[k]``) in order: ``[k * block_size,
         width]`` on ``out_device`` (pinned staging + non-blocking copy from a pinned pool)."""
-        self.wait_pending(block_ids.tolist())
+        if self._committer is not None:
+            self.wait_pending(block_ids.tolist())
         index = self._on_storage(block_ids, torch.int64)
         out_device = self.device if out_device is None else torch.device(out_device)
         shape = (index.numel(), self.block_size, self.width)
@@ -149,7 +150,8 @@ class HiddenPool:
         """Copy of the rows at ``slot_ids`` (int64 ``[n]``): ``[n, width]`` of ``dtype`` on
         ``out_device`` (default: the storage device). Pinned-host pools gather into pinned
         memory so the move to a CUDA ``out_device`` is non-blocking."""
-        self.wait_pending((slot_ids // self.block_size).tolist())
+        if self._committer is not None:
+            self.wait_pending((slot_ids // self.block_size).tolist())
         index = self._on_storage(slot_ids, torch.int64)
         out_device = self.device if out_device is None else torch.device(out_device)
         if out_device.type == "cuda" and self.device.type == "cpu" and self.storage.is_pinned():
