@@ -366,6 +366,15 @@ def model_fingerprint(size: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def is_up_to_date(stamp: Path, fingerprint: str) -> bool:
+    """Whether the build stamp ``stamp`` (``omni_cache_model.json``) records ``fingerprint``;
+    False when it is missing or unreadable."""
+    try:
+        return json.loads(stamp.read_text()).get("fingerprint") == fingerprint
+    except (OSError, ValueError):
+        return False
+
+
 def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
     """Build the embedded Qwen3-Omni-MoE model directory.
 
@@ -388,12 +397,8 @@ def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
     out = Path(out_dir)
     stamp = out / "omni_cache_model.json"
     fp = model_fingerprint(size)
-    if not force and stamp.exists():
-        try:
-            if json.loads(stamp.read_text()).get("fingerprint") == fp:
-                return out
-        except (OSError, ValueError):
-            pass
+    if not force and is_up_to_date(stamp, fp):
+        return out
     out.mkdir(parents=True, exist_ok=True)
     cfg = Qwen3OmniMoeConfig(**qwen3_omni_config_dict(SIZES[size]))
     torch.manual_seed(SEED)

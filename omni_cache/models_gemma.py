@@ -35,7 +35,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from omni_cache.models import SEED, THINKER_VOCAB, build_qwen3_omni, build_tokenizer
+from omni_cache.models import SEED, THINKER_VOCAB, build_qwen3_omni, build_tokenizer, is_up_to_date
 
 GEMMA_FORMAT_VERSION = 1
 THINKER_SUBDIR = "thinker"
@@ -130,13 +130,6 @@ def gemma_fingerprint(size: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def _fresh(stamp: Path, fp: str) -> bool:
-    try:
-        return json.loads(stamp.read_text()).get("fingerprint") == fp
-    except (OSError, ValueError):
-        return False
-
-
 def build_gemma3n_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
     """Build the KV-shared thinker directory (config, seeded weights, tokenizer).
 
@@ -154,7 +147,7 @@ def build_gemma3n_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, for
     out = Path(out_dir)
     stamp = out / "omni_cache_model.json"
     fp = gemma_fingerprint(size)
-    if not force and _fresh(stamp, fp):
+    if not force and is_up_to_date(stamp, fp):
         return out
     out.mkdir(parents=True, exist_ok=True)
     cfg = Gemma3nTextConfig(**gemma3n_config_dict(GEMMA_SIZES[size]))
@@ -180,7 +173,7 @@ def build_gemma_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
     spec = GEMMA_SIZES[size]
     stamp = out / "omni_cache_gemma_omni.json"
     fp = gemma_fingerprint(size)
-    if not force and _fresh(stamp, fp) and (out / "config.json").exists():
+    if not force and is_up_to_date(stamp, fp) and (out / "config.json").exists():
         return out
     from omni_cache.models import default_model_dir
 
