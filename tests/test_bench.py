@@ -159,3 +159,26 @@ def test_no_samples_is_never_a_pass(tmp_path):
     assert all(c["passed"] is None for c in checks["text"])
     assert "PASS" not in S.format_table(s, checks)
     S.plot(s, tmp_path / "empty.png")
+
+
+def test_floor_gives_the_attainable_speedup():
+    """``floor`` (a hit's suffix alone) on cache off bounds what any prefix cache can reach."""
+    summ = {"text": S.summarize_workload({"off": _rows([200, 220], 0.0), "builtin": _rows([60], 0.9),
+                                          "omni_cache": _rows([50], 0.9)}),
+            "floor": S.summarize_workload({"off": _rows([40, 40], 0.0, prompt=100),
+                                           "omni_cache": _rows([41], 0.0, prompt=100)})}
+    S.add_attainable(summ)
+    oc = summ["text"]["omni_cache"]
+    assert oc["attainable_speedup"] == pytest.approx(210 / 40)
+    assert oc["fraction_of_attainable"] == pytest.approx((210 / 50) / (210 / 40))
+    assert oc["floor_ms"] == 40 and oc["floor_prompt_tokens"] == 100
+    assert "attainable_speedup" not in summ["text"]["off"] and "attainable_speedup" not in summ["floor"]["off"]
+    assert S.bar_checks("floor", summ["floor"]) == []
+    assert "attain." in S.format_table(summ, {w: S.bar_checks(w, summ[w]) for w in summ})
+    # no floor measured on cache off: nothing is claimed
+    bare = {"text": S.summarize_workload({"off": _rows([200], 0.0), "omni_cache": _rows([50], 0.9)})}
+    S.add_attainable(bare)
+    assert "attainable_speedup" not in bare["text"]["omni_cache"]
+    # floor prompts share no block with each other (distinct questions, empty system prompt)
+    floor = specs("floor", 0, WorkloadOptions(requests=3)) + specs("floor", 1, WorkloadOptions(requests=3))
+    assert len({s["text"] for s in floor}) == 6 and all(s["system"] == "" for s in floor)

@@ -22,7 +22,13 @@ from tests.pipeline_util import variant_stage_config
 pytestmark = pytest.mark.pipeline
 
 BLOCK = 32
-LONG = "Look carefully and listen to every detail before you answer my questions today. " * 5
+SENTENCE = "Look carefully and listen to every detail before you answer my questions today. "
+LONG = SENTENCE * 5
+# Same-step hit: a ~4,700-token shared prefix is longer than one step's token budget
+# (thinker max_num_batched_tokens 4096), so request A prefills in two steps and request B,
+# sent with it, is admitted in A's second step and hits blocks that A completes in that step.
+STEP_BUDGET = 4096
+SAME_STEP_DOC = "Chapter two. " + SENTENCE * 60
 
 
 def _two_turn_ids(tok, answer_ids: list[int] | None):
@@ -56,7 +62,9 @@ def _run_workload(pipe, model_dir):
     t2 = _two_turn_ids(tok, r1.token_ids)
     (r2,) = pipe.generate([{"prompt_token_ids": t2}])
     named.append(("chat:turn2", r2))
-    return named, len(t1)
+    batch = pipe.generate([build_request(SAME_STEP_DOC + "Why?"),
+                           build_request(SAME_STEP_DOC + "And which of the details did you notice first, and why?")])
+    return named, len(t1), sorted(batch, key=lambda r: r.num_prompt_tokens)
 
 
 def _handoffs(out_dir):
@@ -72,13 +80,13 @@ def runs(tmp_path_factory, tiny_model_dir):
     for variant in ("off", "omni_cache", "omni_cache_forget"):
         d = tmp_path_factory.mktemp(variant)
         with OmniPipeline(tiny_model_dir, variant_stage_config(d, variant)) as pipe:
-            named, t1_len = _run_workload(pipe, tiny_model_dir)
-        out[variant] = (d, named, t1_len)
+            named, t1_len, batch = _run_workload(pipe, tiny_model_dir)
+        out[variant] = (d, named, t1_len, batch)
     return out
 
 
 def test_hits_happen_and_omni_cache_served_them(runs):
-    d, named, t1_len = runs["omni_cache"]
+    d, named, t1_len, _ = runs["omni_cache"]
     hits = {n: r.num_cached_tokens for n, r in named}
     for n, r in named:
         if n.endswith("second, please?"):
@@ -96,7 +104,7 @@ def test_hits_happen_and_omni_cache_served_them(runs):
 def test_lost_rows_cap_the_hit_and_stay_exact(runs):
     """The scheduler caps a hit whose hidden rows it cannot vouch for (here: the first
     request's rows are declared lost); the engine keeps serving and nothing wrong is served."""
-    d, named, _ = runs["omni_cache_forget"]
+    d, named, _, _ = runs["omni_cache_forget"]
     normal = dict(runs["omni_cache"][1])
     forgot = dict(named)
     second_text = "text:And what comes second, please?"
@@ -108,10 +116,10 @@ def test_lost_rows_cap_the_hit_and_stay_exact(runs):
 
 @pytest.mark.parametrize("variant", ["omni_cache", "omni_cache_forget"])
 def test_cache_on_equals_cache_off_bitwise(runs, variant):
-    d_off, off, _ = runs["off"]
-    d_on, on, _ = runs[variant]
+    d_off, off, _, _ = runs["off"]
+    d_on, on, _, _ = runs[variant]
     assert [n for n, _ in off] == [n for n, _ in on]
-    ho_off, ho_on = _handoffs(d_off), _handoffs(d_on)
+    ho_off, ho_on = _handoffs(d_off)[: len(off)], _handoffs(d_on)[: len(on)]
     assert len(ho_off) == len(ho_on) == len(off)
     for (name, r_off), (_, r_on), h_off, h_on in zip(off, on, ho_off, ho_on):
         assert r_off.error is None and r_on.error is None
@@ -124,3 +132,30 @@ def test_cache_on_equals_cache_off_bitwise(runs, variant):
             assert torch.equal(h_on[k], h_off[k]), (name, k)
         assert r_off.audio is not None and r_on.audio is not None, name
         assert np.array_equal(r_on.audio, r_off.audio), name
+
+
+def test_same_step_hit_is_served_and_exact(runs):
+    """Two requests sharing a prefix longer than one step's token budget, sent together:
+    B is admitted in the step where A completes its prompt and hits those blocks too (vLLM
+    caches a block when it is scheduled; the runner writes before it reads). Thinker tokens
+    and every hand-off tensor equal cache off bitwise (audio of a batch is not compared: the
+    talker's sampling is not batch-invariant)."""
+    d, _, _, batch_on = runs["omni_cache"]
+    d_off, _, _, batch_off = runs["off"]
+    a, b = batch_on
+    assert a.num_cached_tokens == 0 and b.num_prompt_tokens > a.num_prompt_tokens > STEP_BUDGET + BLOCK
+    # B hits beyond A's first step: the blocks A completes in B's own first step are served
+    assert b.num_cached_tokens > STEP_BUDGET, (b.num_cached_tokens, a.num_prompt_tokens)
+    assert b.num_cached_tokens >= (a.num_prompt_tokens - 40) // BLOCK * BLOCK
+    sched = [json.loads(p.read_text()) for p in (d / "metrics").glob("scheduler-*.json")]
+    assert sched and sched[0]["same_step_hit_tokens"] > 0, sched
+    ho_on = sorted(_handoffs(d)[-2:], key=lambda h: h["hidden"].shape[0])
+    ho_off = sorted(_handoffs(d_off)[-2:], key=lambda h: h["hidden"].shape[0])
+    for r_on, r_off, h_on, h_off in zip(batch_on, batch_off, ho_on, ho_off):
+        assert r_on.error is None and r_off.error is None
+        assert r_on.num_prompt_tokens == r_off.num_prompt_tokens
+        assert r_on.token_ids == r_off.token_ids
+        assert set(h_on) == set(h_off)
+        for k in h_off:
+            assert h_on[k].shape == h_off[k].shape, k
+            assert torch.equal(h_on[k], h_off[k]), k

@@ -36,3 +36,21 @@ def test_per_key_validity_caps_hits_that_need_a_missing_key():
     w.record(2, None)
     assert w.covered(blocks, keys=["hidden_states.layer_4"]) == 1
     assert spans_overlap([(0, 40)], 32, 64) and not spans_overlap([(0, 32)], 32, 64)
+
+
+def test_pending_blocks_of_the_same_step_extend_the_covered_run():
+    """Blocks that requests scheduled earlier in the same step complete count as covered
+    when their hash matches; a stale record is overridden only by a matching pending hash,
+    and per-key validity applies to pending blocks too."""
+    w = WrittenBlocks()
+    w.record(1, "a")
+    w.record(2, "old")  # block 2 was evicted and is being refilled in this step
+    blocks = [(1, "a"), (2, "b"), (4, "c"), (5, "d")]
+    assert w.covered(blocks) == 1
+    pending = {2: ("b", None), 4: ("c", None)}
+    assert w.covered(blocks, pending=pending) == 3  # block 5 completed by nobody: the run ends
+    assert w.covered(blocks, pending={2: ("x", None), 4: ("c", None)}) == 1  # hash differs
+    captured = frozenset({"hidden_states.layer_0"})
+    assert w.covered(blocks, pending={2: ("b", captured), 4: ("c", None)}) == 1  # needs every key
+    assert w.covered(blocks, keys=captured, pending={2: ("b", captured), 4: ("c", None)}) == 3
+    assert w.covered([(1, "a"), (2, None)], pending=pending) == 1  # an unhashed block never counts

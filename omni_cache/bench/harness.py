@@ -162,7 +162,7 @@ def _rotate(xs: list, k: int) -> list:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     from omni_cache.models import SIZES
 
-    ap.add_argument("--modalities", default="text,image,audio,chat,miss",
+    ap.add_argument("--modalities", default="text,image,audio,chat,miss,floor",
                     help=f"comma-separated workloads among {','.join(WORKLOADS)}")
     ap.add_argument("--requests", type=int, default=20, help="requests per workload per round (chat: turns)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds (each request of a round is new)")
@@ -393,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
 
     summ = {w: S.summarize_workload(samples[w]) for w in workloads}
+    S.add_attainable(summ)
     checks = {w: S.bar_checks(w, summ[w]) for w in workloads} if "omni_cache" in variants else {}
     metrics = []
     for v in variants:
@@ -458,6 +459,10 @@ METRIC_DEFINITIONS = {
     "speedup_paired": "median over requests (same round, index) of off prefill_ms / variant prefill_ms",
     "ideal_speedup": "1 / (1 - h), h the variant's median hit ratio",
     "fraction_of_ideal": "speedup_vs_off / ideal_speedup",
+    "attainable_speedup": "median prefill_ms of the workload on cache off / median prefill_ms of workload 'floor' "
+                          "(the hit's suffix alone, no prefix) on cache off: the speedup of a prefix cache whose hit "
+                          "costs a prefill of the uncached suffix alone",
+    "fraction_of_attainable": "speedup_vs_off / attainable_speedup",
 }
 
 

@@ -96,6 +96,42 @@ def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off"
     return out
 
 
+#: shared-prefix workloads whose hits the ``floor`` workload bounds (same question suffix)
+FLOOR_BOUNDS = ("text", "image", "audio", "chat")
+
+
+def add_attainable(workloads: dict[str, dict[str, dict[str, Any]]], reference: str = "off") -> None:
+    """Add the attainable speedup to every cache variant of the shared-prefix workloads, in place.
+
+    With a ``floor`` workload (only the part a hit computes, see
+    :mod:`omni_cache.bench.workloads`) measured on ``reference``: ``attainable_speedup`` =
+    median prefill of the workload on ``reference`` / median prefill of ``floor`` on
+    ``reference`` — the speedup of a prefix cache whose hit costs exactly a prefill of the
+    uncached suffix alone (the step's fixed cost included, no attention over the prefix);
+    ``fraction_of_attainable`` = ``speedup_vs_off`` / ``attainable_speedup``; ``floor_ms`` and
+    ``floor_prompt_tokens`` (to compare with ``computed_tokens`` of the hit). Without a floor
+    on ``reference`` nothing is added.
+    """
+    floor = (workloads.get("floor") or {}).get(reference)
+    if not floor or not floor.get("prefill_ms"):
+        return
+    f_ms = floor["prefill_ms"]["median"]
+    f_tok = (floor.get("num_prompt_tokens") or {}).get("median")
+    for w in FLOOR_BOUNDS:
+        summ = workloads.get(w) or {}
+        ref = (summ.get(reference) or {}).get("prefill_ms")
+        if not ref:
+            continue
+        attainable = ref["median"] / f_ms
+        for v, s in summ.items():
+            if v == reference:
+                continue
+            s["floor_ms"], s["floor_prompt_tokens"] = f_ms, f_tok
+            s["attainable_speedup"] = attainable
+            sp = s.get("speedup_vs_off")
+            s["fraction_of_attainable"] = sp / attainable if sp else None
+
+
 def bar_target(h: float) -> float:
     """Minimum omni-cache prefill speedup vs off for hit ratio ``h``: ≥ 0.8·1/(1−h) for
     h ≤ 0.90, ≥ 10× for h ≥ 0.95, and min(0.8·1/(1−h), 10) in between (continuous)."""
@@ -118,6 +154,8 @@ def bar_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str = "o
     def med(x):
         return x["prefill_ms"]["median"] if x and x.get("prefill_ms") else None
 
+    if workload == "floor":
+        return checks  # a reference measurement, no bar
     if workload == "miss":
         a, b = med(s), med(off)
         ratio = a / b if a and b else None
@@ -147,7 +185,8 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
 def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[str, list[dict]]) -> str:
     """The end-of-run table: per workload and variant the medians, h, speedups; then the bars."""
     head = (f"{'workload':8} {'variant':10} {'prompt':>6} {'h':>6} {'prefill ms':>10} {'IQR%':>5} "
-            f"{'TTFT ms':>8} {'TTFP ms':>8} {'E2E ms':>8} {'speedup':>7} {'ideal':>6} {'of ideal':>8}")
+            f"{'TTFT ms':>8} {'TTFP ms':>8} {'E2E ms':>8} {'speedup':>7} {'ideal':>6} {'of ideal':>8} "
+            f"{'attain.':>7} {'of att.':>7}")
     lines = [head, "-" * len(head)]
     for w, summ in workloads.items():
         for v, s in summ.items():
@@ -157,8 +196,11 @@ def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[s
                 f"{s['hit_ratio']:6.3f} {_f(pre.get('median')):>10} {_f(100 * pre['rel_iqr'] if pre else None, '{:.0f}'):>5} "
                 f"{_f((s.get('ttft_ms') or {}).get('median')):>8} {_f((s.get('ttfp_ms') or {}).get('median')):>8} "
                 f"{_f((s.get('e2e_ms') or {}).get('median')):>8} {_f(s.get('speedup_vs_off'), '{:.2f}'):>7} "
-                f"{_f(s.get('ideal_speedup'), '{:.2f}'):>6} {_f(s.get('fraction_of_ideal'), '{:.2f}'):>8}")
+                f"{_f(s.get('ideal_speedup'), '{:.2f}'):>6} {_f(s.get('fraction_of_ideal'), '{:.2f}'):>8} "
+                f"{_f(s.get('attainable_speedup'), '{:.2f}'):>7} {_f(s.get('fraction_of_attainable'), '{:.2f}'):>7}")
     lines.append("")
+    lines.append("attain. = off / floor: the speedup of a hit that costs a prefill of the suffix alone "
+                 "(workload 'floor'); of att. = speedup / attain.")
     lines.append("bar checks (omni-cache, thinker prefill time):")
     for w, cs in checks.items():
         for c in cs:
@@ -191,6 +233,9 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
                 ideal = off["median"] / summ[v]["ideal_speedup"]
                 ax.hlines(ideal, k - 0.4, k + 0.4, colors="k", linestyles="--", linewidth=1,
                           label="ideal 1/(1−h)" if k == 1 else None)
+            if v != "off" and summ[v].get("floor_ms"):
+                ax.hlines(summ[v]["floor_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.2,
+                          label="floor (suffix alone)" if k == 1 else None)
             sp = summ[v].get("speedup_vs_off")
             ax.text(k, meds[k] + hi[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
                     ha="center", va="bottom", fontsize=7)

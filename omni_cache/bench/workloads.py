@@ -19,6 +19,12 @@ soundfile and processed by the model's own HF processors inside vLLM):
   turn's decode filled), then a new question. Answers are ``chat_answer_tokens`` long.
 - ``miss``:  every prompt distinct from its first token on (a distinct opening before the
   system prompt and a distinct document of the same length): no block is shared.
+- ``floor``: only the part a hit still computes — an empty system prompt and a distinct
+  question of the shared-prefix workloads' length (~100 tokens, under one block of shared
+  template): no hit. Its prefill time on cache off is the fastest any prefix cache can make a
+  hit of those workloads (the engine's fixed cost of a step plus the suffix tokens, without
+  attention over the prefix), so ``off / floor`` is the *attainable* speedup
+  (:func:`omni_cache.bench.summary.add_attainable`).
 
 Rounds use distinct questions, so a timed request never hits its own full prompt; the shared
 prefix is warmed by an untimed request (``warmup_specs``) before each round of a workload.
@@ -31,7 +37,7 @@ from pathlib import Path
 
 from omni_cache.inputs import DEFAULT_SYSTEM_PROMPT
 
-WORKLOADS = ("text", "image", "audio", "chat", "miss")
+WORKLOADS = ("text", "image", "audio", "chat", "miss", "floor")
 WORDS = ("river stone cloud lantern meadow copper violin harbor orchard falcon ember "
          "glacier canyon thistle marble compass willow saffron beacon tundra").split()
 
@@ -96,6 +102,8 @@ def specs(workload: str, r: int, opts: WorkloadOptions) -> list[dict]:
         return [{**base, "index": i, "system": f"[{r}-{i}] {words(3, 5000 + 97 * r + i)}. {DEFAULT_SYSTEM_PROMPT}",
                  "text": f"{words(opts.prefix_words, 50 + 31 * r + i)}\n\n{_question(r, i, opts.suffix_words)}"}
                 for i in range(n)]
+    if workload == "floor":
+        return [{**base, "index": i, "system": "", "text": _question(r, i, opts.suffix_words)} for i in range(n)]
     raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
 
 

@@ -13,7 +13,7 @@ none) and ends the run. Source of the idea: LMCache #3221's note that a consiste
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 
 #: ``keys`` value meaning "every cached key" (the default: a normal forward writes all keys).
@@ -51,15 +51,26 @@ class WrittenBlocks:
         self._keys.pop(block_id, None)
 
     def covered(self, blocks: Sequence[tuple[int, Hashable | None]],
-                keys: Iterable[str] | None = ALL_KEYS) -> int:
+                keys: Iterable[str] | None = ALL_KEYS,
+                pending: Mapping[int, tuple[Hashable, frozenset[str] | None]] | None = None) -> int:
         """Number of leading ``(block_id, current_hash)`` pairs whose rows are complete and
-        valid for every key in ``keys`` (:data:`ALL_KEYS`: valid for all keys)."""
+        valid for every key in ``keys`` (:data:`ALL_KEYS`: valid for all keys).
+
+        ``pending``: block id → ``(hash, keys)`` of blocks that requests already scheduled in
+        the current step complete in that step (their rows are written before any hit of the
+        step is read); such a block counts as if recorded.
+        """
         need = None if keys is ALL_KEYS else frozenset(keys)
         n = 0
         for block_id, h in blocks:
-            if h is None or self._hash.get(block_id) != h:
+            if h is None:
                 break
-            have = self._keys.get(block_id)
+            if self._hash.get(block_id) == h:
+                have = self._keys.get(block_id)
+            elif pending is not None and block_id in pending and pending[block_id][0] == h:
+                have = pending[block_id][1]
+            else:
+                break
             if have is not None and (need is None or not need <= have):
                 break
             n += 1

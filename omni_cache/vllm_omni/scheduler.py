@@ -5,7 +5,8 @@ returns the KV hit; :class:`OmniCacheSchedulerMixin` truncates it to the leading
 hidden-state rows are complete (:class:`~omni_cache.core.coverage.WrittenBlocks`), so the
 runner never has to serve — or refuse — rows it does not have: the uncovered tail is simply
 recomputed, and the engine keeps serving. After each ``schedule()`` it records the blocks
-that this step's scheduled tokens complete.
+that this step's scheduled tokens complete; within ``schedule()`` a hit may also cover blocks
+that requests scheduled earlier in the same step complete (a same-step hit).
 
 Selected through the pipeline topology (vLLM-Omni 0.30 owns ``scheduler_cls`` there, not in
 the deploy YAML): ``pipeline: qwen3_omni_moe_omni_cache`` (see :mod:`omni_cache.vllm_omni.plugin`).
@@ -47,6 +48,7 @@ class OmniCacheSchedulerMixin:
                 "forget_left": int(os.environ.get(ENV_TEST_FORGET, "0") or 0),
                 "forgotten": set(),
                 "capped_tokens": 0,
+                "same_step_hit_tokens": 0,  # hit tokens on blocks completed in the same step
                 "preemptions": 0,
                 "resumed": {},  # (request id, num_preemptions) -> prefix-hit tokens on resume
                 "truncated_spans": {},  # req id -> [(start, end)] written under fast prefill
@@ -63,8 +65,14 @@ class OmniCacheSchedulerMixin:
         st = self._omni_cache_state()
         g, bs = st["group"], st["bs"]
         mirrored = blocks.blocks[g]
-        covered = st["written"].covered([(b.block_id, b.block_hash) for b in mirrored[: num_local // bs]],
-                                        keys=st["hit_keys"])
+        pairs = [(b.block_id, b.block_hash) for b in mirrored[: num_local // bs]]
+        covered = st["written"].covered(pairs, keys=st["hit_keys"])
+        if covered < len(pairs):
+            # a same-step hit: blocks that requests scheduled earlier in this step complete now
+            with_pending = st["written"].covered(pairs, keys=st["hit_keys"],
+                                                 pending=self._blocks_completed_this_step(st))
+            st["same_step_hit_tokens"] += (with_pending - covered) * bs
+            covered = with_pending
         if covered * bs < num_local:
             st["capped_tokens"] += num_local - covered * bs
             logger.info("omni-cache: request %s prefix hit capped %d -> %d tokens (hidden rows not covered)",
@@ -85,6 +93,37 @@ class OmniCacheSchedulerMixin:
             st["resumed"][(request.request_id, request.num_preemptions)] = num_local
         return blocks, num_local, boundary, diverged
 
+    def _blocks_completed_this_step(self, st) -> dict:
+        """Block id → ``(block hash, keys)`` of the mirrored group's blocks that requests
+        already scheduled in the running ``schedule()`` call complete in this step.
+
+        vLLM hashes (caches) a block when it is allocated for tokens that fill it in this
+        step (``KVCacheManager.allocate_slots`` → ``cache_blocks``), so a request admitted
+        later in the same step can hit it; the runner writes every scheduled row before it
+        reads any hit, so such a hit gets this step's rows. A request's
+        ``num_computed_tokens`` advances only after ``schedule()`` (``_update_after_schedule``),
+        so during the waiting loop the blocks a scheduled request completes in this step are
+        exactly its hashed blocks from ``num_computed_tokens // block_size`` on; a running
+        request not scheduled in this step has none. vLLM preempts only in its running loop,
+        before the waiting loop's prefix lookups, and a preempted request has left
+        ``self.running``, so its blocks never count. Under KV-sharing fast prefill the keys
+        are the captured ones only (conservative: as for a prefill chunk).
+        """
+        g, bs = st["group"], st["bs"]
+        if st["forget_left"] > 0:  # fault injection pending: do not vouch for anything new
+            return {}
+        keys = CAPTURED_ONLY if st["truncates"] else ALL_KEYS
+        out = {}
+        for req in self.running:
+            if req.request_id in st["forgotten"]:
+                continue
+            blocks = self.kv_cache_manager.get_blocks(req.request_id).blocks[g]
+            for b in blocks[req.num_computed_tokens // bs:]:
+                if b.block_hash is None:
+                    break
+                out[b.block_id] = (b.block_hash, keys)
+        return out
+
     def _preempt_request(self, request, *args, **kwargs):
         super()._preempt_request(request, *args, **kwargs)
         st = self._omni_cache_state()
@@ -100,7 +139,8 @@ class OmniCacheSchedulerMixin:
             return
         st = self._omni_cache_state()
         counters = {"preemptions": st["preemptions"], "resumed_hits": len(st["resumed"]),
-                    "resumed_hit_tokens": sum(st["resumed"].values()), "capped_tokens": st["capped_tokens"]}
+                    "resumed_hit_tokens": sum(st["resumed"].values()), "capped_tokens": st["capped_tokens"],
+                    "same_step_hit_tokens": st["same_step_hit_tokens"]}
         path = Path(out) / f"scheduler-{os.getpid()}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
