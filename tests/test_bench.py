@@ -182,3 +182,13 @@ def test_floor_gives_the_attainable_speedup():
     # floor prompts share no block with each other (distinct questions, empty system prompt)
     floor = specs("floor", 0, WorkloadOptions(requests=3)) + specs("floor", 1, WorkloadOptions(requests=3))
     assert len({s["text"] for s in floor}) == 6 and all(s["system"] == "" for s in floor)
+
+
+def test_paired_speedup_has_a_bootstrap_interval():
+    off = _rows([100, 100, 100, 100, 100], 0.0, rounds=2)
+    slow = [dict(r, prefill_ms=r["prefill_ms"] * (1.04 + 0.01 * r["index"])) for r in off]
+    s = S.summarize_workload({"off": off, "omni_cache": slow})
+    lo, hi = s["omni_cache"]["speedup_paired_ci95"]
+    assert lo <= s["omni_cache"]["speedup_paired"] <= hi < 1.0   # reliably slower than off
+    assert S.bootstrap_median_ci([1.0, 2.0]) is None
+    assert S.bootstrap_median_ci([1.0] * 5) == [1.0, 1.0]

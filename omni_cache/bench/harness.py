@@ -457,6 +457,7 @@ METRIC_DEFINITIONS = {
     "computed_tokens": "thinker prompt tokens computed (vllm:request_prefill_kv_computed_tokens)",
     "speedup_vs_off": "median prefill_ms of cache off / median prefill_ms of the variant",
     "speedup_paired": "median over requests (same round, index) of off prefill_ms / variant prefill_ms",
+    "speedup_paired_ci95": "95% percentile-bootstrap interval of speedup_paired (4000 resamples, seed 0)",
     "ideal_speedup": "1 / (1 - h), h the variant's median hit ratio",
     "fraction_of_ideal": "speedup_vs_off / ideal_speedup",
     "attainable_speedup": "median prefill_ms of the workload on cache off / median prefill_ms of workload 'floor' "
