@@ -40,17 +40,27 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
 
         out = Path(args.out) if args.out else default_gemma_dir(args.size)
-        t0 = time.perf_counter()
-        print(f"building the embedded KV-shared Gemma-3n thinker + Qwen3-Omni talker ({args.size}) "
-              f"into {out} ...", flush=True)
-        build_gemma_omni(out, args.size, force=args.force)
-        print(f"done in {time.perf_counter() - t0:.1f} s: {out}")
-        return 0
+        return _build(f"the embedded KV-shared Gemma-3n thinker + Qwen3-Omni talker ({args.size})", out,
+                      lambda: build_gemma_omni(out, args.size, force=args.force))
     out = Path(args.out) if args.out else default_model_dir(args.size)
+    return _build(f"the embedded Qwen3-Omni ({args.size})", out,
+                  lambda: build_qwen3_omni(out, args.size, force=args.force))
+
+
+def _build(what: str, out: Path, build) -> int:
+    """Run ``build`` with progress lines; says whether it built or found ``out`` up to date
+    (the builders skip a directory whose build stamp ``*.json`` matches)."""
+    def stamps() -> dict[str, int]:
+        return {p.name: p.stat().st_mtime_ns for p in out.glob("omni_cache_*.json")} if out.is_dir() else {}
+
+    before = stamps()
     t0 = time.perf_counter()
-    print(f"building the embedded Qwen3-Omni ({args.size}) into {out} ...", flush=True)
-    build_qwen3_omni(out, args.size, force=args.force)
-    print(f"done in {time.perf_counter() - t0:.1f} s: {out}")
+    print(f"{what}: {out} ...", flush=True)
+    build()
+    if before and stamps() == before:
+        print(f"up to date (build stamp matches), checked in {time.perf_counter() - t0:.1f} s")
+    else:
+        print(f"built in {time.perf_counter() - t0:.1f} s: {out}")
     return 0
 
 
