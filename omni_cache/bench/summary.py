@@ -254,10 +254,10 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
         for k, v in enumerate(vs):
             if v != "off" and off and math.isfinite(summ[v]["ideal_speedup"]):
                 ideal = off["median"] / summ[v]["ideal_speedup"]
-                ax.hlines(ideal, k - 0.4, k + 0.4, colors="k", linestyles="--", linewidth=1,
+                ax.hlines(ideal, k - 0.4, k + 0.4, colors="k", linestyles="--", linewidth=1, zorder=3,
                           label="ideal 1/(1−h)" if k == 1 else None)
             if v != "off" and summ[v].get("floor_ms"):
-                ax.hlines(summ[v]["floor_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.2,
+                ax.hlines(summ[v]["floor_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5, zorder=3,
                           label="floor (suffix alone)" if k == 1 else None)
             sp = summ[v].get("speedup_vs_off")
             ax.text(k, meds[k] + hi[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
