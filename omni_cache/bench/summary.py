@@ -74,8 +74,9 @@ def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off"
 
     ``speedup_vs_off`` = median prefill of ``reference`` / median prefill of the variant;
     ``speedup_paired`` = median over requests (same round and index) of the per-request ratio
-    (robust to drift between rounds), ``speedup_paired_ci95`` its 95 % bootstrap interval; ``fraction_of_ideal`` = speedup / (1/(1−h)) with h the
-    median hit ratio h = cached / prompt tokens of the variant.
+    (robust to drift between rounds), ``speedup_paired_ci95`` its 95 % bootstrap interval;
+    ``fraction_of_ideal`` = speedup / (1/(1−h)) with h the median hit ratio h = cached /
+    prompt tokens of the variant.
     """
     out: dict[str, dict[str, Any]] = {}
     for v, rows in by_variant.items():
