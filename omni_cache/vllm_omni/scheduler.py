@@ -49,6 +49,10 @@ class OmniCacheSchedulerMixin:
                 "forgotten": set(),
                 "capped_tokens": 0,
                 "same_step_hit_tokens": 0,  # hit tokens on blocks completed in the same step
+                # req id -> (capped, same-step) tokens of its latest lookup; a waiting request
+                # is looked up again every step until admitted, so the counters above take
+                # only the lookup that admitted it (in schedule())
+                "lookup": {},
                 "preemptions": 0,
                 "resumed": {},  # (request id, num_preemptions) -> prefix-hit tokens on resume
                 "truncated_spans": {},  # req id -> [(start, end)] written under fast prefill
@@ -60,21 +64,25 @@ class OmniCacheSchedulerMixin:
 
     def _get_local_prefix_cache_hit(self, request):
         blocks, num_local, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        st = self._omni_cache_state()
+        st["lookup"].pop(request.request_id, None)
         if num_local <= 0:
             return blocks, num_local, boundary, diverged
-        st = self._omni_cache_state()
         g, bs = st["group"], st["bs"]
         mirrored = blocks.blocks[g]
         pairs = [(b.block_id, b.block_hash) for b in mirrored[: num_local // bs]]
         covered = st["written"].covered(pairs, keys=st["hit_keys"])
+        same_step = 0
         if covered < len(pairs):
             # a same-step hit: blocks that requests scheduled earlier in this step complete now
             with_pending = st["written"].covered(pairs, keys=st["hit_keys"],
                                                  pending=self._blocks_completed_this_step(st))
-            st["same_step_hit_tokens"] += (with_pending - covered) * bs
+            same_step = (with_pending - covered) * bs
             covered = with_pending
-        if covered * bs < num_local:
-            st["capped_tokens"] += num_local - covered * bs
+        capped = max(num_local - covered * bs, 0)
+        if same_step or capped:
+            st["lookup"][request.request_id] = (capped, same_step)
+        if capped:
             logger.info("omni-cache: request %s prefix hit capped %d -> %d tokens (hidden rows not covered)",
                         request.request_id, num_local, covered * bs)
             if len(blocks.blocks) == 1:
@@ -159,9 +167,14 @@ class OmniCacheSchedulerMixin:
         new_ids = set(starts)
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-        trunc = st["truncated_spans"]
+        trunc, lookup = st["truncated_spans"], st["lookup"]
         for rid in out.finished_req_ids:
             trunc.pop(rid, None)
+            lookup.pop(rid, None)  # aborted while waiting: never admitted, not counted
+        for rid in starts.keys() & lookup.keys():  # admitted in this step
+            capped, same_step = lookup.pop(rid)
+            st["capped_tokens"] += capped
+            st["same_step_hit_tokens"] += same_step
         for rid, start in starts.items():
             if st["forget_left"] > 0 and rid not in st["forgotten"] and rid in new_ids:
                 st["forgotten"].add(rid)
