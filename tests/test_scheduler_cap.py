@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from omni_cache.vllm_omni.runner import ENV_METRICS_DIR
 from omni_cache.vllm_omni.scheduler import ENV_TEST_FORGET
 
 BS = 16
@@ -94,8 +95,9 @@ def _run(s, abort_b: bool = False, max_steps: int = 40):
     raise AssertionError(f"B neither admitted nor gone after {max_steps} steps")
 
 
-def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch):
+def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch, tmp_path):
     monkeypatch.setenv(ENV_TEST_FORGET, "1")  # A's rows are "lost": its blocks are not covered
+    monkeypatch.setenv(ENV_METRICS_DIR, str(tmp_path))
     s = _scheduler(vllm_config)
     waited, b_start = _run(s)
     st = s._omni_cache_state()
@@ -103,6 +105,9 @@ def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch):
     assert b_start == 0  # the 64-token KV hit was capped to the covered prefix: nothing
     assert st["capped_tokens"] == 64, st["capped_tokens"]  # once, for the admitting lookup
     assert st["same_step_hit_tokens"] == 0 and st["lookup"] == {}
+    # published by the admitting step itself (no shutdown yet): a killed engine core keeps it
+    (f,) = tmp_path.glob("scheduler-*.json")
+    assert json.loads(f.read_text())["capped_tokens"] == 64
 
 
 def test_covered_hit_is_served_and_nothing_capped(vllm_config, monkeypatch):

@@ -80,7 +80,7 @@ class OmniCacheSchedulerMixin:
             same_step = (with_pending - covered) * bs
             covered = with_pending
         capped = max(num_local - covered * bs, 0)
-        if same_step or capped:
+        if same_step or capped or request.num_preemptions > 0:
             st["lookup"][request.request_id] = (capped, same_step)
         if capped:
             logger.info("omni-cache: request %s prefix hit capped %d -> %d tokens (hidden rows not covered)",
@@ -140,8 +140,10 @@ class OmniCacheSchedulerMixin:
 
     def _publish_scheduler_metrics(self) -> None:
         """With ``OMNI_CACHE_METRICS_DIR`` set, write the scheduler's counters (preemptions,
-        resumed hits, capped tokens) to ``<dir>/scheduler-<pid>.json``; called on each
-        preemption and at shutdown (rare events, never per step)."""
+        resumed hits, capped and same-step hit tokens) to ``<dir>/scheduler-<pid>.json``;
+        called on each preemption, on a step that admits a capped, same-step or resumed hit, and at
+        shutdown (rare events, never on a plain step; an engine core killed before its
+        shutdown still leaves the counters of those events)."""
         out = os.environ.get(ENV_METRICS_DIR)
         if not out:
             return
@@ -171,10 +173,13 @@ class OmniCacheSchedulerMixin:
         for rid in out.finished_req_ids:
             trunc.pop(rid, None)
             lookup.pop(rid, None)  # aborted while waiting: never admitted, not counted
-        for rid in starts.keys() & lookup.keys():  # admitted in this step
+        admitted = starts.keys() & lookup.keys()  # requests whose counted lookup admitted them now
+        for rid in admitted:
             capped, same_step = lookup.pop(rid)
             st["capped_tokens"] += capped
             st["same_step_hit_tokens"] += same_step
+        if admitted:  # rare (a capped, same-step or resumed hit): publish now, not only at shutdown
+            self._publish_scheduler_metrics()
         for rid, start in starts.items():
             if st["forget_left"] > 0 and rid not in st["forgotten"] and rid in new_ids:
                 st["forgotten"].add(rid)
