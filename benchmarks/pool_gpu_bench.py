@@ -34,12 +34,12 @@ def bench(tier: Tier, tokens: int, width: int, num_blocks: int, block_size: int,
     write_ms, read_ms, host_ms, commit_ms = [], [], [], []
     for r in range(repeats + 2):
         blocks = torch.randperm(num_blocks)[:nb].tolist()
-        tags = list(range(r * nb + 1, (r + 1) * nb + 1))
+        block_hashes = list(range(r * nb + 1, (r + 1) * nb + 1))
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         s.record()
-        cache.write_request_rows(f"r{r}", blocks, 0, rows, dict(enumerate(tags)))
+        cache.write_request_rows(f"r{r}", blocks, 0, rows, dict(enumerate(block_hashes)))
         e.record()
         host = (time.perf_counter() - t0) * 1e3  # host time to enqueue (no sync if async)
         torch.cuda.synchronize()
@@ -50,7 +50,7 @@ def bench(tier: Tier, tokens: int, width: int, num_blocks: int, block_size: int,
         commit = (time.perf_counter() - t1) * 1e3
         s2, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s2.record()
-        out = cache.read_prefix(f"r{r}", blocks, tokens, tags, [k.name for k in keys], out_device=dev)
+        out = cache.read_prefix(f"r{r}", blocks, tokens, block_hashes, [k.name for k in keys], out_device=dev)
         e2.record()
         torch.cuda.synchronize()
         assert torch.equal(out["hidden"], rows["hidden"])

@@ -1,7 +1,7 @@
 """Property tests: HiddenStateCache driven by a reference model of vLLM's block lifecycle.
 
 The reference model (``KvBlockPool`` + ``Sim``) mimics vLLM v1 prefix caching: a block pool
-with an LRU free queue, a tag -> block map for cached full blocks, prefix hits of whole
+with an LRU free queue, a block_hash -> block map for cached full blocks, prefix hits of whole
 blocks (at most ``num_tokens - 1``), blocks cached at schedule time (so a request can hit
 blocks another request computes in the same step), chunked prefill, decode, free/abort
 and preempt+resume. The "model" output at a position is a hash of everything the position
@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, block_chain_tags
+from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, chained_block_hashes
 
 BS = 4
 NUM_BLOCKS = 12
@@ -67,22 +67,22 @@ class Req:
     def rows(self, lo: int, hi: int, key: str) -> torch.Tensor:
         return torch.stack([model_row(self.content(p), key) for p in range(lo, hi)])
 
-    def tags(self, num_blocks: int) -> list[int]:
-        return block_chain_tags(self.tokens[: num_blocks * BS], BS, self.spans)
+    def block_hashes(self, num_blocks: int) -> list[int]:
+        return chained_block_hashes(self.tokens[: num_blocks * BS], BS, self.spans)
 
 
 class KvBlockPool:
-    """vLLM's BlockPool: ref counts, LRU free queue, tag -> cached full block."""
+    """vLLM's BlockPool: ref counts, LRU free queue, block_hash -> cached full block."""
 
     def __init__(self) -> None:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(NUM_BLOCKS))
         self.ref = [0] * NUM_BLOCKS
-        self.tag: list[int | None] = [None] * NUM_BLOCKS
+        self.block_hash: list[int | None] = [None] * NUM_BLOCKS
         self.cached: dict[int, int] = {}
 
-    def longest_hit(self, tags: list[int]) -> list[int]:
+    def longest_hit(self, block_hashes: list[int]) -> list[int]:
         hit = []
-        for t in tags:
+        for t in block_hashes:
             if t not in self.cached:
                 break
             hit.append(self.cached[t])
@@ -94,10 +94,10 @@ class KvBlockPool:
         self.ref[b] += 1
 
     def allocate(self) -> int:
-        b, _ = self.free.popitem(last=False)  # evicts the LRU block and its cached tag
-        if self.tag[b] is not None:
-            del self.cached[self.tag[b]]
-            self.tag[b] = None
+        b, _ = self.free.popitem(last=False)  # evicts the LRU block and its cached block_hash
+        if self.block_hash[b] is not None:
+            del self.cached[self.block_hash[b]]
+            self.block_hash[b] = None
         self.ref[b] = 1
         return b
 
@@ -107,10 +107,10 @@ class KvBlockPool:
             if self.ref[b] == 0:
                 self.free[b] = None
 
-    def cache_block(self, b: int, tag: int) -> None:
-        if self.tag[b] is None and tag not in self.cached:
-            self.tag[b] = tag
-            self.cached[tag] = b
+    def cache_block(self, b: int, block_hash: int) -> None:
+        if self.block_hash[b] is None and block_hash not in self.cached:
+            self.block_hash[b] = block_hash
+            self.cached[block_hash] = b
 
 
 class Sim:
@@ -121,8 +121,8 @@ class Sim:
         self.reqs: list[Req] = []
         self.next_id = 0
         self.shadow: dict[tuple[int, int, str], tuple] = {}  # (block, offset, key) -> content
-        self.tag_content: dict[int, list[tuple]] = {}  # tag -> content of its block's slots
-        self.sealed: dict[int, set[int]] = {b: set() for b in range(NUM_BLOCKS)}
+        self.block_hash_content: dict[int, list[tuple]] = {}  # block_hash -> content of its block's slots
+        self.cached: dict[int, set[int]] = {b: set() for b in range(NUM_BLOCKS)}
         self.dropped: dict[int, set[str]] = {}  # block -> keys skipped during its current fill
         self.prompts: list[tuple[list[int], tuple]] = []
 
@@ -161,7 +161,7 @@ class Sim:
     def schedule(self, req: Req):
         hit: list[int] = []
         if not req.admitted:  # prefix hit: whole blocks, at most num_tokens - 1
-            hit = self.kv.longest_hit(req.tags((len(req.tokens) - 1) // BS))
+            hit = self.kv.longest_hit(req.block_hashes((len(req.tokens) - 1) // BS))
         computed = req.computed if req.admitted else len(hit) * BS
         n = min(self.draw(st.integers(1, 6)), len(req.tokens) - computed)
         need = -(-(computed + n) // BS) - (len(req.table) if req.admitted else len(hit))
@@ -175,7 +175,7 @@ class Sim:
             b = self.kv.allocate()
             self.dropped.pop(b, None)
             req.table.append(b)
-        full_tags = req.tags((computed + n) // BS)
+        full_tags = req.block_hashes((computed + n) // BS)
         for b, t in zip(req.table, full_tags):
             self.kv.cache_block(b, t)  # cached at schedule time, hittable this step
         return req, computed, n, full_tags, len(hit)
@@ -204,8 +204,8 @@ class Sim:
             )
             for i, t in enumerate(full_tags):
                 b = req.table[i]
-                self.sealed[b].add(t)
-                self.tag_content[t] = [req.content(p) for p in range(i * BS, (i + 1) * BS)]
+                self.cached[b].add(t)
+                self.block_hash_content[t] = [req.content(p) for p in range(i * BS, (i + 1) * BS)]
             for p in range(start, start + n):
                 b, o = req.table[p // BS], p % BS
                 for k in keep:
@@ -215,16 +215,16 @@ class Sim:
 
     # -- properties -------------------------------------------------------
     def check_hit(self, req: Req, start: int, n: int, hit_blocks: int) -> None:
-        tags = req.tags(hit_blocks)
+        block_hashes = req.block_hashes(hit_blocks)
         table = req.table[:hit_blocks]
-        covered = self.cache.covered_prefix_tokens(table, tags, KEYS)
+        covered = self.cache.covered_prefix_tokens(table, block_hashes, KEYS)
         assert covered <= start
         if not self.drops:
             assert covered == start, "ledger refused a valid hit"
         if covered < start:
             with pytest.raises(StaleRowsError):
-                self.cache.read_prefix(req.rid, table, start, tags, KEYS)
-        got = self.cache.read_prefix(req.rid, table, covered, tags, KEYS)
+                self.cache.read_prefix(req.rid, table, start, block_hashes, KEYS)
+        got = self.cache.read_prefix(req.rid, table, covered, block_hashes, KEYS)
         assert all(got[k].shape == (covered, SPEC[k].width) for k in KEYS)
         if covered:  # served rows are bitwise the model's rows
             assert all(same_bits(got[k], req.rows(0, covered, k)) for k in KEYS)
@@ -233,22 +233,22 @@ class Sim:
             assert all(same_bits(merged[k], req.rows(0, start + n, k)) for k in KEYS)
 
     def check_ledger(self) -> None:
-        """Covered (block, tag, key) => every slot truly holds that tag's rows."""
+        """Covered (block, block_hash, key) => every slot truly holds that block_hash's rows."""
         ledger = self.cache.ledger
-        for b, tags in self.sealed.items():
-            for t in tags:
+        for b, block_hashes in self.cached.items():
+            for t in block_hashes:
                 stale = True
                 for k in KEYS:
                     if ledger.covered_blocks([b], [t], [k]):
                         stale = False
                         assert all(
-                            self.shadow.get((b, o, k)) == self.tag_content[t][o] for o in range(BS)
+                            self.shadow.get((b, o, k)) == self.block_hash_content[t][o] for o in range(BS)
                         ), f"block {b} served stale rows for key {k}"
                 if stale:
                     with pytest.raises(StaleRowsError):
                         self.cache.read_prefix("probe", [b], BS, [t], KEYS)
         for b, keys in self.dropped.items():  # a dropped key never becomes covered
-            for t in self.sealed[b]:
+            for t in self.cached[b]:
                 for k in keys:
                     assert ledger.covered_blocks([b], [t], [k]) == 0
 
@@ -271,19 +271,19 @@ def test_lifecycle_never_serves_wrong_rows(data, drops):
 
 
 def test_same_step_hit_gets_writers_rows():
-    """B hits blocks A computes in the same step; B's write (restating the hit blocks' tags)
+    """B hits blocks A computes in the same step; B's write (restating the hit blocks' block_hashes)
     comes first in batch order, yet after the step's writes B reads A's rows."""
     cache = HiddenStateCache(NUM_BLOCKS, BS, SPECS)
     a = Req("A", [1, 2, 1, 2, 2, 2, 1, 1, 2], table=[3, 7, 5])
     b = Req("B", a.tokens[:8] + [1, 1, 2], table=[3, 7, 9])
-    tags = a.tags(2)
-    assert b.tags(2) == tags
+    block_hashes = a.block_hashes(2)
+    assert b.block_hashes(2) == block_hashes
     cache.begin_step()
     cache.write_request_rows("B", b.table, 8, {k: b.rows(8, 11, k) for k in KEYS},
-                             dict(enumerate(tags)))
+                             dict(enumerate(block_hashes)))
     cache.write_request_rows("A", a.table, 0, {k: a.rows(0, 9, k) for k in KEYS},
-                             dict(enumerate(tags)))
-    got = cache.read_prefix("B", b.table, 8, tags, KEYS)
+                             dict(enumerate(block_hashes)))
+    got = cache.read_prefix("B", b.table, 8, block_hashes, KEYS)
     assert all(same_bits(got[k], a.rows(0, 8, k)) for k in KEYS)
     merged = cache.merge(got, {k: b.rows(8, 11, k) for k in KEYS})
     assert all(same_bits(merged[k], b.rows(0, 11, k)) for k in KEYS)
@@ -292,11 +292,11 @@ def test_same_step_hit_gets_writers_rows():
 def test_dropped_key_step_is_never_served():
     cache = HiddenStateCache(NUM_BLOCKS, BS, SPECS)
     r = Req("A", [1, 2, 1, 2, 2, 1, 1, 1], table=[0, 1])
-    tags = r.tags(2)
-    cache.write_request_rows("A", r.table, 0, {k: r.rows(0, 6, k) for k in KEYS}, {0: tags[0]})
+    block_hashes = r.block_hashes(2)
+    cache.write_request_rows("A", r.table, 0, {k: r.rows(0, 6, k) for k in KEYS}, {0: block_hashes[0]})
     cache.write_request_rows("A", r.table, 6, {k: r.rows(6, 8, k) for k in ("hidden",)},
-                             dict(enumerate(tags)))
-    assert cache.covered_prefix_tokens(r.table, tags, ["hidden"]) == 8
-    assert cache.covered_prefix_tokens(r.table, tags, KEYS) == 4
+                             dict(enumerate(block_hashes)))
+    assert cache.covered_prefix_tokens(r.table, block_hashes, ["hidden"]) == 8
+    assert cache.covered_prefix_tokens(r.table, block_hashes, KEYS) == 4
     with pytest.raises(StaleRowsError, match="layer_0"):
-        cache.read_prefix("B", r.table, 8, tags, KEYS)
+        cache.read_prefix("B", r.table, 8, block_hashes, KEYS)

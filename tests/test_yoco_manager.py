@@ -45,9 +45,9 @@ def test_fast_prefill_chunk_writes_captured_keys_only_and_hits_serve_them():
     m.new_step_starts(_sched({"a": ([0, 1, 2], 0)}, {"a": 10}))
     hidden, mm = _rows(10, 0)
     m.save_outputs(hidden, mm, num_tokens_unpadded=10, num_tokens_padded=10)
-    tags = m.reqs["a"].tags
-    assert m.cache.covered_prefix_tokens([0, 1], tags, [LAYER]) == 8
-    assert m.cache.covered_prefix_tokens([0, 1], tags, [HIDDEN_KEY]) == 0  # truncated rows: never valid
+    block_hashes = m.reqs["a"].block_hashes
+    assert m.cache.covered_prefix_tokens([0, 1], block_hashes, [LAYER]) == 8
+    assert m.cache.covered_prefix_tokens([0, 1], block_hashes, [HIDDEN_KEY]) == 0  # truncated rows: never valid
 
     # a second request hits the first 8 tokens; only the captured key is read and merged
     runner.requests["b"] = NS(prompt_token_ids=prompt[:8] + [50, 51, 52], output_token_ids=[], mm_features=None)
@@ -67,11 +67,11 @@ def test_slow_path_and_single_token_steps_write_the_final_hidden_states():
     m.new_step_starts(_sched({"a": ([0, 1], 0)}, {"a": 8}))
     hidden, mm = _rows(8, 2)
     m.save_outputs(hidden, mm, num_tokens_unpadded=8, num_tokens_padded=8)
-    assert m.cache.covered_prefix_tokens([0, 1], m.reqs["a"].tags, [HIDDEN_KEY, LAYER]) == 8
+    assert m.cache.covered_prefix_tokens([0, 1], m.reqs["a"].block_hashes, [HIDDEN_KEY, LAYER]) == 8
 
     # fast prefill on, but a one-token step (decode) is a logit row: exact, written
     m2 = OmniCacheStageManager(_runner(True, {"a": [1]}), block_size=1, num_blocks=4)
     m2.new_step_starts(_sched({"a": ([0], 0)}, {"a": 1}))
     h, mm = _rows(1, 3)
     m2.save_outputs(h, mm, num_tokens_unpadded=1, num_tokens_padded=1)
-    assert m2.cache.covered_prefix_tokens([0], m2.reqs["a"].tags, [HIDDEN_KEY]) == 1
+    assert m2.cache.covered_prefix_tokens([0], m2.reqs["a"].block_hashes, [HIDDEN_KEY]) == 1

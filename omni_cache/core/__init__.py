@@ -8,9 +8,9 @@ Import invariant: nothing under ``omni_cache.core`` imports ``vllm`` or
 
 One concept per module:
 
-- :mod:`.slots`  -- block table -> slot id mapping, chained block tags.
+- :mod:`.slots`  -- block table -> slot id mapping, chained block hashes.
 - :mod:`.pool`   -- :class:`HiddenPool`, one key's ``[num_blocks, block_size, width]`` storage.
-- :mod:`.ledger` -- :class:`BlockLedger`, per-block integrity (tag, owner, fill).
+- :mod:`.ledger` -- :class:`BlockLedger`, per-block integrity (block hash, owner, fill).
 - :mod:`.cache`  -- :class:`HiddenStateCache`, pools + ledger + metrics.
 """
 
@@ -20,9 +20,9 @@ from omni_cache.core.cache import (
     KeySpec,
     StaleRowsError,
 )
-from omni_cache.core.ledger import TAG_MISMATCH, BlockLedger
+from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger
 from omni_cache.core.pool import HiddenPool, Tier
-from omni_cache.core.slots import block_chain_tags, num_full_blocks, slot_ids
+from omni_cache.core.slots import chained_block_hashes, num_full_blocks, slot_ids
 
 __all__ = [
     "BlockLedger",
@@ -31,9 +31,9 @@ __all__ = [
     "HiddenStateCache",
     "KeySpec",
     "StaleRowsError",
-    "TAG_MISMATCH",
+    "BLOCK_HASH_MISMATCH",
     "Tier",
-    "block_chain_tags",
+    "chained_block_hashes",
     "num_full_blocks",
     "slot_ids",
 ]

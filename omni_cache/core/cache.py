@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_cache.core.ledger import TAG_MISMATCH, BlockLedger
+from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger
 from omni_cache.core.pool import HiddenPool, Tier
 from omni_cache.core.slots import slot_ids
 
@@ -51,11 +51,11 @@ class CacheMetrics:
 class StaleRowsError(RuntimeError):
     """A prefix hit asked for rows the ledger cannot vouch for: ``req_id``, the
     ``block_index`` (in the request's block table) of the first such block, and the
-    ``key`` not fully written there (``TAG_MISMATCH`` if the block's tag differs)."""
+    ``key`` not fully written there (``BLOCK_HASH_MISMATCH`` if the block's hash differs)."""
 
     def __init__(self, req_id: str, block_index: int, key: str) -> None:
         self.req_id, self.block_index, self.key = req_id, block_index, key
-        what = "tag mismatch" if key == TAG_MISMATCH else f"key {key!r} not fully written"
+        what = "block_hash mismatch" if key == BLOCK_HASH_MISMATCH else f"key {key!r} not fully written"
         super().__init__(
             f"request {req_id!r}: block {block_index} of its prefix hit is stale ({what})"
         )
@@ -70,7 +70,7 @@ class HiddenStateCache:
 
     One :class:`HiddenPool` ``[num_blocks, block_size, width]`` per :class:`KeySpec`,
     addressed by KV slot id, plus one :class:`BlockLedger`. Rows are served for a prefix
-    hit only if the ledger vouches for every block (tag and full fill for every key).
+    hit only if the ledger vouches for every block (block hash and full fill for every key).
 
     Same-step semantics: in each engine step the runner first calls
     :meth:`write_request_rows` for every scheduled request, then :meth:`read_prefix`
@@ -126,7 +126,7 @@ class HiddenStateCache:
         block_ids: BlockIds,
         start: int,
         tensors: Mapping[str, torch.Tensor],
-        block_tags: Mapping[int, Hashable],
+        block_hashes: Mapping[int, Hashable],
         num_tokens: int | None = None,
     ) -> None:
         """Store the rows request ``req_id`` computed this step for positions
@@ -141,16 +141,16 @@ class HiddenStateCache:
                 dtype). Keys absent here are not marked filled for these positions, so a
                 key missing in a step makes the touched blocks uncovered for that key.
                 Call once per request per step with all of the step's keys.
-            block_tags: block index in the request -> tag, for every block that is FULL
-                after this write; those blocks are sealed. Blocks already sealed with the
-                same tag (e.g. prefix-hit blocks) are left as they are.
+            block_hashes: block index in the request -> block hash, for every block that is FULL
+                after this write; those blocks are cached. Blocks already cached with the
+                same block hash (e.g. prefix-hit blocks) are left as they are.
             num_tokens: ``n``, the tokens computed this step; required when ``tensors`` is
                 empty (every key missing) so the ledger still learns that ``req_id`` took
                 over the touched blocks; must match the rows' length otherwise.
 
         Raises:
             ValueError: unknown key, rows of differing lengths or widths or not
-                ``num_tokens`` long, positions outside the block table, or a tag given for a
+                ``num_tokens`` long, positions outside the block table, or a block hash given for a
                 touched block left partial.
         """
         t0 = time.perf_counter()
@@ -169,8 +169,8 @@ class HiddenStateCache:
             for b in range(start // bs, (start + n - 1) // bs + 1 if n else 0)
         }
         for b, (_, hi) in touched.items():
-            if b in block_tags and hi != bs:
-                raise ValueError(f"request {req_id!r}: block {b} is tagged but only "
+            if b in block_hashes and hi != bs:
+                raise ValueError(f"request {req_id!r}: block {b} is hashed but only "
                                  f"filled to offset {hi} of {bs}")
         if n:
             # head / tail partial blocks row by row, whole blocks as slabs
@@ -189,38 +189,38 @@ class HiddenStateCache:
                 self.metrics.bytes_written += n * self.pools[key].row_bytes
             self.metrics.rows_written += n * len(tensors)
         for b, (lo, hi) in touched.items():
-            self.ledger.record_write(blocks[b], block_tags.get(b), lo, hi, tensors.keys(),
+            self.ledger.record_write(blocks[b], block_hashes.get(b), lo, hi, tensors.keys(),
                                      owner=req_id)
-        for b, tag in block_tags.items():
+        for b, block_hash in block_hashes.items():
             if b not in touched:
-                self.ledger.seal(blocks[b], tag, owner=req_id)
+                self.ledger.cache_full_block(blocks[b], block_hash, owner=req_id)
         self.metrics.seconds_write += time.perf_counter() - t0
 
     def covered_prefix_tokens(
-        self, block_ids: BlockIds, tags: Sequence[Hashable], keys: Iterable[str]
+        self, block_ids: BlockIds, block_hashes: Sequence[Hashable], keys: Iterable[str]
     ) -> int:
-        """Tokens of the longest prefix of ``block_ids`` (tagged ``tags``) whose rows may be
+        """Tokens of the longest prefix of ``block_ids`` (block hashes ``block_hashes``) whose rows may be
         served for all ``keys``: ``covered_blocks * block_size``."""
-        return self.ledger.covered_blocks(_block_list(block_ids), tags, keys) * self.block_size
+        return self.ledger.covered_blocks(_block_list(block_ids), block_hashes, keys) * self.block_size
 
     def read_prefix(
         self,
         req_id: str,
         block_ids: BlockIds,
         num_tokens: int,
-        tags: Sequence[Hashable],
+        block_hashes: Sequence[Hashable],
         keys: Iterable[str],
         out_device: torch.device | str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Rows of a prefix hit: key -> ``[num_tokens, width]`` (key's dtype) for positions
         ``[0, num_tokens)``, copied out of the pools (later writes do not alias them).
 
-        ``num_tokens`` is the hit's ``num_computed_tokens``; ``tags`` are the request's block
-        tags (at least ``num_tokens // block_size`` of them).
+        ``num_tokens`` is the hit's ``num_computed_tokens``; ``block_hashes`` are the request's block
+        hashes (at least ``num_tokens // block_size`` of them).
 
         Raises:
             ValueError: ``num_tokens`` is not a multiple of ``block_size`` or exceeds the
-                block table / tags.
+                block table / block hashes.
             StaleRowsError: some block of the hit is not covered for some key; no rows are
                 returned in that case.
         """
@@ -229,11 +229,11 @@ class HiddenStateCache:
         bs = self.block_size
         nb, rem = divmod(num_tokens, bs)
         blocks = _block_list(block_ids)
-        if rem or nb > len(blocks) or nb > len(tags):
+        if rem or nb > len(blocks) or nb > len(block_hashes):
             raise ValueError(f"request {req_id!r}: hit of {num_tokens} tokens is not whole "
-                             f"blocks of {bs} within {len(blocks)} blocks / {len(tags)} tags")
+                             f"blocks of {bs} within {len(blocks)} blocks / {len(block_hashes)} block hashes")
         for i in range(nb):
-            key = self.ledger.uncovered_key(blocks[i], tags[i], keys)
+            key = self.ledger.uncovered_key(blocks[i], block_hashes[i], keys)
             if key is not None:
                 self.metrics.hits_refused += 1
                 raise StaleRowsError(req_id, i, key)

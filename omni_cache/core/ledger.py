@@ -1,36 +1,36 @@
-"""Per-block integrity ledger: which pool rows may be served for which block tag."""
+"""Per-block integrity ledger: which pool rows may be served for which block hash."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-#: ``uncovered_key`` result when the block is not sealed with the asked-for tag.
-TAG_MISMATCH = "<tag>"
+#: ``uncovered_key`` result when the block is not cached with the asked-for block hash.
+BLOCK_HASH_MISMATCH = "<block hash>"
 
 
 class BlockLedger:
-    """Per-block state ``(tag, owner, filled per key, generation)``.
+    """Per-block state ``(block_hash, owner, filled per key, generation)``.
 
-    Invariant: rows of block ``b`` for key ``k`` may be served for tag ``t`` iff
-    ``ledger.tag[b] == t and ledger.filled(b, k) == block_size``.
+    Invariant: rows of block ``b`` for key ``k`` may be served for block hash ``t`` iff
+    ``ledger.block_hash[b] == t and ledger.filled(b, k) == block_size``.
 
     - ``filled(b, k)`` counts the rows of key ``k`` written contiguously from in-block
       offset 0 during the block's current fill; a write that leaves a gap does not
       advance it, so a key skipped in some step can never reach ``block_size``.
     - ``owner[b]`` is the request (id) whose computation filled the block. vLLM frees and
       reallocates block ids, so any write by a different owner starts a new fill:
-      ``tag=None``, every key's ``filled=0``, ``generation += 1``.
+      ``block_hash=None``, every key's ``filled=0``, ``generation += 1``.
     - Within one owner, writes normally advance in offset order. A write starting at an
       offset already filled (recompute after preemption, rejected speculative tokens)
       truncates every key's fill to that offset before applying the write.
-    - ``tag[b]`` is ``None`` while the block is partial; ``seal`` (or ``record_write`` with
-      a tag) sets it once the block is full. A write to a sealed block under a different
-      tag (``None`` included) resets it. Seals by non-owners are ignored.
+    - ``block_hash[b]`` is ``None`` while the block is partial; ``cache_full_block`` (or ``record_write`` with
+      a block hash) sets it once the block is full. A write to a cached block under a different
+      block hash (``None`` included) resets it. Caching calls by non-owners are ignored.
 
     Owners must be unique for a request's lifetime (vLLM request ids are). Every physical
     write to a pool block must be recorded here, and one write per request per step must
     carry all of that step's keys (a second write at the same offsets is a recompute).
-    Tags are opaque hashable values (``block_chain_tags`` ints or vLLM ``BlockHash``).
+    Block hashes are opaque hashable values (``chained_block_hashes`` ints or vLLM ``BlockHash``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, keys: Sequence[str]) -> None:
@@ -38,7 +38,7 @@ class BlockLedger:
         self.block_size = block_size
         self.keys = tuple(keys)
         self._key_index = {k: i for i, k in enumerate(self.keys)}
-        self.tag: list[Hashable | None] = [None] * num_blocks
+        self.block_hash: list[Hashable | None] = [None] * num_blocks
         self.owner: list[str | None] = [None] * num_blocks
         self.generation: list[int] = [0] * num_blocks
         self._filled: list[list[int]] = [[0] * len(self.keys) for _ in range(num_blocks)]
@@ -54,19 +54,19 @@ class BlockLedger:
         return self._filled[block_id][self._key_index[key]]
 
     def _reset(self, block_id: int, owner: str | None) -> None:
-        self.tag[block_id] = None
+        self.block_hash[block_id] = None
         self.owner[block_id] = owner
         self._filled[block_id] = [0] * len(self.keys)
         self.generation[block_id] += 1
 
     def invalidate(self, block_id: int) -> None:
-        """Forget the block's contents: nothing in it is served until refilled and sealed."""
+        """Forget the block's contents: nothing in it is served until refilled and cached."""
         self._reset(block_id, None)
 
     def record_write(
         self,
         block_id: int,
-        tag: Hashable | None,
+        block_hash: Hashable | None,
         start: int,
         end: int,
         keys: Iterable[str],
@@ -75,8 +75,8 @@ class BlockLedger:
     ) -> None:
         """Rows at in-block offsets ``[start, end)`` were written for ``keys`` by ``owner``.
 
-        ``tag`` is the block's tag if the block is full after this write (then it is
-        sealed with it), else ``None``.
+        ``block_hash`` is the block's hash if the block is full after this write (then it is
+        cached with it), else ``None``.
 
         Raises:
             ValueError: bad offsets or an unknown key.
@@ -85,7 +85,7 @@ class BlockLedger:
             raise ValueError(f"block {block_id}: bad in-block range [{start}, {end})")
         indices = self._indices(keys)
         if owner != self.owner[block_id] or (
-            self.tag[block_id] is not None and self.tag[block_id] != tag
+            self.block_hash[block_id] is not None and self.block_hash[block_id] != block_hash
         ):
             self._reset(block_id, owner)
         filled = self._filled[block_id]
@@ -94,28 +94,28 @@ class BlockLedger:
         for i in indices:
             if filled[i] == start:
                 filled[i] = end
-        if tag is not None:
-            self.tag[block_id] = tag
+        if block_hash is not None:
+            self.block_hash[block_id] = block_hash
 
-    def seal(self, block_id: int, tag: Hashable, *, owner: str) -> None:
-        """Mark the block full with ``tag`` (its chained hash) on behalf of ``owner``.
+    def cache_full_block(self, block_id: int, block_hash: Hashable, *, owner: str) -> None:
+        """Mark the block full with ``block_hash`` (its chained hash) on behalf of ``owner``.
 
-        Only the owner can seal: a seal by another owner (e.g. a request restating the
-        tags of its prefix-hit blocks, possibly before the owner's write of the same step)
-        is ignored, since that request wrote none of the rows. An owner re-sealing with a
-        different tag resets the fill, so the block is not served until refilled.
+        Only the owner can cache a block: a call by another owner (e.g. a request restating the
+        block hashes of its prefix-hit blocks, possibly before the owner's write of the same step)
+        is ignored, since that request wrote none of the rows. An owner re-caching with a
+        different block hash resets the fill, so the block is not served until refilled.
         """
-        if owner != self.owner[block_id] or self.tag[block_id] == tag:
+        if owner != self.owner[block_id] or self.block_hash[block_id] == block_hash:
             return
-        if self.tag[block_id] is not None:
+        if self.block_hash[block_id] is not None:
             self._reset(block_id, owner)
-        self.tag[block_id] = tag
+        self.block_hash[block_id] = block_hash
 
-    def uncovered_key(self, block_id: int, tag: Hashable, keys: Iterable[str]) -> str | None:
-        """``None`` if the block may be served for ``tag`` and all ``keys``; else the reason:
-        :data:`TAG_MISMATCH` or the first key that is not fully filled."""
-        if self.tag[block_id] is None or self.tag[block_id] != tag:
-            return TAG_MISMATCH
+    def uncovered_key(self, block_id: int, block_hash: Hashable, keys: Iterable[str]) -> str | None:
+        """``None`` if the block may be served for ``block_hash`` and all ``keys``; else the reason:
+        :data:`BLOCK_HASH_MISMATCH` or the first key that is not fully filled."""
+        if self.block_hash[block_id] is None or self.block_hash[block_id] != block_hash:
+            return BLOCK_HASH_MISMATCH
         filled = self._filled[block_id]
         for i in self._indices(keys):
             if filled[i] != self.block_size:
@@ -123,14 +123,14 @@ class BlockLedger:
         return None
 
     def covered_blocks(
-        self, block_ids: Sequence[int], tags: Sequence[Hashable], keys: Iterable[str]
+        self, block_ids: Sequence[int], block_hashes: Sequence[Hashable], keys: Iterable[str]
     ) -> int:
-        """Length of the longest prefix of ``block_ids`` sealed with the matching ``tags``
+        """Length of the longest prefix of ``block_ids`` cached with the matching ``block_hashes``
         and fully filled for every key in ``keys``."""
         keys = tuple(keys)
         n = 0
-        for block_id, tag in zip(block_ids, tags):
-            if self.uncovered_key(int(block_id), tag, keys) is not None:
+        for block_id, block_hash in zip(block_ids, block_hashes):
+            if self.uncovered_key(int(block_id), block_hash, keys) is not None:
                 break
             n += 1
         return n

@@ -1,4 +1,4 @@
-"""Block table -> slot id mapping and chained block tags.
+"""Block table -> slot id mapping and chained block hashes.
 
 vLLM's KV cache is paged: ``num_blocks`` blocks of ``block_size`` tokens. A
 request's *block table* lists its block ids; the token at position ``p`` lives
@@ -14,10 +14,10 @@ from hashlib import blake2b
 import numpy as np
 import torch
 
-_TAG_BYTES = 8
-#: Parent tag of the first block of a prompt (a fixed constant, so tags are
+_HASH_BYTES = 8
+#: Parent hash of the first block of a prompt (a fixed constant, so block hashes are
 #: identical across processes and runs).
-ROOT_TAG = int.from_bytes(blake2b(b"omni-cache/root", digest_size=_TAG_BYTES).digest(), "little")
+NONE_HASH = int.from_bytes(blake2b(b"omni-cache/root", digest_size=_HASH_BYTES).digest(), "little")
 
 
 def slot_ids(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -53,7 +53,7 @@ def num_full_blocks(num_tokens: int, block_size: int) -> int:
 
 
 def _identifier_bytes(identifier: object) -> bytes:
-    """Stable, type-tagged encoding of an extra-key identifier (no salted ``hash()``)."""
+    """Stable, type-hashed encoding of an extra-key identifier (no salted ``hash()``)."""
     if isinstance(identifier, bytes):
         return b"b" + identifier
     if isinstance(identifier, str):
@@ -63,30 +63,30 @@ def _identifier_bytes(identifier: object) -> bytes:
     return b"r" + repr(identifier).encode()  # tuples of str/int/bytes have a stable repr
 
 
-def block_chain_tags(
+def chained_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     extra_keys: Sequence[tuple[int, int, object]] = (),
     parent: int | None = None,
 ) -> list[int]:
-    """One 64-bit tag per FULL block of ``token_ids``, chained like vLLM's block hash.
+    """One 64-bit block hash per FULL block of ``token_ids``, chained like vLLM's block hash.
 
     ``tag_i = blake2b(tag_{i-1}, tokens of block i, extra keys overlapping block i)``,
-    mirroring ``hash_block_tokens`` in ``vllm/v1/core/kv_cache_utils.py``: a block's tag
-    identifies the whole token prefix up to its end, so equal tags mean equal prefixes.
+    mirroring ``hash_block_tokens`` in ``vllm/v1/core/kv_cache_utils.py``: a block's hash
+    identifies the whole token prefix up to its end, so equal block hashes mean equal prefixes.
 
     Args:
         token_ids: token ids of the request (list, numpy or CPU tensor); a trailing
-            partial block gets no tag.
+            partial block gets no block hash.
         block_size: tokens per block.
         extra_keys: ``(start_pos, end_pos, identifier)`` half-open spans, e.g. a
             multimodal item's placeholder positions and its content hash, so prompts with
-            identical placeholder tokens but different images get different tags.
+            identical placeholder tokens but different images get different block hashes.
             Identifiers are bytes/str/int or values with a stable ``repr``. Positions are
             relative to ``token_ids[0]``; the span is hashed by its offsets relative to
             each block it overlaps, so continuing a chain with ``parent`` (and spans shifted
-            accordingly) gives the same tags as hashing the whole prompt.
-        parent: tag of the block preceding ``token_ids[0]``; ``None`` for a prompt start.
+            accordingly) gives the same block hashes as hashing the whole prompt.
+        parent: hash of the block preceding ``token_ids[0]``; ``None`` for a prompt start.
 
     Returns:
         ``len(token_ids) // block_size`` unsigned 64-bit ints, deterministic across processes.
@@ -105,13 +105,13 @@ def block_chain_tags(
             head = np.array([start - lo, end - lo, len(ident)], dtype="<i8").tobytes()
             per_block[b].append(head + ident)
     stride = block_size * 8
-    prev = ROOT_TAG if parent is None else parent
-    tags = []
+    prev = NONE_HASH if parent is None else parent
+    block_hashes = []
     for b in range(n_blocks):
-        h = blake2b(prev.to_bytes(_TAG_BYTES, "little"), digest_size=_TAG_BYTES)
+        h = blake2b(prev.to_bytes(_HASH_BYTES, "little"), digest_size=_HASH_BYTES)
         h.update(data[b * stride : (b + 1) * stride])
         for extra in per_block[b]:
             h.update(extra)
         prev = int.from_bytes(h.digest(), "little")
-        tags.append(prev)
-    return tags
+        block_hashes.append(prev)
+    return block_hashes

@@ -13,8 +13,8 @@ is that object, built on :class:`omni_cache.core.HiddenStateCache`:
    prefix hits.
 2. ``save_outputs``: **write** every scheduled token's rows (prefill chunks and decode
    tokens) at their KV slot ids for every token-aligned key (final hidden ``hidden``, the
-   captured layers and other per-token multimodal outputs), sealing every block that became
-   full with its chained tag (token ids + multimodal identifiers, :func:`block_chain_tags`);
+   captured layers and other per-token multimodal outputs), caching every block that became
+   full with its chained block hash (token ids + multimodal identifiers, :func:`chained_block_hashes`);
    then **read** each hit's prefix rows (after all writes: same-step hits see this step's
    rows); keep ``prefix ++ fresh`` per request.
 3. ``materialize``: hand the merged tensors to vLLM-Omni's payload builder.
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, Tier, block_chain_tags
+from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, Tier, chained_block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,12 @@ ENV_METRICS_DIR = "OMNI_CACHE_METRICS_DIR"
 
 @dataclass
 class _ReqView:
-    """The cache's view of one request (its mirrored-group block table row and tags)."""
+    """The cache's view of one request (its mirrored-group block table row and block hashes)."""
 
     block_ids: list[int]
     num_computed_tokens: int  # before the current step
     hit_tokens: int = 0  # prefix hit to serve in the current step (0: none)
-    tags: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -147,10 +147,10 @@ class OmniCacheStageManager:
         return self.cache
 
     def _tags(self, rid: str, view: _ReqView, upto_tokens: int) -> list[int]:
-        """Chained tags of the request's first ``upto_tokens // block_size`` blocks; only
-        blocks not tagged yet are hashed (continuing the chain from the last tag)."""
+        """Chained block hashes of the request's first ``upto_tokens // block_size`` blocks; only
+        blocks not hashed yet are hashed (continuing the chain from the last block hash)."""
         nfull = upto_tokens // self.block_size
-        done = len(view.tags)
+        done = len(view.block_hashes)
         if done < nfull:
             st = self.runner.requests[rid]
             lo, hi = done * self.block_size, nfull * self.block_size
@@ -158,9 +158,9 @@ class OmniCacheStageManager:
             tokens = (list(st.prompt_token_ids or [])[lo:hi]
                       + list(st.output_token_ids or [])[max(lo - n_prompt, 0):max(hi - n_prompt, 0)])
             extra = [(a - lo, b - lo, ident) for a, b, ident in _mm_extra_keys(st) if b > lo and a < hi]
-            view.tags = view.tags + block_chain_tags(
-                tokens, self.block_size, extra, parent=view.tags[-1] if view.tags else None)
-        return view.tags[:nfull]
+            view.block_hashes = view.block_hashes + chained_block_hashes(
+                tokens, self.block_size, extra, parent=view.block_hashes[-1] if view.block_hashes else None)
+        return view.block_hashes[:nfull]
 
     def save_outputs(
         self,
@@ -205,10 +205,10 @@ class OmniCacheStageManager:
                 rows = {k: v for k, v in rows.items() if k != HIDDEN_KEY}
             start = view.num_computed_tokens
             end = start + (e - s)
-            tags = self._tags(rid, view, end)
+            block_hashes = self._tags(rid, view, end)
             first_new_full = start // self.block_size
-            block_tags = {b: tags[b] for b in range(first_new_full, len(tags))}
-            cache.write_request_rows(rid, view.block_ids, start, rows, block_tags, num_tokens=e - s)
+            block_hashes = {b: block_hashes[b] for b in range(first_new_full, len(block_hashes))}
+            cache.write_request_rows(rid, view.block_ids, start, rows, block_hashes, num_tokens=e - s)
         merged: dict[str, dict[str, torch.Tensor]] = {}
         # keys handed downstream (and needed on a hit): the final hidden states only for
         # models that hand them off (vLLM-Omni's ``omni_pooler_payload_include_hidden``)
@@ -216,8 +216,8 @@ class OmniCacheStageManager:
         for rid in req_ids:  # 2b. ... before any read
             view = self.reqs[rid]
             if view.hit_tokens > 0:
-                tags = self._tags(rid, view, view.hit_tokens)
-                prefix = cache.read_prefix(rid, view.block_ids, view.hit_tokens, tags, keys)
+                block_hashes = self._tags(rid, view, view.hit_tokens)
+                prefix = cache.read_prefix(rid, view.block_ids, view.hit_tokens, block_hashes, keys)
                 merged[rid] = cache.merge(prefix, {k: fresh[rid][k] for k in keys})
                 view.hit_tokens = 0
                 self._read_this_step = True
@@ -225,7 +225,7 @@ class OmniCacheStageManager:
                 merged[rid] = {k: fresh[rid][k] for k in keys}
         step_id = next(self._step_ids)
         self._steps[step_id] = _StepCtx(req_ids, spans, merged, leftover, n_tok)
-        self.step_seconds = time.perf_counter() - t0  # whole save (tags, writes, reads, merge)
+        self.step_seconds = time.perf_counter() - t0  # whole save (block_hashes, writes, reads, merge)
         return step_id
 
     # ---- 3. hand-off ----------------------------------------------------------------
