@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-#: the runner's cache methods (omni_cache/vllm_omni/runner.py); omni_cache/core counts whole
+#: the runner's cache methods (omni_cache/engine/runner.py); omni_cache/core counts whole
 CACHE_METHODS = {"new_step_starts", "save_outputs", "materialize", "_tags", "_ensure_cache",
                  "_restart_resumed_payloads", "_publish_metrics", "discard_step"}
 
@@ -50,7 +50,7 @@ def split_samples(raw: Path) -> dict:
             continue
         step += n
         mine = [f for f in frames if "(omni_cache/core/" in f
-                or ("(omni_cache/vllm_omni/runner.py" in f and _func(f) in CACHE_METHODS)]
+                or ("(omni_cache/engine/runner.py" in f and _func(f) in CACHE_METHODS)]
         if mine:
             cache += n
             leaves[[f for f in frames if "(omni_cache/" in f][-1].split(" (")[0]] += n
@@ -76,11 +76,11 @@ def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker inside the engine core
     import psutil
 
-    from omni_cache.bench.stage_configs import MemorySettings, variant_stage_config
-    from omni_cache.bench.workloads import WorkloadOptions, specs
-    from omni_cache.inputs import build_request
+    from omni_cache.driver.variants import MemorySettings, variant_stage_config
+    from benchmarks.prefill.workloads import WorkloadOptions, specs
+    from omni_cache.driver.inputs import build_request
     from omni_cache.models import build_qwen3_omni, default_model_dir
-    from omni_cache.vllm_omni.pipeline import OmniPipeline
+    from omni_cache.driver.pipeline import OmniPipeline
 
     out = Path(args.out)
     work = out / f"profile-miss-{args.variant}.d"

@@ -11,7 +11,7 @@ so the first requests of a burst miss and the rest can hit what they computed. P
 
 The variants run one after the other (one server at a time: two bench-size pipelines do not
 fit next to other work in 24 GiB), each on a server started by
-:class:`omni_cache.serve.OmniServer` from ``--stage-config`` (``on``: as given, omni-cache on
+:class:`omni_cache.driver.server.OmniServer` from ``--stage-config`` (``on``: as given, omni-cache on
 the thinker; ``off``: the same file with the thinker's ``enable_prefix_caching: false``).
 ``--cycles N`` repeats the whole on/off sequence (fresh servers) to expose run-order drift.
 Results: JSON under ``benchmarks/results/serve-load-<timestamp>/`` with every sample,
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 PARAGRAPH = ("You are a careful assistant for a museum of natural history. Visitors send photos "
@@ -110,18 +109,16 @@ async def _burst(base_url: str, model: str, system: str, concurrency: int, max_t
 
 
 def _variant_config(stage_config: Path, variant: str, out_dir: Path) -> Path:
-    raw = yaml.safe_load(stage_config.read_text())
-    if variant == "off":
-        raw["stages"][0]["enable_prefix_caching"] = False
-    elif variant != "on":
+    from omni_cache.driver.variants import derive_stage_config
+
+    if variant not in ("on", "off"):
         raise ValueError(f"unknown variant {variant!r} (on | off)")
-    p = out_dir / f"stage_config_{variant}.yaml"
-    p.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return p
+    return derive_stage_config(stage_config, out_dir / f"stage_config_{variant}.yaml",
+                               stages={0: {"enable_prefix_caching": False}} if variant == "off" else {})
 
 
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path, tokenizer) -> dict:
-    from omni_cache.serve import OmniServer
+    from omni_cache.driver.server import OmniServer
 
     cfg = _variant_config(Path(args.stage_config), variant, out_dir)
     srv = OmniServer(model_dir, cfg, log_path=out_dir / f"server-{variant}-{cycle}.log").start()

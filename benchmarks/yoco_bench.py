@@ -11,7 +11,7 @@ variant a warm-up request with another prefix runs first (not measured), then th
 shared-prefix request (a miss everywhere: ``miss``), then ``--requests`` more (``hit`` rows;
 hits only where the cache is on). Measured per request: vLLM's own thinker prefill time
 (``vllm:request_prefill_time_seconds`` of stage 0, scheduled → first token, engine-core
-clock) via :class:`omni_cache.bench.worker.VariantWorker`.
+clock) via :class:`benchmarks.prefill.worker.VariantWorker`.
 
 Ratios (medians): ``speedup_fast`` = off/off ÷ on/off, ``speedup_cache`` = off/off ÷ off/on
 (hit rows), ``speedup_both`` = off/off ÷ on/on (hit rows); ``both_vs_product`` =
@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "stage_configs" / "gemma3n_yoco_cpu.yaml"
@@ -50,15 +49,13 @@ def _text(n_chars: int, seed: int) -> str:
 
 
 def _stage_config(out_dir: Path, fast: str, cache: str) -> Path:
-    raw = yaml.safe_load(CONFIG.read_text())
-    s0 = raw["stages"][0]
-    s0["kv_sharing_fast_prefill"] = fast == "on"
-    s0["enable_prefix_caching"] = cache == "on"
-    s0["default_sampling_params"]["max_tokens"] = 2  # the talker needs >= 2 thinker tokens
-    raw["stages"][1]["default_sampling_params"]["max_tokens"] = 4
-    path = out_dir / f"stage_config_fast-{fast}_cache-{cache}.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
+    from omni_cache.driver.variants import derive_stage_config
+
+    return derive_stage_config(
+        CONFIG, out_dir / f"stage_config_fast-{fast}_cache-{cache}.yaml",
+        stages={0: {"kv_sharing_fast_prefill": fast == "on", "enable_prefix_caching": cache == "on"}},
+        sampling={0: {"max_tokens": 2},  # the talker needs >= 2 thinker tokens
+                  1: {"max_tokens": 4}})
 
 
 def _specs(args) -> list[dict]:
@@ -74,7 +71,7 @@ def _specs(args) -> list[dict]:
 
 def _run_variant(args) -> int:
     """Child process: start one pipeline, run the workload ``--repeats`` times, print JSON."""
-    from omni_cache.bench.worker import VariantWorker
+    from benchmarks.prefill.worker import VariantWorker
 
     w = VariantWorker(args.model, args.stage_config, stream_thinker=False)
     rows = []

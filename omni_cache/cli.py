@@ -15,22 +15,22 @@ import logging
 import os
 import sys
 import time
-from importlib import resources
 from pathlib import Path
+
+from omni_cache import settings
 
 DEFAULT_STAGE_CONFIG = "qwen3_omni_cpu.yaml"
 
 
 def stage_config_path(name_or_path: str) -> Path:
-    """A stage config by path, or by file name among the bundled ``stage_configs/``."""
+    """A stage config by path, or by file name among the bundled ones
+    (:func:`~omni_cache.driver.stage_config.bundled_stage_config`)."""
+    from omni_cache.driver.stage_config import bundled_stage_config
+
     p = Path(name_or_path)
     if p.exists():
         return p
-    for base in (Path(__file__).resolve().parent.parent / "stage_configs",
-                 Path(str(resources.files("omni_cache") / "stage_configs"))):
-        if (base / name_or_path).exists():
-            return base / name_or_path
-    return p  # let the loader report "file not found" with this path
+    return bundled_stage_config(name_or_path) or p  # else the loader reports "file not found"
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -65,7 +65,7 @@ def _build(what: str, out: Path, build) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from omni_cache.config import StageConfigError, load_stage_config
+    from omni_cache.driver.stage_config import StageConfigError, load_stage_config
 
     try:
         cfg = load_stage_config(stage_config_path(args.stage_config), model_dir=args.model)
@@ -81,8 +81,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     import soundfile as sf
 
-    from omni_cache.config import StageConfigError, load_stage_config
-    from omni_cache.inputs import InputError, build_request, sample_path
+    from omni_cache.driver.stage_config import StageConfigError, load_stage_config
+    from omni_cache.driver.inputs import InputError, build_request, sample_path
     from omni_cache.models import build_qwen3_omni, default_model_dir
 
     model = Path(args.model) if args.model else default_model_dir("tiny")
@@ -98,7 +98,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from omni_cache.vllm_omni.pipeline import OmniPipeline
+    from omni_cache.driver.pipeline import OmniPipeline
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -132,9 +132,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
-    from omni_cache.config import StageConfigError
+    from omni_cache.driver.stage_config import StageConfigError
     from omni_cache.models import build_qwen3_omni, default_model_dir
-    from omni_cache.serve import OmniServer, ServeError
+    from omni_cache.driver.server import OmniServer, ServeError
 
     model = args.model or str(default_model_dir("tiny"))
     if not args.model:
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--model", help="also check this model directory")
     va.set_defaults(func=_cmd_validate)
 
-    from omni_cache.inputs import DEFAULT_SYSTEM_PROMPT, DEFAULT_TEXT
+    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, DEFAULT_TEXT
 
     run = sub.add_parser("run", help="start the pipeline and answer a text+image+audio request")
     run.add_argument("--stage-config", default=DEFAULT_STAGE_CONFIG, help="deploy YAML (path or bundled name)")
@@ -223,18 +223,46 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- followed by more `vllm serve` arguments")
     sv.set_defaults(func=_cmd_serve)
 
-    from omni_cache.bench.harness import add_arguments as _bench_arguments, run as _bench_run
-
     be = sub.add_parser("bench", help="benchmarks on the real pipeline (see docs/benchmarks.md)")
     be_sub = be.add_subparsers(dest="bench_cmd", required=True)
     bp = be_sub.add_parser("prefill", help="thinker prefill per modality: cache off vs built-in vs omni-cache")
-    _bench_arguments(bp)
-    bp.set_defaults(func=_bench_run)
+    harness = _prefill_harness()
+    if harness is None:
+        bp.add_argument("rest", nargs=argparse.REMAINDER)
+        bp.set_defaults(func=_no_benchmarks)
+    else:
+        harness.add_arguments(bp)
+        bp.set_defaults(func=harness.run)
     return ap
 
 
+def _checkout() -> Path | None:
+    """The source checkout this package runs from (it has ``benchmarks/``), or None for an
+    installed wheel."""
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "benchmarks" / "prefill" / "harness.py").is_file() else None
+
+
+def _prefill_harness():
+    """``benchmarks.prefill.harness`` of the checkout (benchmarks are not part of the wheel)."""
+    root = _checkout()
+    if root is None:
+        return None
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.prefill import harness
+
+    return harness
+
+
+def _no_benchmarks(args: argparse.Namespace) -> int:
+    print("omni-cache bench: the benchmarks live in the source checkout (benchmarks/), not in an "
+          "installed wheel; run it from a clone of the repository (bash scripts/setup.sh)", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("OMNI_CACHE_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(level=settings.LOG_LEVEL.get())
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

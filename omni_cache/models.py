@@ -28,6 +28,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_cache import settings
+
 SEED = 1234
 MODEL_FORMAT_VERSION = 2  # bump when the built model changes; part of the cache key
 
@@ -414,9 +416,12 @@ def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
     return out
 
 
+def models_home() -> Path:
+    """``$OMNI_CACHE_HOME/models`` (``OMNI_CACHE_HOME`` defaults to ``~/.cache/omni-cache``)."""
+    return Path(settings.HOME.get() or Path.home() / ".cache" / "omni-cache") / "models"
+
+
 def default_model_dir(size: str = "tiny") -> Path:
     """Where ``omni-cache make-model`` puts a model by default:
-    ``$OMNI_CACHE_HOME/models/qwen3-omni-<size>`` (``OMNI_CACHE_HOME`` defaults to
-    ``~/.cache/omni-cache``)."""
-    home = Path(os.environ.get("OMNI_CACHE_HOME", Path.home() / ".cache" / "omni-cache"))
-    return home / "models" / f"qwen3-omni-{size}"
+    ``$OMNI_CACHE_HOME/models/qwen3-omni-<size>`` (:func:`models_home`)."""
+    return models_home() / f"qwen3-omni-{size}"

@@ -35,6 +35,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+
 from omni_cache.models import SEED, THINKER_VOCAB, build_qwen3_omni, build_tokenizer, is_up_to_date
 
 GEMMA_FORMAT_VERSION = 1
@@ -196,5 +197,6 @@ def build_gemma_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
 def default_gemma_dir(size: str = "tiny", *, omni: bool = True) -> Path:
     """``$OMNI_CACHE_HOME/models/gemma3n-omni-<size>`` (pipeline directory) or
     ``.../gemma3n-thinker-<size>`` (thinker only)."""
-    home = Path(os.environ.get("OMNI_CACHE_HOME", Path.home() / ".cache" / "omni-cache"))
-    return home / "models" / (f"gemma3n-omni-{size}" if omni else f"gemma3n-thinker-{size}")
+    from omni_cache.models import models_home
+
+    return models_home() / (f"gemma3n-omni-{size}" if omni else f"gemma3n-thinker-{size}")

@@ -13,65 +13,77 @@ none) and ends the run. Source of the idea: LMCache #3221's note that a consiste
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 
-#: ``keys`` value meaning "every cached key" (the default: a normal forward writes all keys).
-ALL_KEYS = None
+class RowValidity(enum.Enum):
+    """Which cached keys a write's rows are valid for.
+
+    ``ALL_KEYS`` covers ``CAPTURED_ONLY`` (a block valid for every key serves a hit that needs
+    only the captured layers), not the other way round.
+    """
+
+    ALL_KEYS = "all keys"
+    #: every key but the final hidden states: under KV-sharing fast prefill a prefill chunk's
+    #: final hidden rows are the self-decoder output (docs/yoco.md)
+    CAPTURED_ONLY = "captured layers only"
+
+    def serves(self, need: RowValidity) -> bool:
+        """Whether rows valid for ``self`` serve a hit that needs ``need``."""
+        return self is RowValidity.ALL_KEYS or need is RowValidity.CAPTURED_ONLY
 
 
 class WrittenBlocks:
     """block id → content hash of the block when its rows were completed, and which keys
-    those rows are valid for.
+    those rows are valid for (:class:`RowValidity`).
 
-    Invariant: ``covered(blocks, keys)`` counts a block only if its current content hash
-    equals the hash recorded when its rows were completed, and every key in ``keys`` was
-    valid in every write into it. Per-key validity: under KV-sharing fast prefill the final
-    hidden rows of a prefill chunk are wrong, so such a block is recorded valid for the
-    captured keys only (``keys=frozenset({...})``) and a hit that needs the final hidden
-    states is capped before it (docs/yoco.md).
+    Invariant: ``covered(blocks, need)`` counts a block only if its current content hash
+    equals the hash recorded when its rows were completed, and the rows of every write into
+    it were valid for ``need`` (a block written under KV-sharing fast prefill is recorded
+    ``CAPTURED_ONLY`` and a hit that needs the final hidden states is capped before it).
     """
 
     def __init__(self) -> None:
         self._hash: dict[int, Hashable] = {}
-        self._keys: dict[int, frozenset[str] | None] = {}
+        self._validity: dict[int, RowValidity] = {}
 
     def record(self, block_id: int, block_hash: Hashable | None,
-               keys: frozenset[str] | None = ALL_KEYS) -> None:
+               validity: RowValidity = RowValidity.ALL_KEYS) -> None:
         """Rows of ``block_id`` are complete for content ``block_hash`` (None: forget),
-        valid for ``keys`` (:data:`ALL_KEYS`: every key)."""
+        valid for ``validity``."""
         if block_hash is None:
             self.forget(block_id)
         else:
             self._hash[block_id] = block_hash
-            self._keys[block_id] = None if keys is ALL_KEYS else frozenset(keys)
+            self._validity[block_id] = validity
 
     def forget(self, block_id: int) -> None:
+        """Nothing is known about ``block_id``'s rows any more."""
         self._hash.pop(block_id, None)
-        self._keys.pop(block_id, None)
+        self._validity.pop(block_id, None)
 
     def covered(self, blocks: Sequence[tuple[int, Hashable | None]],
-                keys: Iterable[str] | None = ALL_KEYS,
-                pending: Mapping[int, tuple[Hashable, frozenset[str] | None]] | None = None) -> int:
+                need: RowValidity = RowValidity.ALL_KEYS,
+                pending: Mapping[int, tuple[Hashable, RowValidity]] | None = None) -> int:
         """Number of leading ``(block_id, current_hash)`` pairs whose rows are complete and
-        valid for every key in ``keys`` (:data:`ALL_KEYS`: valid for all keys).
+        serve ``need``.
 
-        ``pending``: block id → ``(hash, keys)`` of blocks that requests already scheduled in
-        the current step complete in that step (their rows are written before any hit of the
-        step is read); such a block counts as if recorded.
+        ``pending``: block id → ``(hash, validity)`` of blocks that requests already
+        scheduled in the current step complete in that step (their rows are written before
+        any hit of the step is read); such a block counts as if recorded.
         """
-        need = None if keys is ALL_KEYS else frozenset(keys)
         n = 0
         for block_id, h in blocks:
             if h is None:
                 break
             if self._hash.get(block_id) == h:
-                have = self._keys.get(block_id)
+                have = self._validity[block_id]
             elif pending is not None and block_id in pending and pending[block_id][0] == h:
                 have = pending[block_id][1]
             else:
                 break
-            if have is not None and (need is None or not need <= have):
+            if not have.serves(need):
                 break
             n += 1
         return n

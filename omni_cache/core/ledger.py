@@ -43,6 +43,20 @@ class BlockLedger:
         self.generation: list[int] = [0] * num_blocks
         self._filled: list[list[int]] = [[0] * len(self.keys) for _ in range(num_blocks)]
 
+    def add_key(self, key: str) -> None:
+        """Track a new key. No block is filled for it yet, so no block is covered for it
+        until a later write fills it (whatever the other keys' fill).
+
+        Raises:
+            ValueError: the key is already tracked.
+        """
+        if key in self._key_index:
+            raise ValueError(f"key {key!r} is already tracked")
+        self._key_index[key] = len(self.keys)
+        self.keys = (*self.keys, key)
+        for filled in self._filled:
+            filled.append(0)
+
     def _indices(self, keys: Iterable[str]) -> list[int]:
         try:
             return [self._key_index[k] for k in keys]

@@ -21,12 +21,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omni_cache import settings
+
 #: the final-layer (normed) hidden state, as a "layer" a downstream stage may need.
 FINAL = "final"
 
 FAST_PREFILL_KEY = "kv_sharing_fast_prefill"
-ACCEPT_LAYER_ENV = "OMNI_CACHE_YOCO_ACCEPT_LAYER"
-CAPTURE_LAYERS_ENV = "OMNI_CACHE_YOCO_CAPTURE_LAYERS"
+ACCEPT_LAYER_ENV = settings.YOCO_ACCEPT_LAYER.name
+CAPTURE_LAYERS_ENV = settings.YOCO_CAPTURE_LAYERS.name
 
 
 class YocoConfigError(ValueError):

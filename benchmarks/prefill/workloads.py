@@ -1,0 +1,153 @@
+"""Prefill-benchmark workloads: request specs for text, image, audio, multi-turn chat, miss-only.
+
+A request spec is a JSON-able dict that :mod:`benchmarks.prefill.worker` turns into an engine
+prompt (via :func:`omni_cache.driver.inputs.build_request`, i.e. real media decoded by Pillow /
+soundfile and processed by the model's own HF processors inside vLLM):
+
+``workload, round, index, system, text, image, audio, max_tokens, measure, chat``
+
+- ``text``:  system prompt + a long shared document, then a short distinct question.
+- ``image``: system prompt + the same image (+ the shared document if ``media_doc_words``),
+  then a short distinct question. With ``media_copies`` K > 1 the prefix holds K image
+  items, copy k being the k-th mirror/rotation of the file (so each has its own content
+  hash and is encoded): a Qwen3-Omni image is at most 256 tokens (processor ``max_pixels``
+  512×512, 32×32 pixels per token), so long image prefixes need several items.
+- ``audio``: same with the audio file (copy k = the waveform rotated by k/K of its length).
+- ``chat``:  one conversation per round; turn 1 = system prompt (with a per-round opening, so
+  turn 1 is a miss and is not timed) + the document + a question; turn k+1 repeats turns
+  1..k *as token ids*, the thinker's answers included (so it hits the blocks the previous
+  turn's decode filled), then a new question. Answers are ``chat_answer_tokens`` long.
+- ``miss``:  every prompt distinct from its first token on (a distinct opening before the
+  system prompt and a distinct document of the same length): no block is shared.
+- ``floor``: only the part a hit still computes — an empty system prompt and a distinct
+  question of the shared-prefix workloads' length (~100 tokens, under one block of shared
+  template): no hit. Its prefill time on cache off is the fastest any prefix cache can make a
+  hit of those workloads (the engine's fixed cost of a step plus the suffix tokens, without
+  attention over the prefix), so ``off / floor`` is the *attainable* speedup
+  (:func:`benchmarks.prefill.summary.add_attainable`).
+
+Rounds use distinct questions, so a timed request never hits its own full prompt; the shared
+prefix is warmed by an untimed request (``warmup_specs``) before each round of a workload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT
+
+WORKLOADS = ("text", "image", "audio", "chat", "miss", "floor")
+WORDS = ("river stone cloud lantern meadow copper violin harbor orchard falcon ember "
+         "glacier canyon thistle marble compass willow saffron beacon tundra").split()
+
+
+def words(n: int, seed: int) -> str:
+    """``n`` deterministic filler words; different ``seed`` → different sequence."""
+    return " ".join(WORDS[(seed * 7 + i * 13 + (i * i) % 17 + (seed * i) % 11) % len(WORDS)] for i in range(n))
+
+
+@dataclass
+class WorkloadOptions:
+    """Workload sizes. ``prefix_words`` ≈ 7 tokens per word with the embedded tokenizer."""
+
+    requests: int = 20
+    prefix_words: int = 400
+    suffix_words: int = 12
+    media_doc_words: int = 0
+    image: str | None = None
+    audio: str | None = None
+    chat_answer_tokens: int = 48
+    media_copies: int = 1
+
+    def media(self) -> tuple[str, str]:
+        from omni_cache.driver.inputs import sample_path
+
+        return (str(self.image or sample_path("astronaut.jpg")), str(self.audio or sample_path("speech.wav")))
+
+
+def _question(r: int, i: int, n: int) -> str:
+    return f"Question {r}.{i}: " + words(n, 1000 + 37 * r + i) + "?"
+
+
+def specs(workload: str, r: int, opts: WorkloadOptions) -> list[dict]:
+    """The ``opts.requests`` request specs of ``workload`` in round ``r`` (in send order).
+
+    Raises:
+        ValueError: unknown workload.
+    """
+    image, audio = opts.media()
+    doc = words(opts.prefix_words, 1)
+    n = opts.requests
+    base = {"workload": workload, "round": r, "image": None, "audio": None, "max_tokens": None,
+            "measure": True, "chat": None, "system": DEFAULT_SYSTEM_PROMPT}
+    if workload == "text":
+        return [{**base, "index": i, "text": f"{doc}\n\n{_question(r, i, opts.suffix_words)}"} for i in range(n)]
+    if workload in ("image", "audio"):
+        media = {"image": image} if workload == "image" else {"audio": audio}
+        lead = f"{words(opts.media_doc_words, 2)}\n\n" if opts.media_doc_words else ""
+        return [{**base, **media, "media_copies": opts.media_copies, "index": i,
+                 "text": lead + _question(r, i, opts.suffix_words)} for i in range(n)]
+    if workload == "chat":
+        out = []
+        for i in range(n):
+            first = i == 0
+            out.append({**base, "index": i, "measure": not first, "max_tokens": opts.chat_answer_tokens,
+                        "system": f"Conversation {r}. {DEFAULT_SYSTEM_PROMPT}",
+                        "text": f"{doc}\n\n{_question(r, 0, opts.suffix_words)}" if first
+                        else _question(r, i, opts.suffix_words),
+                        "chat": {"session": f"round{r}", "turn": i}})
+        return out
+    if workload == "miss":
+        return [{**base, "index": i, "system": f"[{r}-{i}] {words(3, 5000 + 97 * r + i)}. {DEFAULT_SYSTEM_PROMPT}",
+                 "text": f"{words(opts.prefix_words, 50 + 31 * r + i)}\n\n{_question(r, i, opts.suffix_words)}"}
+                for i in range(n)]
+    if workload == "floor":
+        return [{**base, "index": i, "system": "", "text": _question(r, i, opts.suffix_words)} for i in range(n)]
+    raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
+
+
+def warmup_specs(workloads: list[str], opts: WorkloadOptions) -> list[dict]:
+    """One untimed request per workload that puts its shared prefix in the cache (and warms the
+    engine: first-request costs such as lazy imports are not timed)."""
+    out = []
+    for w in workloads:
+        s = dict(specs(w, -1, WorkloadOptions(**{**opts.__dict__, "requests": 1}))[0])
+        s.update(measure=False, index=-1, chat=None, max_tokens=None)
+        out.append(s)
+    return out
+
+
+def image_copy(image, k: int):
+    """Copy ``k`` of a PIL image: k = 0 the image itself, 1..7 its mirrors / rotations,
+    k ≥ 8 the same with inverted colours (so copies differ in content and hash)."""
+    from PIL import Image, ImageOps
+
+    ops = [None, Image.Transpose.FLIP_LEFT_RIGHT, Image.Transpose.FLIP_TOP_BOTTOM, Image.Transpose.ROTATE_90,
+           Image.Transpose.ROTATE_180, Image.Transpose.ROTATE_270, Image.Transpose.TRANSPOSE,
+           Image.Transpose.TRANSVERSE]
+    op = ops[k % len(ops)]
+    out = image if op is None else image.transpose(op)
+    return ImageOps.invert(out) if (k // len(ops)) % 2 else out
+
+
+def audio_copy(samples, k: int, copies: int):
+    """Copy ``k`` of ``copies`` of a waveform (``[num_samples]`` float32): rotated by
+    ``k / copies`` of its length."""
+    import numpy as np
+
+    return np.roll(samples, (k * len(samples)) // max(copies, 1))
+
+
+def check_media(opts: WorkloadOptions) -> None:
+    """Decode the image/audio files once in the driver so a bad file fails before any
+    pipeline starts.
+
+    Raises:
+        omni_cache.driver.inputs.InputError: a file is missing or undecodable (names it).
+    """
+    from omni_cache.driver.inputs import load_audio, load_image
+
+    image, audio = opts.media()
+    load_image(Path(image))
+    load_audio(Path(audio))

@@ -1,0 +1,241 @@
+"""Stage-config (vLLM-Omni deploy YAML) loading and validation, before any engine starts.
+
+A stage config is vLLM-Omni's deploy YAML (``stages:`` list, ``platforms:``, pipeline-wide
+keys). vLLM-Omni passes unknown stage keys silently through to the engine, so a typo such
+as ``enable_prefix_cache`` is lost without a word; :func:`load_stage_config` refuses it
+with one :class:`StageConfigError` naming the file, the stage and the key.
+
+omni-cache's own per-stage settings live in the stage's ``env:`` mapping (the schema's
+channel into the stage process, so the same YAML works with ``vllm-omni serve``); which
+``OMNI_CACHE_*`` variables a stage may set, and their values, come from
+:data:`omni_cache.settings.SETTINGS`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from omni_cache import settings
+
+def bundled_stage_config(name: str) -> Path | None:
+    """A bundled stage config by file name (e.g. ``qwen3_omni_cpu.yaml``): the package
+    ``omni_cache.stage_configs`` (the repository's ``stage_configs/``, shipped in the wheel),
+    or None if there is none of that name."""
+    from importlib import resources
+
+    try:
+        f = resources.files("omni_cache.stage_configs") / name
+    except ModuleNotFoundError:  # an install without the package data
+        return None
+    return Path(str(f)) if f.is_file() else None
+
+
+class StageConfigError(ValueError):
+    """A stage config is invalid. ``path``, ``stage_id`` (or None) and ``key`` say where."""
+
+    def __init__(self, path: str | Path, reason: str, *, stage_id: int | None = None, key: str | None = None):
+        self.path = str(path)
+        self.stage_id = stage_id
+        self.key = key
+        where = self.path
+        if stage_id is not None:
+            where += f": stage {stage_id}"
+        if key is not None:
+            where += f": key {key!r}"
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass
+class StageConfig:
+    """A validated stage config: the parsed YAML plus facts omni-cache needs."""
+
+    path: Path
+    raw: dict[str, Any]
+    stage_ids: list[int] = field(default_factory=list)
+
+    def stage(self, stage_id: int) -> dict[str, Any]:
+        """The raw mapping of ``stage_id``. Raises KeyError if absent."""
+        for s in self.raw.get("stages", []):
+            if s.get("stage_id") == stage_id:
+                return s
+        raise KeyError(stage_id)
+
+    def prefix_cache_backend(self, stage_id: int = 0) -> str | None:
+        """``omni_cache`` / ``builtin`` for a stage with prefix caching on, else None."""
+        s = self.stage(stage_id)
+        enabled = s.get("enable_prefix_caching", self.raw.get("enable_prefix_caching"))
+        if not enabled:
+            return None
+        return settings.PREFIX_CACHE_BACKEND.get({k: str(v) for k, v in (s.get("env") or {}).items()})
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Loose isinstance for the declared field types YAML can express."""
+    if tp is Any or isinstance(tp, str) or tp is None:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    base = origin or tp
+    if base is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base in (list, tuple, typing.Sequence):
+        return isinstance(value, (list, tuple))
+    if base in (dict, typing.Mapping):
+        return isinstance(value, dict)
+    if isinstance(base, type):
+        if base in (bool, str):
+            return isinstance(value, base)
+        return True  # dataclasses / enums: vLLM-Omni converts them itself
+    return True
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check_keys(path: Path, mapping: dict, schema: dict[str, Any], stage_id: int | None) -> None:
+    for key, value in mapping.items():
+        if key not in schema:
+            close = difflib.get_close_matches(key, list(schema), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise StageConfigError(path, f"unknown key{hint}", stage_id=stage_id, key=key)
+        if not _type_ok(value, schema[key]):
+            raise StageConfigError(
+                path,
+                f"expected {_type_name(schema[key])}, got {type(value).__name__} {value!r}",
+                stage_id=stage_id,
+                key=key,
+            )
+
+
+def _check_env(path: Path, env: Any, stage_id: int) -> None:
+    if env is None:
+        return
+    if not isinstance(env, dict):
+        raise StageConfigError(path, f"expected a mapping, got {type(env).__name__}", stage_id=stage_id, key="env")
+    for name, value in env.items():
+        if not str(name).startswith(settings.PREFIX):
+            continue
+        setting = settings.SETTINGS.get(name)
+        if setting is None or not setting.stage_env:
+            stage_names = [n for n, st in settings.SETTINGS.items() if st.stage_env]
+            close = difflib.get_close_matches(name, stage_names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            what = "unknown omni-cache setting" if setting is None else "not a per-stage setting"
+            raise StageConfigError(path, f"{what}{hint}", stage_id=stage_id, key=f"env.{name}")
+        try:
+            setting.check(str(value))
+        except settings.SettingError as exc:
+            raise StageConfigError(path, f"expected {setting.kind.value}"
+                                   + (f" {setting.choices}" if setting.choices else "") + f", got {value!r}",
+                                   stage_id=stage_id, key=f"env.{name}") from exc
+
+
+def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) -> StageConfig:
+    """Load and validate a vLLM-Omni deploy YAML.
+
+    Args:
+        path: the YAML file.
+        model_dir: if given, must be a directory with a ``config.json``.
+
+    Returns:
+        The validated :class:`StageConfig`.
+
+    Raises:
+        StageConfigError: missing/unreadable file, YAML syntax, unknown top-level or stage
+            key, wrong value type, duplicate or missing ``stage_id``, bad omni-cache
+            setting, missing model directory. The message names file, stage and key.
+    """
+    from omni_cache.driver.schema import deploy_fields, stage_fields
+
+    p = Path(path)
+    if not p.is_file():
+        raise StageConfigError(p, "file not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise StageConfigError(p, f"not valid YAML: {exc}") from exc
+    except OSError as exc:
+        raise StageConfigError(p, f"cannot read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise StageConfigError(p, "expected a mapping at the top level")
+    top = deploy_fields()
+    _check_keys(p, {k: v for k, v in raw.items() if k not in ("stages", "platforms")}, top, None)
+    stages = raw.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise StageConfigError(p, "expected a non-empty list", key="stages")
+    schema = stage_fields()
+    seen: list[int] = []
+    for i, s in enumerate(stages):
+        if not isinstance(s, dict):
+            raise StageConfigError(p, f"stages[{i}] is not a mapping", key="stages")
+        sid = s.get("stage_id")
+        if not isinstance(sid, int) or isinstance(sid, bool):
+            raise StageConfigError(p, f"stages[{i}] needs an integer stage_id", key="stage_id")
+        if sid in seen:
+            raise StageConfigError(p, "duplicate stage_id", stage_id=sid, key="stage_id")
+        seen.append(sid)
+        _check_keys(p, s, schema, sid)
+        _check_env(p, s.get("env"), sid)
+    platforms = raw.get("platforms") or {}
+    if not isinstance(platforms, dict):
+        raise StageConfigError(p, "expected a mapping", key="platforms")
+    for name, section in platforms.items():
+        for s in (section or {}).get("stages", []) or []:
+            sid = s.get("stage_id")
+            if sid not in seen:
+                raise StageConfigError(p, f"platforms.{name} names stage {sid!r}, which is not in stages", key="stage_id")
+            _check_keys(p, {k: v for k, v in s.items()}, schema, sid)
+    if str(raw.get("pipeline", "")).startswith("qwen3_omni_moe_omni_cache"):
+        s0 = next(s for s in stages if s.get("stage_id") == 0)
+        if s0.get("async_scheduling"):
+            raise StageConfigError(p, "omni-cache's capped thinker scheduler is synchronous; set async_scheduling: false",
+                                   stage_id=0, key="async_scheduling")
+    if model_dir is not None:
+        md = Path(model_dir)
+        if not (md / "config.json").is_file():
+            raise StageConfigError(p, f"model directory {str(md)!r} has no config.json (run 'omni-cache make-model')", key="model")
+        _check_yoco(p, raw, stages, md)
+    return StageConfig(path=p, raw=raw, stage_ids=seen)
+
+
+def _check_yoco(p: Path, raw: dict, stages: list[dict], model_dir: Path) -> None:
+    """KV-shared (YOCO) thinkers: refuse a stage whose hand-off needs rows that
+    ``kv_sharing_fast_prefill`` truncates (rule: captured layers must be full-length; the
+    final hidden states are not) — at start-up, not as silent wrong data. See docs/yoco.md."""
+    import json
+
+    from omni_cache.engine.plugin import STAGE_MODEL_SUBDIRS
+    from omni_cache.yoco import YocoConfigError, stage_plan
+
+    subdirs = STAGE_MODEL_SUBDIRS.get(str(raw.get("pipeline", "")), {})
+    for s in stages:
+        sid, env = s["stage_id"], s.get("env") or {}
+        fast = bool(s.get("kv_sharing_fast_prefill", False))
+        if not fast and not any(k.startswith("OMNI_CACHE_YOCO_") for k in env):
+            continue
+        cfg_dir = Path(s["model"]) if s.get("model") else model_dir / subdirs.get(sid, "")
+        try:
+            hf = json.loads((cfg_dir / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise StageConfigError(p, f"cannot read the stage's model config {str(cfg_dir / 'config.json')!r}: {exc}",
+                                   stage_id=sid, key="kv_sharing_fast_prefill") from exc
+        try:
+            stage_plan(hf, fast, {k: str(v) for k, v in env.items()})[0].check(where=f"{p}: stage {sid}")
+        except YocoConfigError as exc:
+            raise StageConfigError(p, str(exc).replace(f"{p}: stage {sid}: ", ""), stage_id=sid,
+                                   key="kv_sharing_fast_prefill") from exc

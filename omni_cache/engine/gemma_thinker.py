@@ -1,0 +1,215 @@
+"""A KV-shared (YOCO) Gemma-3n text model as the thinker stage of a vLLM-Omni pipeline.
+
+:class:`OmniCacheGemma3nThinker` is vLLM's ``Gemma3nForCausalLM`` (unchanged forward, fast
+prefill included) that additionally returns what vLLM-Omni's AR runner hands downstream,
+the way vLLM-Omni's Qwen3-Omni thinker does: ``(final hidden, {"hidden_states": {"layers":
+{i: [num_tokens, hidden_size]}}})`` plus the thinker embeddings of the three TTS tokens
+(``embed.tts_bos/eos/pad``, ``[1, 1, hidden_size]``). The runner flattens the layers to the
+per-request payload keys ``hidden_states.layer_<i>``.
+
+Captured layers follow vLLM-Omni's convention (index ``i`` = hidden state entering layer
+``i``; ``0`` = embedding output), read from the **active AltUp stream**
+(``altup_active_idx``) of Gemma-3n's ``[altup_num_inputs, num_tokens, hidden_size]`` state
+with forward hooks (``torch.nn.Module`` hooks, no vLLM code changed):
+
+- ``0``: forward pre-hook of decoder layer 0 (its input: the scaled embeddings);
+- ``i >= 1``: forward hook of decoder layer ``i - 1`` (its output). ``F`` (``F`` = first
+  KV-shared layer) is the self-decoder output — full-length even under fast prefill;
+  ``F < i <= L`` are cross-decoder outputs, only allowed with fast prefill off
+  (:meth:`omni_cache.yoco.LayerPlan.check` refuses them otherwise, at model construction).
+
+The final hidden states are never handed downstream (``omni_pooler_payload_include_hidden
+= False``): under fast prefill their prompt rows are wrong. Which layers are captured and
+which one feeds the talker come from the stage ``env`` (``OMNI_CACHE_YOCO_ACCEPT_LAYER``,
+``OMNI_CACHE_YOCO_CAPTURE_LAYERS``), see :func:`omni_cache.yoco.stage_plan`.
+
+:func:`gemma_thinker2talker_full_payload` is the stage-input adapter
+(``custom_process_next_stage_input_func``): it maps captured layer ``0`` onto the Qwen3-Omni
+talker's thinker-embedding input and the accept layer onto its thinker-hidden input, then
+delegates to vLLM-Omni's ``thinker2talker_full_payload``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm.model_executor.models.gemma3n import Gemma3nForCausalLM
+
+from omni_cache.engine.metrics import MetricsFile
+from omni_cache.models import SPECIAL_TOKENS
+from omni_cache.yoco import FINAL, stage_plan
+
+logger = logging.getLogger(__name__)
+
+ARCH = "OmniCacheGemma3nThinker"
+
+
+class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
+    """vLLM's Gemma-3n text model as a vLLM-Omni thinker (captured layers + TTS embeddings).
+
+    Raises:
+        omni_cache.yoco.YocoConfigError: at construction, when the stage asks for rows
+            fast prefill truncates (a cross-decoder layer, or the final hidden states).
+    """
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        # vLLM-Omni runner flags (see vllm_omni/worker/gpu_model_runner.py)
+        self.have_multimodal_outputs = True
+        self.has_preprocess = False
+        self.has_postprocess = False
+        self.use_async_omni_output = False
+        self.omni_pooler_payload_include_hidden = False
+        cfg = self.config
+        fast = bool(vllm_config.cache_config.kv_sharing_fast_prefill)
+        self.layer_plan, self.accept_layer = stage_plan(cfg, fast, os.environ)
+        self.layer_plan.check(where=f"thinker stage ({ARCH})")
+        self.is_staged_run = getattr(vllm_config.model_config, "model_stage", None) is not None
+        self._active = int(cfg.altup_active_idx)
+        self._captured: dict[int, torch.Tensor] = {}
+        self.yoco_counters = {"forwards": 0, "truncated_forwards": 0, "full_forwards": 0,
+                              "fallback_forwards": 0, "rows_skipped_by_cross_decoder": 0}
+        self._yoco_file = MetricsFile("yoco", min_interval_s=0.5)
+        self.tts_tokens = torch.tensor(
+            [[SPECIAL_TOKENS["<tts_text_bos>"], SPECIAL_TOKENS["<tts_text_eod>"], SPECIAL_TOKENS["<tts_pad>"]]],
+            dtype=torch.long,
+        )
+        if self.is_staged_run:
+            self._install_capture_hooks()
+        logger.info("omni-cache: %s\n%s", ARCH, self.layer_plan)
+
+    # ---- capture ---------------------------------------------------------------------
+    def _install_capture_hooks(self) -> None:
+        # Hooks on the decoder layers (plain modules). Not on the self-/cross-decoder: their
+        # class is wrapped by vLLM's ``support_torch_compile``, whose ``__call__`` calls
+        # ``forward`` directly and so bypasses module hooks.
+        layers = self.model.layers
+        for i in self.layer_plan.captured_layers:
+            if i == 0:
+                layers[0].register_forward_pre_hook(self._capture_layer_input(0), with_kwargs=True)
+            else:
+                layers[i - 1].register_forward_hook(self._capture_layer_output(i))
+
+    def _capture_layer_input(self, index: int):
+        def hook(_module, args, kwargs):
+            hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+            self._captured[index] = hs[self._active].clone()  # [num_tokens, hidden]
+        return hook
+
+    def _capture_layer_output(self, index: int):
+        def hook(_module, _args, output):  # output: [altup_num_inputs, num_tokens, hidden]
+            self._captured[index] = output[self._active].clone()
+        return hook
+
+    def _count_forward(self, num_tokens: int) -> None:
+        """Counters of how the cross-decoder ran (``yoco_counters``); with
+        ``OMNI_CACHE_METRICS_DIR`` set also written to ``<dir>/yoco-<pid>.json`` (tests;
+        :class:`~omni_cache.engine.metrics.MetricsFile`, rate-limited)."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+        from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
+
+        if not is_forward_context_available():
+            return
+        md = get_forward_context().attn_metadata
+        if not isinstance(md, dict):
+            return  # dummy / profile run
+        last = md.get(self.model.layers[-1].self_attn.attn.layer_name)
+        n_logits = getattr(last, "num_logits_indices", None) if isinstance(last, KVSharingFastPrefillMetadata) else None
+        c = self.yoco_counters
+        before = {k for k, v in c.items() if v}
+        fallback = False
+        c["forwards"] += 1
+        if n_logits is not None and n_logits < num_tokens:
+            c["truncated_forwards"] += 1
+            c["rows_skipped_by_cross_decoder"] += num_tokens - n_logits
+        else:
+            c["full_forwards"] += 1
+            if isinstance(last, KVSharingFastPrefillMetadata) and n_logits is None:
+                c["fallback_forwards"] += 1  # fast prefill disarmed for this step (prompt logprobs)
+                fallback = True
+        first_nonzero = bool({k for k, v in c.items() if v} - before)
+        # a counter's first non-zero value and every fallback are published at once (tests
+        # assert on them); the rest at most every 0.5 s
+        force = first_nonzero or fallback
+        self._yoco_file.publish(dict(c), force=force)
+
+    _FORWARD_KWARGS = ("intermediate_tensors", "inputs_embeds", "per_layer_inputs")
+
+    def forward(self, input_ids, positions, **kwargs):
+        # vLLM-Omni's runner adds per-step extras (model_intermediate_buffer,
+        # request_token_spans, ...) that this model does not use.
+        kwargs = {k: v for k, v in kwargs.items() if k in self._FORWARD_KWARGS}
+        self._captured = {}
+        hidden = super().forward(input_ids, positions, **kwargs)
+        self._count_forward(int(positions.shape[-1]))
+        if not self.is_staged_run:
+            return hidden
+        layers = {i: self._captured[i] for i in self.layer_plan.captured_layers if i in self._captured}
+        self._captured = {}
+        return hidden, {"hidden_states": {"layers": layers}}
+
+    def make_omni_output(self, model_outputs, **kwargs):
+        from vllm_omni.model_executor.models.output_templates import OmniOutput
+
+        if isinstance(model_outputs, OmniOutput):
+            return model_outputs
+        if isinstance(model_outputs, tuple):
+            hidden, mm = model_outputs
+        else:
+            hidden, mm = model_outputs, {}
+        mm = dict(mm or {})
+        emb = self.embed_input_ids(self.tts_tokens.to(hidden.device)).reshape(1, 3, -1)  # [1, 3, hidden]
+        bos, eos, pad = emb.chunk(3, dim=1)
+        mm["embed"] = {"tts_bos": [bos], "tts_eos": [eos], "tts_pad": [pad]}
+        return OmniOutput(text_hidden_states=hidden.reshape(-1, hidden.shape[-1]), multimodal_outputs=mm)
+
+
+class _AcceptLayerView:
+    """``transfer_manager`` as vLLM-Omni's Qwen3-Omni payload builder reads it, with
+    ``hf_config.talker_config.accept_hidden_layer`` = the thinker's accept layer."""
+
+    def __init__(self, transfer_manager: Any, accept: int):
+        self._tm = transfer_manager
+        self._cfg = SimpleNamespace(hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=accept)))
+
+    def _get_model_config(self):
+        return self._cfg
+
+    def __getattr__(self, name: str):
+        return getattr(self._tm, name)
+
+
+def _accept_layer(transfer_manager: Any) -> int:
+    mc = transfer_manager._get_model_config() if hasattr(transfer_manager, "_get_model_config") else transfer_manager.config
+    cfg = mc.hf_config
+    _, accept = stage_plan(cfg, False, os.environ)
+    if accept == FINAL:
+        raise RuntimeError("OMNI_CACHE_YOCO_ACCEPT_LAYER=final: the final hidden states are not handed downstream; "
+                           "accept a captured layer (e.g. the self-decoder output)")
+    return int(accept)
+
+
+def gemma_thinker2talker_full_payload(transfer_manager: Any, pooling_output: dict, request: Any):
+    """Stage-input adapter: KV-shared thinker → Qwen3-Omni talker.
+
+    ``pooling_output`` holds ``hidden_states.layer_0`` (thinker embeddings,
+    ``[num_tokens, hidden_size]``) and ``hidden_states.layer_<accept>`` (the accept layer,
+    by default the self-decoder output) plus ``embed.tts_*``. With
+    ``OMNI_CACHE_HANDOFF_DUMP`` set the tensors are recorded first
+    (:func:`omni_cache.engine.handoff.record_payload`).
+
+    Returns:
+        vLLM-Omni's talker payload (``thinker2talker_full_payload``), or None when it
+        withholds one.
+    """
+    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import thinker2talker_full_payload
+
+    from omni_cache.engine.handoff import record_payload
+
+    record_payload(pooling_output, request)
+    return thinker2talker_full_payload(_AcceptLayerView(transfer_manager, _accept_layer(transfer_manager)),
+                                       pooling_output, request)

@@ -1,0 +1,54 @@
+"""The one writer of omni-cache's per-process counter files (``OMNI_CACHE_METRICS_DIR``).
+
+Engine processes publish their counters as ``<dir>/<name>-<pid>.json`` (``metrics``: the
+stage manager's cache counters; ``scheduler``: the capped scheduler's; ``yoco``: the KV-shared
+thinker's forward counters). Benchmarks and tests read them. Each file is written atomically
+(temporary file + rename), at most once per :attr:`MetricsFile.min_interval_s` unless forced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from omni_cache import settings
+
+
+class MetricsFile:
+    """``<OMNI_CACHE_METRICS_DIR>/<name>-<pid>.json``, rate-limited.
+
+    Args:
+        name: file stem (``metrics``, ``scheduler``, ``yoco``).
+        min_interval_s: seconds between two unforced writes (a write costs ~0.8 ms on the CPU
+            platform; a per-step write showed on short requests). 0: every call writes.
+    """
+
+    def __init__(self, name: str, min_interval_s: float = 0.0) -> None:
+        self.name = name
+        self.min_interval_s = min_interval_s
+        self._last = float("-inf")
+
+    def path(self) -> Path | None:
+        """The file this process writes, or None when ``OMNI_CACHE_METRICS_DIR`` is unset."""
+        out = settings.METRICS_DIR.get()
+        return Path(out) / f"{self.name}-{os.getpid()}.json" if out else None
+
+    def publish(self, counters: Mapping | Callable[[], Mapping], *, force: bool = False) -> bool:
+        """Write ``counters`` (a mapping, or a callable returning one, evaluated only when the
+        file is written). Returns whether it wrote."""
+        path = self.path()
+        if path is None:
+            return False
+        now = time.monotonic()
+        if not force and now - self._last < self.min_interval_s:
+            return False
+        self._last = now
+        data = counters() if callable(counters) else counters
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict(data)))
+        tmp.replace(path)
+        return True

@@ -1,0 +1,87 @@
+"""vLLM-Omni general plugin (entry-point group ``vllm_omni.general_plugins``), loaded in every
+vLLM-Omni process: registers omni-cache's pipeline variants (idempotent).
+
+``qwen3_omni_moe_omni_cache``
+    Qwen3-Omni-MoE with :class:`~omni_cache.engine.scheduler.OmniCacheARScheduler` on the
+    thinker (prefix hits capped to the hidden-state tier's coverage).
+``qwen3_omni_moe_omni_cache_recorded``
+    the same, plus the thinker→talker hand-off recorded
+    (:mod:`omni_cache.engine.handoff`), for tests and audits.
+``gemma3n_omni_cache``
+    a KV-shared (YOCO) Gemma-3n thinker (:mod:`omni_cache.engine.gemma_thinker`, loaded
+    from the model directory's ``thinker/``) feeding the Qwen3-Omni talker and code2wav
+    through the stage-input adapter, with the capped scheduler on the thinker. The thinker
+    architecture ``OmniCacheGemma3nThinker`` is registered with vLLM's ``ModelRegistry``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+CAPPED_PIPELINE = "qwen3_omni_moe_omni_cache"
+RECORDING_PIPELINE = "qwen3_omni_moe_omni_cache_recorded"
+SCHEDULER = "omni_cache.engine.scheduler.OmniCacheARScheduler"
+RECORDER = "omni_cache.engine.handoff.record_thinker2talker_full_payload"
+GEMMA_PIPELINE = "gemma3n_omni_cache"
+GEMMA_ARCH = "OmniCacheGemma3nThinker"
+GEMMA_ADAPTER = "omni_cache.engine.gemma_thinker.gemma_thinker2talker_full_payload"
+#: model subdirectory per stage of omni-cache's pipelines (read by the stage-config check)
+STAGE_MODEL_SUBDIRS = {GEMMA_PIPELINE: {0: "thinker"}}
+
+
+def _variant(name: str, **stage0_changes):
+    from vllm_omni.model_executor.models.qwen3_omni.pipeline import QWEN3_OMNI_PIPELINE
+
+    stages = tuple(dataclasses.replace(s, **stage0_changes) if s.stage_id == 0 else s
+                   for s in QWEN3_OMNI_PIPELINE.stages)
+    return dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=name, stages=stages)
+
+
+def _gemma_pipeline():
+    from vllm_omni.model_executor.models.qwen3_omni.pipeline import QWEN3_OMNI_PIPELINE
+
+    def stage(s):
+        if s.stage_id != 0:
+            return s
+        return dataclasses.replace(
+            s, model_arch=GEMMA_ARCH, model_subdir="thinker", hf_config_name=None,
+            requires_multimodal_data=False, scheduler_cls=SCHEDULER,
+            custom_process_next_stage_input_func=GEMMA_ADAPTER,
+            async_chunk_process_next_stage_input_func=None)
+
+    return dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=GEMMA_PIPELINE, duplex_plugin=None,
+                               stages=tuple(stage(s) for s in QWEN3_OMNI_PIPELINE.stages))
+
+
+def register_models() -> None:
+    """Register omni-cache's model classes (lazy, idempotent) with vLLM's ``ModelRegistry``
+    and with vLLM-Omni's ``OmniModelRegistry`` (a separate registry instance that vLLM-Omni's
+    stage model configs resolve architectures with)."""
+    from vllm import ModelRegistry
+
+    registries = [ModelRegistry]
+    try:
+        from vllm_omni.model_executor.models.registry import OmniModelRegistry
+
+        registries.append(OmniModelRegistry)
+    except ImportError:  # plain vLLM install
+        pass
+    for reg in registries:
+        if GEMMA_ARCH not in reg.get_supported_archs():
+            reg.register_model(GEMMA_ARCH, "omni_cache.engine.gemma_thinker:OmniCacheGemma3nThinker")
+
+
+def register() -> None:
+    """Register the pipeline variants with vLLM-Omni's pipeline registry and omni-cache's
+    model classes with vLLM's."""
+    from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
+
+    register_models()
+    if GEMMA_PIPELINE not in OMNI_PIPELINES:
+        register_pipeline(_gemma_pipeline())
+
+    if CAPPED_PIPELINE not in OMNI_PIPELINES:
+        register_pipeline(_variant(CAPPED_PIPELINE, scheduler_cls=SCHEDULER))
+    if RECORDING_PIPELINE not in OMNI_PIPELINES:
+        register_pipeline(_variant(RECORDING_PIPELINE, scheduler_cls=SCHEDULER,
+                                   custom_process_next_stage_input_func=RECORDER))

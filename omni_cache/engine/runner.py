@@ -1,0 +1,151 @@
+"""omni-cache in vLLM-Omni's AR runner: the runner mixin that installs the stage manager.
+
+vLLM-Omni's AR runner (``GPUARModelRunner``, through its ``PrefixCacheRunnerMixin``) builds a
+prefix-cache manager in ``_ensure_omni_prefix_cache`` and calls it every step (the seam,
+:mod:`omni_cache.engine.seam`). :class:`OmniCacheRunnerMixin` builds
+:class:`~omni_cache.engine.stage_manager.OmniCacheStageManager` there instead and adapts the
+runner where omni-cache needs more than vLLM-Omni allows (multi-group KV layouts, per-batch
+fast-prefill fallback, resumed requests' hand-off rows). The concrete runner classes are
+composed in :mod:`omni_cache.engine.workers_cpu` and :mod:`omni_cache.engine.workers_gpu`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omni_cache.engine.stage_manager import OmniCacheStageManager
+
+logger = logging.getLogger(__name__)
+
+
+def full_attention_group(kv_cache_config) -> int:
+    """Index of the KV cache group to mirror: the first full-attention group."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    for i, g in enumerate(groups):
+        if isinstance(g.kv_cache_spec, FullAttentionSpec) and not getattr(g.kv_cache_spec, "sliding_window", None):
+            return i
+    return 0
+
+
+class OmniCacheRunnerMixin:
+    """Replaces vLLM-Omni's built-in prefix-cache manager with :class:`OmniCacheStageManager`.
+
+    Also (KV-shared / hybrid models, docs/yoco.md):
+
+    - multi-group KV layouts (sliding-window + full-attention groups) are accepted: vLLM-Omni's
+      gate refuses them in ``initialize_metadata_builders``; omni-cache mirrors the first
+      full-attention group instead (:func:`full_attention_group`).
+    - per-batch fast-prefill eligibility: a step whose batch holds a request with prompt
+      logprobs runs without KV-sharing fast prefill (vLLM would assert), so the request is
+      served and the engine keeps running.
+    """
+
+    def initialize_metadata_builders(self, kv_cache_config, kernel_block_sizes) -> None:
+        from vllm_omni.core.prefix_cache.interface import OmniPrefixCacheUnmatchError
+
+        try:
+            super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
+            return
+        except OmniPrefixCacheUnmatchError:
+            # vLLM-Omni's gate runs after vLLM's metadata builders are set up; it refuses
+            # every multi-group layout. Re-raise anything else it refuses.
+            if len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) <= 1:
+                raise
+        self._omni_prefix_cache_cfg = _stage_multi_group_config(self, kv_cache_config)
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self._restart_resumed_payloads(scheduler_output)
+        cc = self.cache_config
+        if not (cc.kv_sharing_fast_prefill and _batch_has_prompt_logprobs(self, scheduler_output)):
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        logger.info("omni-cache: step without KV-sharing fast prefill (a request needs prompt logprobs)")
+        cc.kv_sharing_fast_prefill = False
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            cc.kv_sharing_fast_prefill = True
+
+    def shutdown(self) -> None:
+        mgr = getattr(self, "omni_prefix_cache", None)
+        if isinstance(mgr, OmniCacheStageManager):
+            mgr.shutdown()
+        parent = getattr(super(), "shutdown", None)
+        if parent is not None:
+            parent()
+
+    def _restart_resumed_payloads(self, scheduler_output) -> None:
+        """A request resumed after preemption restarts its hand-off accumulation.
+
+        vLLM-Omni accumulates a request's per-step hand-off rows (``hidden``, captured layers)
+        across steps and never resets them on preemption, so a resumed request that
+        recomputes its prompt would hand the talker some positions twice (seen in the stress
+        run: 1,216 rows for a 617-token request). Under this runner a resumed request's first
+        step always yields rows ``[0, end)``: omni-cache serves its re-hit prefix from the
+        hidden-state cache (merged with the fresh rows), and without prefix caching it
+        recomputes from position 0. So the rows accumulated before the preemption are
+        dropped here, before the step's forward. (vLLM-Omni's built-in cache does not mirror
+        a resume as a hit; it runs on the plain runner, unchanged.)
+        """
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None)
+        pending = getattr(self, "_pending_full_payload_send", None)
+        if not resumed or pending is None:
+            return
+        for rid in resumed:
+            if pending.pop(rid, None) is not None:
+                logger.debug("omni-cache: request %s resumed after preemption; hand-off rows restart", rid)
+
+    def _ensure_omni_prefix_cache(self) -> None:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        cfg = self._omni_prefix_cache_cfg
+        self._omni_prefix_cache_cfg = None
+        if cfg is None or not get_pp_group().is_last_rank:
+            return
+        group = full_attention_group(self.kv_cache_config)
+        self.omni_prefix_cache = OmniCacheStageManager(
+            self, block_size=cfg.block_size, num_blocks=self.kv_cache_config.num_blocks, group_id=group
+        )
+        logger.info("omni-cache: hidden-state prefix cache active (KV group %d, block %d, %d blocks)",
+                    group, cfg.block_size, self.kv_cache_config.num_blocks)
+
+
+def _batch_has_prompt_logprobs(runner, scheduler_output) -> bool:
+    """Whether the runner will hold a request pending prompt logprobs in this step (vLLM's
+    ``num_prompt_logprobs`` after ``_update_states``)."""
+    finished = set(scheduler_output.finished_req_ids)
+    if set(getattr(runner, "num_prompt_logprobs", {}) or {}) - finished:
+        return True
+    return any(getattr(nr.sampling_params, "prompt_logprobs", None) is not None
+               for nr in scheduler_output.scheduled_new_reqs if nr.sampling_params is not None)
+
+
+def _stage_multi_group_config(runner, kv_cache_config):
+    """vLLM-Omni's prefix-cache staging for a multi-group KV layout: its other refusals
+    (KV consumer, speculative decoding, sub-block hits) still apply; a layout without a
+    full-attention group is refused (nothing to mirror).
+
+    Raises:
+        OmniPrefixCacheUnmatchError: as above.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_omni.core.prefix_cache.group_view import (
+        check_prefix_cache_kv_transfer,
+        check_prefix_cache_token_accounting,
+    )
+    from vllm_omni.core.prefix_cache.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig
+
+    check_prefix_cache_kv_transfer(getattr(runner.vllm_config, "kv_transfer_config", None))
+    check_prefix_cache_token_accounting(runner.cache_config, runner.speculative_config)
+    groups = kv_cache_config.kv_cache_groups
+    g = full_attention_group(kv_cache_config)
+    spec = groups[g].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
+        raise OmniPrefixCacheUnmatchError(
+            f"omni-cache mirrors a full-attention KV cache group; none among {len(groups)} groups "
+            f"({[type(x.kv_cache_spec).__name__ for x in groups]}). Disable enable_prefix_caching on this stage")
+    logger.info("omni-cache: %d KV cache groups; mirroring full-attention group %d", len(groups), g)
+    return PrefixCacheConfig.from_vllm_config(num_blocks=kv_cache_config.num_blocks, block_size=spec.block_size,
+                                              scheduler_config=runner.scheduler_config, model_config=runner.model_config)

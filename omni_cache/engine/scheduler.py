@@ -1,0 +1,239 @@
+"""A vLLM-Omni AR scheduler that caps each prefix hit to what the hidden-state tier covers.
+
+``_get_local_prefix_cache_hit`` (vLLM's scheduler seam for the local KV prefix-cache lookup)
+returns the KV hit; :class:`OmniCacheSchedulerMixin` truncates it to the leading blocks whose
+hidden-state rows are complete (:class:`~omni_cache.core.coverage.WrittenBlocks`), so the
+runner never has to serve — or refuse — rows it does not have: the uncovered tail is simply
+recomputed, and the engine keeps serving. After each ``schedule()`` it records the blocks
+that this step's scheduled tokens complete; within ``schedule()`` a hit may also cover blocks
+that requests scheduled earlier in the same step complete (a same-step hit).
+
+Selected through the pipeline topology (vLLM-Omni 0.30 owns ``scheduler_cls`` there, not in
+the deploy YAML): ``pipeline: qwen3_omni_moe_omni_cache`` (see :mod:`omni_cache.engine.plugin`).
+Synchronous scheduling only (``async_scheduling: false``; the CPU platform forces it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm_omni.core.sched.omni_ar_scheduler import OmniARScheduler
+
+from omni_cache import settings
+from omni_cache.core.coverage import RowValidity, WrittenBlocks, spans_overlap
+from omni_cache.engine.metrics import MetricsFile
+from omni_cache.engine.runner import full_attention_group
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerCapState:
+    """What the capped scheduler knows between steps.
+
+    Attributes:
+        written: blocks whose hidden rows are complete, with their block hash then.
+        group: index of the mirrored (full-attention) KV cache group.
+        block_size: its tokens per block.
+        truncates: KV-sharing fast prefill truncates this stage's prefill rows.
+        hit_needs: what a hit needs (:class:`RowValidity`; ``CAPTURED_ONLY`` for a KV-shared
+            thinker that hands off captured layers only).
+        forget_left: fault injection (``OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS``): requests
+            whose writes are still to be forgotten.
+        forgotten: requests whose writes are not recorded (fault injection).
+        truncated_spans: request → ``[(start, end)]`` token spans written under fast prefill.
+        lookup: request → ``(capped, same_step)`` tokens of its latest lookup; a waiting
+            request is looked up again every step until admitted, so the counters take only
+            the lookup that admitted it (in ``schedule()``).
+        resumed: ``(request id, num_preemptions)`` → prefix-hit tokens on resume.
+        capped_tokens: hit tokens cut by the cap, over admitted requests.
+        same_step_hit_tokens: hit tokens on blocks completed in the same step, over admitted
+            requests.
+        preemptions: requests preempted.
+    """
+
+    written: WrittenBlocks
+    group: int
+    block_size: int
+    truncates: bool
+    hit_needs: RowValidity
+    forget_left: int = 0
+    forgotten: set[str] = field(default_factory=set)
+    truncated_spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    lookup: dict[str, tuple[int, int]] = field(default_factory=dict)
+    resumed: dict[tuple[str, int], int] = field(default_factory=dict)
+    capped_tokens: int = 0
+    same_step_hit_tokens: int = 0
+    preemptions: int = 0
+
+    def counters(self) -> dict[str, int]:
+        """The published counters (``scheduler-<pid>.json``)."""
+        return {"preemptions": self.preemptions, "resumed_hits": len(self.resumed),
+                "resumed_hit_tokens": sum(self.resumed.values()), "capped_tokens": self.capped_tokens,
+                "same_step_hit_tokens": self.same_step_hit_tokens}
+
+
+class OmniCacheSchedulerMixin:
+    """Caps KV prefix hits to the hidden-state tier's coverage."""
+
+    def _omni_cache_state(self) -> SchedulerCapState:
+        st = getattr(self, "_oc_state", None)
+        if st is None:
+            group = full_attention_group(self.kv_cache_config)
+            truncates, hit_needs = _yoco_rules(self.vllm_config)
+            st = self._oc_state = SchedulerCapState(
+                written=WrittenBlocks(), group=group,
+                block_size=self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size,
+                truncates=truncates, hit_needs=hit_needs,
+                forget_left=settings.TEST_FORGET_FIRST_N_REQUESTS.get_int())
+            self._oc_metrics = MetricsFile("scheduler")
+        return st
+
+    def _get_local_prefix_cache_hit(self, request):
+        blocks, num_local, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        st = self._omni_cache_state()
+        st.lookup.pop(request.request_id, None)
+        if num_local <= 0:
+            return blocks, num_local, boundary, diverged
+        g, bs = st.group, st.block_size
+        mirrored = blocks.blocks[g]
+        pairs = [(b.block_id, b.block_hash) for b in mirrored[: num_local // bs]]
+        covered = st.written.covered(pairs, st.hit_needs)
+        same_step = 0
+        if covered < len(pairs):
+            # a same-step hit: blocks that requests scheduled earlier in this step complete now
+            with_pending = st.written.covered(pairs, st.hit_needs, pending=self._blocks_completed_this_step(st))
+            same_step = (with_pending - covered) * bs
+            covered = with_pending
+        capped = max(num_local - covered * bs, 0)
+        if same_step or capped or request.num_preemptions > 0:
+            st.lookup[request.request_id] = (capped, same_step)
+        if capped:
+            logger.info("omni-cache: request %s prefix hit capped %d -> %d tokens (hidden rows not covered)",
+                        request.request_id, num_local, covered * bs)
+            if len(blocks.blocks) == 1:
+                blocks = KVCacheBlocks(tuple(list(gb[:covered]) for gb in blocks.blocks))
+                num_local = covered * bs
+            else:
+                # Hybrid KV groups (sliding window + full attention): a shorter hit must be
+                # recomputed by vLLM's coordinator (a sliding group needs the blocks inside
+                # the window before the new hit end), never cut per group.
+                mgr = self.kv_cache_manager
+                computed, num_local, _ = mgr.coordinator.find_longest_cache_hit(request.block_hashes, covered * bs)
+                blocks = mgr.create_kv_cache_blocks(computed)
+        if request.num_preemptions > 0 and num_local > 0:
+            # a preempted request resumes from its (re-hit) blocks; the lookup repeats while
+            # it waits, so keep the last hit per (request, preemption)
+            st.resumed[(request.request_id, request.num_preemptions)] = num_local
+        return blocks, num_local, boundary, diverged
+
+    def _blocks_completed_this_step(self, st: SchedulerCapState) -> dict:
+        """Block id → ``(block hash, validity)`` of the mirrored group's blocks that requests
+        already scheduled in the running ``schedule()`` call complete in this step.
+
+        vLLM hashes (caches) a block when it is allocated for tokens that fill it in this
+        step (``KVCacheManager.allocate_slots`` → ``cache_blocks``), so a request admitted
+        later in the same step can hit it; the runner writes every scheduled row before it
+        reads any hit, so such a hit gets this step's rows. A request's
+        ``num_computed_tokens`` advances only after ``schedule()`` (``_update_after_schedule``),
+        so during the waiting loop the blocks a scheduled request completes in this step are
+        exactly its hashed blocks from ``num_computed_tokens // block_size`` on; a running
+        request not scheduled in this step has none. vLLM preempts only in its running loop,
+        before the waiting loop's prefix lookups, and a preempted request has left
+        ``self.running``, so its blocks never count. Under KV-sharing fast prefill the
+        validity is ``CAPTURED_ONLY`` (conservative: as for a prefill chunk).
+        """
+        g, bs = st.group, st.block_size
+        if st.forget_left > 0:  # fault injection pending: do not vouch for anything new
+            return {}
+        validity = RowValidity.CAPTURED_ONLY if st.truncates else RowValidity.ALL_KEYS
+        out = {}
+        for req in self.running:
+            if req.request_id in st.forgotten:
+                continue
+            blocks = self.kv_cache_manager.get_blocks(req.request_id).blocks[g]
+            for b in blocks[req.num_computed_tokens // bs:]:
+                if b.block_hash is None:
+                    break
+                out[b.block_id] = (b.block_hash, validity)
+        return out
+
+    def _preempt_request(self, request, *args, **kwargs):
+        super()._preempt_request(request, *args, **kwargs)
+        st = self._omni_cache_state()
+        st.preemptions += 1
+        self._publish_scheduler_metrics()
+
+    def _publish_scheduler_metrics(self) -> None:
+        """With ``OMNI_CACHE_METRICS_DIR`` set, write the scheduler's counters
+        (:meth:`SchedulerCapState.counters`) to ``<dir>/scheduler-<pid>.json``; called on each
+        preemption, on a step that admits a capped, same-step or resumed hit, and at shutdown
+        (rare events, never on a plain step; an engine core killed before its shutdown still
+        leaves the counters of those events)."""
+        st = self._omni_cache_state()
+        self._oc_metrics.publish(st.counters, force=True)
+
+    def shutdown(self) -> None:
+        self._publish_scheduler_metrics()
+        super().shutdown()
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        st = self._omni_cache_state()
+        g, bs = st.group, st.block_size
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        new_ids = set(starts)
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid in out.finished_req_ids:
+            st.truncated_spans.pop(rid, None)
+            st.lookup.pop(rid, None)  # aborted while waiting: never admitted, not counted
+        admitted = starts.keys() & st.lookup.keys()  # requests whose counted lookup admitted them now
+        for rid in admitted:
+            capped, same_step = st.lookup.pop(rid)
+            st.capped_tokens += capped
+            st.same_step_hit_tokens += same_step
+        if admitted:  # rare (a capped, same-step or resumed hit): publish now, not only at shutdown
+            self._publish_scheduler_metrics()
+        for rid, start in starts.items():
+            if st.forget_left > 0 and rid not in st.forgotten and rid in new_ids:
+                st.forgotten.add(rid)
+                st.forget_left -= 1
+            if rid in st.forgotten:
+                continue
+            end = start + out.num_scheduled_tokens.get(rid, 0)
+            if st.truncates and end - start > 1:
+                st.truncated_spans.setdefault(rid, []).append((start, end))
+            spans = st.truncated_spans.get(rid, ())
+            req_blocks = self.kv_cache_manager.get_blocks(rid).blocks[g]
+            for i in range(start // bs, min(end // bs, len(req_blocks))):
+                b = req_blocks[i]
+                validity = (RowValidity.CAPTURED_ONLY if spans_overlap(spans, i * bs, (i + 1) * bs)
+                            else RowValidity.ALL_KEYS)
+                st.written.record(b.block_id, b.block_hash, validity)
+        return out
+
+
+def _yoco_rules(vllm_config) -> tuple[bool, RowValidity]:
+    """``(truncates, hit_needs)``: whether fast prefill truncates this stage's prefill rows (a
+    KV-shared model with ``kv_sharing_fast_prefill``), and what a hit needs: the captured
+    layers only, unless the stage hands the final hidden states downstream
+    (``OMNI_CACHE_YOCO_ACCEPT_LAYER=final``, refused at start-up together with fast
+    prefill) — then every key."""
+    from omni_cache.yoco import YocoConfigError, stage_plan
+
+    try:
+        plan, _ = stage_plan(vllm_config.model_config.hf_config,
+                             bool(vllm_config.cache_config.kv_sharing_fast_prefill), os.environ)
+    except YocoConfigError:
+        return False, RowValidity.ALL_KEYS
+    if plan.num_kv_shared_layers == 0:
+        return False, RowValidity.ALL_KEYS  # not a YOCO model: every write carries every key
+    return plan.truncates, (RowValidity.ALL_KEYS if plan.needs_final else RowValidity.CAPTURED_ONLY)
+
+
+class OmniCacheARScheduler(OmniCacheSchedulerMixin, OmniARScheduler):
+    """vLLM-Omni's synchronous AR scheduler with the hidden-tier hit cap."""

@@ -1,0 +1,101 @@
+"""The seam between vLLM-Omni's AR runner and a prefix-cache manager, written down.
+
+vLLM-Omni 0.30's AR runner (``vllm_omni/core/prefix_cache/runner_mixin.py``
+``PrefixCacheRunnerMixin`` and ``vllm_omni/worker/gpu_ar_model_runner.py``) builds its
+``omni_prefix_cache`` manager in ``_ensure_omni_prefix_cache`` and calls these methods on it,
+as its own ``OmniPrefixCacheManager`` (``core/prefix_cache/manager.py``) defines them:
+
+=====================  ==========================================================  =============================
+method                 arguments                                                   returns
+=====================  ==========================================================  =============================
+``new_step_starts``    ``scheduler_output`` (before ``_update_states``)            None
+``save_outputs``       ``hidden_states, mm_outputs, *, num_tokens_unpadded,        step id (int), consumed once
+                       num_tokens_padded`` (after the forward)
+``materialize``        ``step_id, req_ids`` (the save-time snapshot)               ``(hidden_states, mm_outputs)``
+                                                                                   (``StageCacheOutputs`` fields)
+``discard_step``       ``step_id``                                                 None
+``shutdown``           —                                                           None
+=====================  ==========================================================  =============================
+
+omni-cache's :class:`~omni_cache.engine.stage_manager.OmniCacheStageManager` implements them;
+:class:`~omni_cache.engine.runner.OmniCacheRunnerMixin` overrides the runner hooks in
+:data:`RUNNER_HOOKS`. :func:`check_seam` compares all of it with the installed vLLM-Omni
+(``tests/unit/test_seam.py``), so a version bump that moves the seam fails loudly instead of
+leaving the cache silently unused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+#: manager method → its parameters as vLLM-Omni's manager declares them: ``(positional names
+#: after self, keyword-only names)``
+MANAGER_METHODS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "new_step_starts": (("scheduler_output",), ()),
+    "save_outputs": (("hidden_states", "mm_outputs"), ("num_tokens_unpadded", "num_tokens_padded")),
+    "materialize": (("step_id", "req_ids"), ()),
+    "discard_step": (("step_id",), ()),
+    "shutdown": ((), ()),
+}
+
+#: fields of ``materialize``'s result (vLLM-Omni's ``StageCacheOutputs``)
+HANDOFF_FIELDS = ("hidden_states", "mm_outputs")
+
+#: vLLM-Omni runner methods that :class:`~omni_cache.engine.runner.OmniCacheRunnerMixin`
+#: overrides → the runner class that defines them
+RUNNER_HOOKS = ("_ensure_omni_prefix_cache", "initialize_metadata_builders", "execute_model", "shutdown")
+
+_CALL = re.compile(r"\bomni_prefix_cache\.(\w+)\(")
+
+
+def _params(fn) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    sig = inspect.signature(fn)
+    pos = tuple(p.name for p in sig.parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
+    kw = tuple(p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY)
+    return pos, kw
+
+
+def check_seam() -> list[str]:
+    """Differences between the written-down seam and the installed vLLM-Omni / omni-cache.
+
+    Checks: vLLM-Omni's manager has every method of :data:`MANAGER_METHODS` with those
+    parameters; its runner code calls no manager method outside them; ``StageCacheOutputs``
+    has :data:`HANDOFF_FIELDS`; the runner classes still define :data:`RUNNER_HOOKS`; and
+    omni-cache's stage manager matches the same parameters.
+
+    Returns:
+        One line per difference; empty when the seam holds.
+    """
+    from vllm_omni.core.prefix_cache import runner_mixin
+    from vllm_omni.core.prefix_cache.interface import StageCacheOutputs
+    from vllm_omni.core.prefix_cache.manager import OmniPrefixCacheManager
+    from vllm_omni.worker import gpu_ar_model_runner
+
+    from omni_cache.engine.stage_manager import HandOff, OmniCacheStageManager
+
+    problems = []
+    for name, want in MANAGER_METHODS.items():
+        for owner, cls in (("vLLM-Omni's OmniPrefixCacheManager", OmniPrefixCacheManager),
+                           ("omni-cache's OmniCacheStageManager", OmniCacheStageManager)):
+            fn = getattr(cls, name, None)
+            if fn is None:
+                problems.append(f"{owner} has no {name}()")
+            elif _params(fn) != want:
+                problems.append(f"{owner}.{name}{_params(fn)} != the seam's {want}")
+    for mod in (runner_mixin, gpu_ar_model_runner):
+        called = set(_CALL.findall(inspect.getsource(mod)))
+        for name in sorted(called - MANAGER_METHODS.keys()):
+            problems.append(f"{mod.__name__} calls omni_prefix_cache.{name}(), which the seam does not list")
+    if tuple(StageCacheOutputs._fields) != HANDOFF_FIELDS:
+        problems.append(f"StageCacheOutputs fields {StageCacheOutputs._fields} != {HANDOFF_FIELDS}")
+    import dataclasses
+
+    if tuple(f.name for f in dataclasses.fields(HandOff)) != HANDOFF_FIELDS:
+        problems.append(f"HandOff fields differ from {HANDOFF_FIELDS}")
+    runner_cls = gpu_ar_model_runner.GPUARModelRunner
+    for hook in RUNNER_HOOKS:
+        if not callable(getattr(runner_cls, hook, None)):
+            problems.append(f"GPUARModelRunner has no {hook}() for OmniCacheRunnerMixin to override")
+    return problems

@@ -1,0 +1,432 @@
+"""The stage manager: omni-cache behind vLLM-Omni's prefix-cache seam, one method per arrow.
+
+vLLM-Omni's AR runner drives a prefix-cache manager through the calls listed in
+:mod:`omni_cache.engine.seam` (``new_step_starts`` before ``_update_states``,
+``save_outputs`` after the forward, ``materialize`` / ``discard_step`` when it builds the
+hand-off). :class:`OmniCacheStageManager` is that manager, built on
+:class:`omni_cache.core.HiddenStateCache`. One engine step is the data path of
+docs/architecture.md, each arrow one method:
+
+1. :meth:`~OmniCacheStageManager.new_step_starts` — mirror the scheduler output: each
+   request's block table row of the mirrored (full-attention) KV cache group, its
+   ``num_computed_tokens`` before this step; new and resumed requests with
+   ``num_computed_tokens > 0`` are prefix hits (hit length = ``num_computed_tokens``).
+2. :meth:`~OmniCacheStageManager.classify_outputs` — split the forward's outputs into
+   token-aligned rows (cached) and everything else (handed through per request).
+3. :meth:`~OmniCacheStageManager.plan_step` — the :class:`StepPlan`: each request's rows in
+   the batch, the keys each write carries (fast prefill drops the final hidden states),
+   the keys handed downstream.
+4. :meth:`~OmniCacheStageManager.write_rows` — every scheduled token's rows at their KV slot
+   ids; every block that became full is cached with its chained block hash.
+5. :meth:`~OmniCacheStageManager.read_hits` — each hit's prefix rows (after all writes, so a
+   same-step hit gets this step's rows).
+6. :meth:`~OmniCacheStageManager.merge` — ``cached prefix ++ fresh`` per request.
+7. :meth:`~OmniCacheStageManager.materialize` — the hand-off to vLLM-Omni's payload builder.
+
+A hit whose rows the ledger cannot vouch for raises :class:`~omni_cache.core.StaleRowsError`
+naming the request and block instead of serving a wrong row (the capped scheduler,
+:mod:`omni_cache.engine.scheduler`, keeps that from happening).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashes
+from omni_cache.engine.metrics import MetricsFile
+
+logger = logging.getLogger(__name__)
+
+#: key of the final hidden states (vLLM-Omni's ``text_hidden_states``) in the cache
+HIDDEN_KEY = "hidden"
+
+
+@dataclass
+class RequestView:
+    """The cache's view of one request.
+
+    Attributes:
+        block_ids: block table row of the mirrored KV cache group.
+        num_computed_tokens: tokens computed before the current step.
+        hit_tokens: prefix hit to serve in the current step (0: none), tokens.
+        block_hashes: chained block hashes of the request's full blocks, computed so far.
+    """
+
+    block_ids: list[int]
+    num_computed_tokens: int
+    hit_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """The forward's outputs, classified (:meth:`OmniCacheStageManager.classify_outputs`).
+
+    Attributes:
+        rows: token-aligned key → ``[num_tokens, width]`` rows (``hidden`` and every
+            per-token multimodal output, flattened to 2-D).
+        passthrough: every other multimodal output, handed through per request.
+        num_tokens: unpadded tokens of the step's batch.
+    """
+
+    rows: dict[str, torch.Tensor]
+    passthrough: dict[str, Any]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step writes, reads and hands off (:meth:`OmniCacheStageManager.plan_step`).
+
+    Attributes:
+        req_ids: scheduled requests in batch order.
+        spans: request → its rows ``[start, end)`` in the batch.
+        write_keys: keys each write carries (all rows' keys; without ``hidden`` when
+            KV-sharing fast prefill truncated this step's prefill rows, which applies to
+            requests in ``truncated``).
+        truncated: requests whose ``hidden`` rows this step are the self-decoder output
+            (fast prefill, more than one token scheduled) and are not written.
+        handoff_keys: keys handed downstream (and read for a hit).
+        hits: request → hit tokens to read this step.
+    """
+
+    req_ids: tuple[str, ...]
+    spans: Mapping[str, tuple[int, int]]
+    write_keys: tuple[str, ...]
+    truncated: frozenset[str]
+    handoff_keys: tuple[str, ...]
+    hits: Mapping[str, int]
+
+
+@dataclass
+class HandOff:
+    """Per-request tensors of one step for vLLM-Omni's payload builder (its manager's
+    ``materialize`` result: ``hidden_states`` req → ``[n, hidden]`` and ``mm_outputs``
+    key → req → value)."""
+
+    hidden_states: dict[str, torch.Tensor] | None
+    mm_outputs: dict[str, dict[str, Any]]
+
+
+@dataclass
+class _SavedStep:
+    plan: StepPlan
+    merged: dict[str, dict[str, torch.Tensor]]  # req -> key -> rows
+    passthrough: dict[str, Any]
+    num_tokens: int
+
+
+def mm_extra_keys(req_state) -> list[tuple[int, int, object]]:
+    """``(start, end, identifier)`` of each multimodal item of a runner request state (its
+    placeholder span and content hash), the extra keys of its block hashes."""
+    keys = []
+    for f in getattr(req_state, "mm_features", None) or []:
+        pos = f.mm_position
+        keys.append((int(pos.offset), int(pos.offset + pos.length), f.identifier))
+    return keys
+
+
+class OmniCacheStageManager:
+    """omni-cache's prefix-cache manager for one AR stage (the seam in :mod:`.seam`).
+
+    Args:
+        runner: the AR model runner (``requests``: token ids and mm features;
+            ``input_batch.req_ids``: batch order; ``cache_config``, ``model``).
+        block_size: tokens per KV block of the mirrored group.
+        num_blocks: KV blocks of the mirrored group (pool rows = ``num_blocks * block_size``).
+        group_id: index of the mirrored (full-attention) KV cache group.
+
+    The cache is built at the first save, when the rows' widths and dtypes are known; a
+    token-aligned key that first appears in a later step is added then (its rows exist from
+    that step on).
+    """
+
+    #: seconds between two metrics-file writes, besides every step that read a hit and shutdown
+    PUBLISH_INTERVAL_S = 0.5
+
+    def __init__(self, runner, block_size: int, num_blocks: int, group_id: int = 0):
+        self.runner = runner
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.group_id = group_id
+        self.cache: HiddenStateCache | None = None
+        self.reqs: dict[str, RequestView] = {}
+        self._scheduled: dict[str, int] = {}
+        self._steps: dict[int, _SavedStep] = {}
+        self._step_ids = itertools.count()
+        self._read_this_step = False  # a hit was read: publish the metrics at materialize
+        self._metrics_file = MetricsFile("metrics", self.PUBLISH_INTERVAL_S)
+        self.step_seconds = 0.0  # the last save_outputs, whole (hashes, writes, reads, merge)
+
+    # ---- 1. step begin ---------------------------------------------------------------
+    def new_step_starts(self, scheduler_output) -> None:
+        """Mirror the scheduler output (called before the runner's ``_update_states``)."""
+        for rid in scheduler_output.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for nr in scheduler_output.scheduled_new_reqs:
+            self.reqs[nr.req_id] = RequestView(
+                block_ids=list(nr.block_ids[self.group_id]),
+                num_computed_tokens=nr.num_computed_tokens,
+                hit_tokens=nr.num_computed_tokens,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            view = self.reqs.get(rid)
+            new_ids = cached.new_block_ids[i]
+            ncomp = cached.num_computed_tokens[i]
+            if view is None or rid in resumed:
+                # resumed after preemption: the block table is replaced, the prefix hit
+                # (if any) is served again from the cache like a new request's.
+                self.reqs[rid] = RequestView(
+                    block_ids=list(new_ids[self.group_id]) if new_ids is not None else [],
+                    num_computed_tokens=ncomp, hit_tokens=ncomp,
+                )
+                continue
+            if new_ids is not None:
+                view.block_ids.extend(new_ids[self.group_id])
+            view.num_computed_tokens = ncomp
+            view.hit_tokens = 0
+        self._scheduled = dict(scheduler_output.num_scheduled_tokens)
+        if self.cache is not None:
+            self.cache.begin_step()
+
+    # ---- the seam's save: arrows 2-6 ---------------------------------------------------
+    def save_outputs(
+        self,
+        hidden_states: torch.Tensor,
+        mm_outputs: dict[str, Any] | None,
+        *,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+    ) -> int:
+        """Classify, plan, write, read hits, merge. Returns the step id to
+        :meth:`materialize` (or :meth:`discard_step`) exactly once.
+
+        Args:
+            hidden_states: ``[num_tokens_padded, hidden_size]`` final hidden states.
+            mm_outputs: the model's per-step extras, flattened (captured layers, ...).
+            num_tokens_unpadded: tokens of the batch (rows past it are padding).
+            num_tokens_padded: rows of the forward.
+
+        Raises:
+            RuntimeError: the batch's scheduled tokens do not add up to the forward's rows.
+            StaleRowsError: a hit asks for rows the ledger cannot vouch for.
+        """
+        t0 = time.perf_counter()
+        outputs = self.classify_outputs(hidden_states, mm_outputs,
+                                        num_tokens_unpadded, num_tokens_padded)
+        self._ensure_keys(outputs.rows)
+        plan = self.plan_step(outputs)
+        fresh = self.write_rows(plan, outputs)
+        prefixes = self.read_hits(plan)
+        merged = self.merge(plan, fresh, prefixes)
+        step_id = next(self._step_ids)
+        self._steps[step_id] = _SavedStep(plan, merged, outputs.passthrough, outputs.num_tokens)
+        self.step_seconds = time.perf_counter() - t0
+        return step_id
+
+    # ---- 2. classify outputs -------------------------------------------------------------
+    @staticmethod
+    def classify_outputs(hidden_states: torch.Tensor, multimodal_outputs: Mapping[str, Any] | None,
+                         num_tokens_unpadded: int, num_tokens_padded: int) -> StepOutputs:
+        """Token-aligned outputs (first dim = the step's unpadded or padded token count,
+        at least 2-D) become cached rows ``[num_tokens, -1]``; the rest passes through."""
+        n = num_tokens_unpadded
+        rows: dict[str, torch.Tensor] = {HIDDEN_KEY: hidden_states[:n]}
+        passthrough: dict[str, Any] = {}
+        for k, v in (multimodal_outputs or {}).items():
+            if (k != HIDDEN_KEY and isinstance(v, torch.Tensor) and v.dim() >= 2
+                    and v.shape[0] in (n, num_tokens_padded)):
+                rows[k] = v[:n].reshape(n, -1)
+            else:
+                passthrough[k] = v
+        return StepOutputs(rows, passthrough, n)
+
+    def _ensure_keys(self, rows: Mapping[str, torch.Tensor]) -> HiddenStateCache:
+        """Build the cache at the first save; add keys that appear later."""
+        specs = [KeySpec(k, int(t.shape[-1]), t.dtype) for k, t in sorted(rows.items())]
+        if self.cache is None:
+            device = next(iter(rows.values())).device
+            # On an accelerator the pool lives next to the hidden states (no host sync on
+            # the forward path); on the CPU platform it is plain host memory.
+            tier = Tier.DEVICE if device.type != "cpu" else Tier.HOST
+            self.cache = HiddenStateCache(self.num_blocks, self.block_size, specs, device=device, tier=tier)
+            self.cache.begin_step()
+            logger.info("omni-cache: %s", self.cache.describe().replace("\n", "; "))
+        else:
+            new = [s for s in specs if s.name not in self.cache.specs]
+            if new:
+                self.cache.add_keys(new)
+                logger.info("omni-cache: caching new keys %s from this step on", [s.name for s in new])
+        return self.cache
+
+    # ---- 3. plan the step ----------------------------------------------------------------
+    def plan_step(self, outputs: StepOutputs) -> StepPlan:
+        """Batch spans (the runner's batch order), the keys written and handed off, the
+        hits to read.
+
+        Raises:
+            RuntimeError: the scheduled tokens do not add up to ``outputs.num_tokens``.
+        """
+        req_ids = tuple(r for r in self.runner.input_batch.req_ids if r in self._scheduled)
+        spans: dict[str, tuple[int, int]] = {}
+        off = 0
+        for rid in req_ids:
+            n = self._scheduled[rid]
+            spans[rid] = (off, off + n)
+            off += n
+        if off != outputs.num_tokens:
+            raise RuntimeError(f"omni-cache: batch spans {off} tokens but the forward produced {outputs.num_tokens}")
+        truncated = frozenset(r for r in req_ids if spans[r][1] - spans[r][0] > 1) \
+            if fast_prefill_truncates(self.runner) else frozenset()
+        # keys handed downstream (and needed on a hit): the final hidden states only for
+        # models that hand them off (vLLM-Omni's ``omni_pooler_payload_include_hidden``)
+        handoff = tuple(k for k in self.cache.specs
+                        if k in outputs.rows and (k != HIDDEN_KEY or hands_off_hidden(self.runner)))
+        hits = {r: self.reqs[r].hit_tokens for r in req_ids if self.reqs[r].hit_tokens > 0}
+        return StepPlan(req_ids, spans, tuple(outputs.rows), truncated, handoff, hits)
+
+    def block_hashes(self, rid: str, upto_tokens: int) -> list[int]:
+        """Chained block hashes of the request's first ``upto_tokens // block_size`` blocks
+        (token ids + multimodal identifiers, :func:`~omni_cache.core.chained_block_hashes`);
+        only blocks not hashed yet are hashed, continuing the chain from the last hash."""
+        view = self.reqs[rid]
+        nfull = upto_tokens // self.block_size
+        done = len(view.block_hashes)
+        if done < nfull:
+            st = self.runner.requests[rid]
+            lo, hi = done * self.block_size, nfull * self.block_size
+            prompt = st.prompt_token_ids or []
+            n_prompt = len(prompt)
+            tokens = (list(prompt[lo:hi])
+                      + list(st.output_token_ids or [])[max(lo - n_prompt, 0):max(hi - n_prompt, 0)])
+            extra = [(a - lo, b - lo, ident) for a, b, ident in mm_extra_keys(st) if b > lo and a < hi]
+            view.block_hashes = view.block_hashes + chained_block_hashes(
+                tokens, self.block_size, extra, parent=view.block_hashes[-1] if view.block_hashes else None)
+        return view.block_hashes[:nfull]
+
+    # ---- 4. write --------------------------------------------------------------------------
+    def write_rows(self, plan: StepPlan, outputs: StepOutputs) -> dict[str, dict[str, torch.Tensor]]:
+        """Write every scheduled request's rows at its KV slot ids, caching each block that
+        became full with its block hash. Returns request → key → this step's rows (fresh)."""
+        fresh: dict[str, dict[str, torch.Tensor]] = {}
+        for rid in plan.req_ids:
+            s, e = plan.spans[rid]
+            rows = {k: outputs.rows[k][s:e] for k in plan.write_keys}
+            fresh[rid] = rows
+            if rid in plan.truncated:
+                # KV-sharing fast prefill: the final hidden rows of a prefill chunk are the
+                # self-decoder output, not the final layer's; they are never marked valid.
+                rows = {k: v for k, v in rows.items() if k != HIDDEN_KEY}
+            start = self.reqs[rid].num_computed_tokens
+            hashes = self.block_hashes(rid, start + (e - s))
+            new_full = {b: hashes[b] for b in range(start // self.block_size, len(hashes))}
+            self.cache.write_request_rows(rid, self.reqs[rid].block_ids, start, rows, new_full, num_tokens=e - s)
+        return fresh
+
+    # ---- 5. read hits ----------------------------------------------------------------------
+    def read_hits(self, plan: StepPlan) -> dict[str, dict[str, torch.Tensor]]:
+        """Each hit's prefix rows: request → key → ``[hit_tokens, width]`` (handoff keys).
+
+        Raises:
+            StaleRowsError: a hit block is not covered for a handoff key.
+        """
+        prefixes = {}
+        for rid, hit in plan.hits.items():
+            view = self.reqs[rid]
+            prefixes[rid] = self.cache.read_prefix(rid, view.block_ids, hit, self.block_hashes(rid, hit),
+                                                   plan.handoff_keys)
+            view.hit_tokens = 0
+            self._read_this_step = True
+        return prefixes
+
+    # ---- 6. merge --------------------------------------------------------------------------
+    @staticmethod
+    def merge(plan: StepPlan, fresh: Mapping[str, Mapping[str, torch.Tensor]],
+              prefixes: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        """Request → handoff key → ``cached prefix ++ fresh`` rows in prompt order (fresh
+        rows alone for a request without a hit)."""
+        merged = {}
+        for rid in plan.req_ids:
+            rows = {k: fresh[rid][k] for k in plan.handoff_keys}
+            merged[rid] = HiddenStateCache.merge(prefixes[rid], rows) if rid in prefixes else rows
+        return merged
+
+    # ---- 7. hand off -----------------------------------------------------------------------
+    def materialize(self, step_id: int, req_ids: list[str]) -> HandOff:
+        """Per-request merged tensors of a saved step (consumes the step).
+
+        Raises:
+            RuntimeError: a request id that the step did not schedule.
+            KeyError: an unknown or already consumed step id.
+        """
+        from vllm_omni.utils.mm_outputs import to_payload_element
+
+        step = self._steps.pop(step_id)
+        plan = step.plan
+        unknown = set(req_ids) - set(plan.spans)
+        if unknown:
+            raise RuntimeError(f"omni-cache: materialize(step {step_id}) got unknown request ids {sorted(unknown)[:8]}")
+        hidden = {rid: step.merged[rid][HIDDEN_KEY] for rid in req_ids if HIDDEN_KEY in step.merged[rid]}
+        mm: dict[str, dict[str, Any]] = {}
+        for rid in req_ids:
+            for k, v in step.merged[rid].items():
+                if k != HIDDEN_KEY:
+                    mm.setdefault(k, {})[rid] = v
+        for k, v in step.passthrough.items():
+            mm[k] = {
+                rid: to_payload_element(v, plan.req_ids.index(rid), start=plan.spans[rid][0],
+                                        end=plan.spans[rid][1], pass_lists_through=True,
+                                        seq_len=step.num_tokens)
+                for rid in req_ids
+            }
+        self._publish_metrics(force=self._read_this_step)
+        self._read_this_step = False
+        return HandOff(hidden_states=hidden or None, mm_outputs=mm)
+
+    def discard_step(self, step_id: int) -> None:
+        """Drop a saved step that will not be handed off."""
+        self._steps.pop(step_id)
+
+    # ---- metrics / lifecycle --------------------------------------------------------------
+    def _publish_metrics(self, force: bool = False) -> None:
+        """With ``OMNI_CACHE_METRICS_DIR`` set, write the counters to ``metrics-<pid>.json``:
+        on a step that served a hit and at shutdown, else at most every
+        :attr:`PUBLISH_INTERVAL_S` seconds."""
+        if self.cache is not None:
+            self._metrics_file.publish(
+                lambda: {**self.cache.metrics.as_dict(), "last_save_seconds": self.step_seconds}, force=force)
+
+    def shutdown(self) -> None:
+        """Final metrics (log line and file); called from the model runner's ``shutdown``."""
+        if self.cache is not None:
+            logger.info("omni-cache metrics: %s", self.cache.metrics.as_dict())
+            self._publish_metrics(force=True)
+        self._steps.clear()
+
+    def metrics(self) -> dict[str, float]:
+        """Counters of the hidden-state cache (rows, bytes, hits, seconds)."""
+        return self.cache.metrics.as_dict() if self.cache is not None else {}
+
+
+def fast_prefill_truncates(runner) -> bool:
+    """True if this step's forward runs KV-sharing fast prefill (cross-decoder on logit rows
+    only): the engine setting is on (switched off for a step that falls back, see
+    :meth:`omni_cache.engine.runner.OmniCacheRunnerMixin.execute_model`) and the model has
+    KV-shared layers."""
+    return bool(getattr(runner.cache_config, "kv_sharing_fast_prefill", False)
+                and getattr(runner, "kv_sharing_fast_prefill_eligible_layers", None))
+
+
+def hands_off_hidden(runner) -> bool:
+    """Whether the stage's model hands the final hidden states downstream (vLLM-Omni's
+    ``omni_pooler_payload_include_hidden``, default True)."""
+    return bool(getattr(getattr(runner, "model", None), "omni_pooler_payload_include_hidden", True))

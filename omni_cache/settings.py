@@ -1,0 +1,160 @@
+"""Every ``OMNI_CACHE_*`` environment variable, declared once.
+
+Each :class:`Setting` says its name, the values it accepts, its default, which process reads
+it and whether a stage config's ``env:`` mapping may carry it. Every reader goes through
+:meth:`Setting.get` (validated: a bad value raises :class:`SettingError` naming the variable),
+the stage-config validator checks ``env:`` against :data:`SETTINGS`, and the table in
+``docs/stage-config.md`` is generated from it (``python -m omni_cache.settings``; a test keeps
+the two equal).
+
+Import rule: engine-free (standard library only), so engine and driver code both use it.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class SettingError(ValueError):
+    """An ``OMNI_CACHE_*`` variable holds a value it does not accept (``name``, ``value``)."""
+
+    def __init__(self, name: str, value: str, reason: str) -> None:
+        self.name, self.value = name, value
+        super().__init__(f"{name}={value!r}: {reason}")
+
+
+class ReadBy(enum.Enum):
+    """The process that reads a setting."""
+
+    ENGINE = "stage engine process"
+    EVERY = "every vLLM-Omni process"
+    DRIVER = "the `omni-cache` command"
+    SETUP = "scripts/setup.sh"
+
+
+class Kind(enum.Enum):
+    """How a setting's value is read."""
+
+    CHOICE = "one of the listed values"
+    INT = "a non-negative integer"
+    PATH = "a directory"
+    TEXT = "free text (see the description)"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``OMNI_CACHE_*`` variable.
+
+    Attributes:
+        name: the environment variable.
+        kind: how the value is parsed (:class:`Kind`).
+        default: the value when unset (None: unset means "off" / "auto", see ``doc``).
+        read_by: the process that reads it (:class:`ReadBy`).
+        stage_env: whether a stage config's ``env:`` mapping may set it.
+        doc: one line for the docs table.
+        choices: accepted values for :attr:`Kind.CHOICE`.
+    """
+
+    name: str
+    kind: Kind
+    default: str | None
+    read_by: ReadBy
+    stage_env: bool
+    doc: str
+    choices: tuple[str, ...] = ()
+
+    def check(self, value: str) -> str:
+        """``value`` validated for this setting (stripped).
+
+        Raises:
+            SettingError: not one of :attr:`choices`, or not a non-negative integer.
+        """
+        v = str(value).strip()
+        if self.kind is Kind.CHOICE and v not in self.choices:
+            raise SettingError(self.name, v, f"expected one of {self.choices}")
+        if self.kind is Kind.INT and not v.isdigit():
+            raise SettingError(self.name, v, "expected a non-negative integer")
+        return v
+
+    def get(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The validated value from ``environ`` (default ``os.environ``), or :attr:`default`.
+        An empty value counts as unset.
+
+        Raises:
+            SettingError: see :meth:`check`.
+        """
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is None or not str(raw).strip():
+            return self.default
+        return self.check(raw)
+
+    def get_int(self, environ: Mapping[str, str] | None = None) -> int:
+        """:meth:`get` as an int (:attr:`Kind.INT` settings; unset → 0)."""
+        return int(self.get(environ) or 0)
+
+
+PREFIX_CACHE_BACKEND = Setting(
+    "OMNI_CACHE_PREFIX_CACHE_BACKEND", Kind.CHOICE, "omni_cache", ReadBy.ENGINE, True,
+    "prefix-cache backend of an AR stage with `enable_prefix_caching: true`: omni-cache or "
+    "vLLM-Omni's own", choices=("omni_cache", "builtin"))
+METRICS_DIR = Setting(
+    "OMNI_CACHE_METRICS_DIR", Kind.PATH, None, ReadBy.ENGINE, True,
+    "write the stage's counters as JSON there (`metrics-<pid>.json`, `scheduler-<pid>.json`, "
+    "`yoco-<pid>.json`)")
+HANDOFF_DUMP = Setting(
+    "OMNI_CACHE_HANDOFF_DUMP", Kind.PATH, None, ReadBy.ENGINE, True,
+    "save every thinker→talker hand-off tensor there (recording pipelines; tests, audits)")
+YOCO_ACCEPT_LAYER = Setting(
+    "OMNI_CACHE_YOCO_ACCEPT_LAYER", Kind.TEXT, None, ReadBy.ENGINE, True,
+    "KV-shared thinker: the layer handed to the talker — a layer index, "
+    "`self_decoder_output` (default) or `final`")
+YOCO_CAPTURE_LAYERS = Setting(
+    "OMNI_CACHE_YOCO_CAPTURE_LAYERS", Kind.TEXT, None, ReadBy.ENGINE, True,
+    "KV-shared thinker: extra captured layers, comma-separated indices")
+TEST_FORGET_FIRST_N_REQUESTS = Setting(
+    "OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS", Kind.INT, "0", ReadBy.ENGINE, True,
+    "fault injection (tests): the scheduler forgets the rows of the first N requests, so hits "
+    "on them are capped and recomputed")
+CPU_PLATFORM = Setting(
+    "OMNI_CACHE_CPU_PLATFORM", Kind.CHOICE, None, ReadBy.EVERY, True,
+    "force the CPU OmniPlatform on (`1`) or off (`0`); unset: on when vLLM resolved to its CPU "
+    "platform", choices=("0", "1"))
+CUDA_PLATFORM = Setting(
+    "OMNI_CACHE_CUDA_PLATFORM", Kind.CHOICE, "0", ReadBy.EVERY, True,
+    "`1`: the opt-in CUDA OmniPlatform whose AR worker runs omni-cache's runner",
+    choices=("0", "1"))
+HOME = Setting(
+    "OMNI_CACHE_HOME", Kind.PATH, None, ReadBy.DRIVER, False,
+    "where `omni-cache make-model` puts the embedded models (default `~/.cache/omni-cache`)")
+LOG_LEVEL = Setting(
+    "OMNI_CACHE_LOG_LEVEL", Kind.CHOICE, "WARNING", ReadBy.DRIVER, False,
+    "log level of the `omni-cache` command", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+VENV = Setting(
+    "OMNI_CACHE_VENV", Kind.PATH, ".venv", ReadBy.SETUP, False,
+    "virtual environment that `scripts/setup.sh` creates")
+
+#: name → setting, in documentation order.
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
+    TEST_FORGET_FIRST_N_REQUESTS, CPU_PLATFORM, CUDA_PLATFORM, HOME, LOG_LEVEL, VENV)}
+
+PREFIX = "OMNI_CACHE_"
+
+
+def markdown_table() -> str:
+    """The settings as the Markdown table in ``docs/stage-config.md``."""
+    lines = ["| variable | values | default | read by | stage `env:` | what it does |",
+             "|---|---|---|---|---|---|"]
+    for s in SETTINGS.values():
+        values = " \\| ".join(f"`{c}`" for c in s.choices) if s.choices else s.kind.value
+        default = f"`{s.default}`" if s.default is not None else "unset"
+        lines.append(f"| `{s.name}` | {values} | {default} | {s.read_by.value} | "
+                     f"{'yes' if s.stage_env else 'no'} | {s.doc} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

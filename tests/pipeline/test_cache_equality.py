@@ -1,0 +1,166 @@
+"""omni-cache on the real pipeline: cache on vs off, bitwise.
+
+The same workload runs on two real pipelines started from the CPU stage config: thinker
+prefix caching off, and on with omni-cache. Every request's thinker→talker tensors (final
+hidden + captured layers, recorded at the hand-off seam), sampled thinker tokens and
+code2wav audio must be bitwise equal; the hit requests must actually hit (otherwise the
+comparison would prove nothing), and omni-cache's own counters must show served rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from omni_cache.driver.inputs import build_request, sample_path
+from tests.util import assert_handoff_equal, variant_stage_config
+
+pytestmark = pytest.mark.pipeline
+
+BLOCK = 32
+SENTENCE = "Look carefully and listen to every detail before you answer my questions today. "
+LONG = SENTENCE * 5
+# Same-step hit: a ~1,450-token shared prefix is longer than one step's token budget (the
+# thinker's max_num_batched_tokens, 1024 in these pipelines; every other prompt here fits one
+# step), so request A prefills in two steps and request B, sent with it, is admitted in A's
+# second step and hits blocks that A completes in that step. (Both then reach the talker in
+# the same step; on CPU a talker prompt must not be chunked — vLLM's seeded sampling fails
+# with "CPU Generator does not use offset" — so both together stay under its budget of 4096.)
+STEP_BUDGET = 1024
+SAME_STEP_DOC = "Chapter two. " + SENTENCE * 17
+
+
+def _two_turn_ids(tok, answer_ids: list[int] | None):
+    """Token-id prompts of a text conversation; turn 1's prompt ends 20 tokens into a
+    block so its answer crosses a block boundary (that block is filled by decode)."""
+    for pad in range(BLOCK):  # "y" is one byte-level token: pad to the wanted offset
+        t1 = tok.encode(f"<|im_start|>system\n{LONG}<|im_end|>\n<|im_start|>user\nTell me a story{'y' * pad}.<|im_end|>\n<|im_start|>assistant\n")
+        if len(t1) % BLOCK == 20:
+            break
+    assert len(t1) % BLOCK == 20
+    if answer_ids is None:
+        return t1
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    tail = tok.encode("\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n")
+    return t1 + [t for t in answer_ids if t != im_end] + [im_end] + tail
+
+
+def _run_workload(pipe, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    img, wav = sample_path("astronaut.jpg"), sample_path("speech.wav")
+    named = []
+    for name, media in (("text", {}), ("image", {"image": img}), ("audio", {"audio": wav})):
+        for q in ("What is first?", "And what comes second, please?"):
+            (r,) = pipe.generate([build_request(LONG + q, **media)])
+            named.append((f"{name}:{q}", r))
+    t1 = _two_turn_ids(tok, None)
+    (r1,) = pipe.generate([{"prompt_token_ids": t1}])
+    named.append(("chat:turn1", r1))
+    t2 = _two_turn_ids(tok, r1.token_ids)
+    (r2,) = pipe.generate([{"prompt_token_ids": t2}])
+    named.append(("chat:turn2", r2))
+    batch = pipe.generate([build_request(SAME_STEP_DOC + "Why?"),
+                           build_request(SAME_STEP_DOC + "And which of the details did you notice first, and why?")])
+    return named, len(t1), sorted(batch, key=lambda r: r.num_prompt_tokens)
+
+
+def _handoffs(out_dir):
+    """Recorded thinker→talker tensors in hand-off order (requests are sent one by one)."""
+    return [torch.load(p) for p in sorted((out_dir / "handoff").glob("*.pt"))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    from omni_cache.driver.pipeline import OmniPipeline
+
+    out = {}
+    for variant in ("off", "omni_cache", "omni_cache_forget"):
+        d = tmp_path_factory.mktemp(variant)
+        cfg = variant_stage_config(d, variant, thinker={"max_num_batched_tokens": STEP_BUDGET})
+        with OmniPipeline(tiny_model_dir, cfg) as pipe:
+            named, t1_len, batch = _run_workload(pipe, tiny_model_dir)
+        out[variant] = (d, named, t1_len, batch)
+    return out
+
+
+def test_hits_happen_and_omni_cache_served_them(runs):
+    d, named, t1_len, batch = runs["omni_cache"]
+    hits = {n: r.num_cached_tokens for n, r in named}
+    for n, r in named:
+        if n.endswith("second, please?"):
+            assert r.num_cached_tokens >= BLOCK, (n, hits)
+    # the second turn hits the first turn's answer tokens (block filled by decode)
+    assert hits["chat:turn2"] > t1_len, (hits, t1_len)
+    assert all(r.num_cached_tokens == 0 for _, r in runs["off"][1])
+    metrics = [json.loads(p.read_text()) for p in (d / "metrics").glob("metrics-*.json")]
+    assert metrics, "omni-cache wrote no metrics: its manager did not run"
+    m = metrics[0]
+    assert m["hits_served"] >= 4 and m["rows_read"] > 0 and m["hits_refused"] == 0
+    assert m["hit_tokens"] == sum(hits.values()) + sum(r.num_cached_tokens for r in batch), (
+        hits, [(r.num_prompt_tokens, r.num_cached_tokens) for r in batch])
+
+
+def test_lost_rows_cap_the_hit_and_stay_exact(runs):
+    """The scheduler caps a hit whose hidden rows it cannot vouch for (here: the first
+    request's rows are declared lost); the engine keeps serving and nothing wrong is served."""
+    d, named, _, _ = runs["omni_cache_forget"]
+    normal = dict(runs["omni_cache"][1])
+    forgot = dict(named)
+    second_text = "text:And what comes second, please?"
+    assert normal[second_text].num_cached_tokens > 0
+    assert forgot[second_text].num_cached_tokens < normal[second_text].num_cached_tokens
+    m = json.loads(next((d / "metrics").glob("metrics-*.json")).read_text())
+    assert m["hits_refused"] == 0  # capped before the forward, never refused in the worker
+
+
+@pytest.mark.parametrize("variant", ["omni_cache", "omni_cache_forget"])
+def test_cache_on_equals_cache_off_bitwise(runs, variant):
+    d_off, off, _, _ = runs["off"]
+    d_on, on, _, _ = runs[variant]
+    assert [n for n, _ in off] == [n for n, _ in on]
+    ho_off, ho_on = _handoffs(d_off)[: len(off)], _handoffs(d_on)[: len(on)]
+    assert len(ho_off) == len(ho_on) == len(off)
+    for (name, r_off), (_, r_on), h_off, h_on in zip(off, on, ho_off, ho_on):
+        assert r_off.error is None and r_on.error is None
+        assert r_on.num_prompt_tokens == r_off.num_prompt_tokens
+        assert r_on.token_ids == r_off.token_ids, name
+        assert set(h_off) == set(h_on) and "hidden" in h_on, (name, sorted(h_on))
+        assert any(k.startswith("hidden_states.layer_") for k in h_on), sorted(h_on)
+        for k in h_off:
+            assert h_on[k].shape == h_off[k].shape, (name, k)
+            assert torch.equal(h_on[k], h_off[k]), (name, k)
+        assert r_off.audio is not None and r_on.audio is not None, name
+        assert np.array_equal(r_on.audio, r_off.audio), name
+
+
+def test_same_step_hit_is_served_and_exact(runs):
+    """Two requests sharing a prefix longer than the thinker's token budget per step, sent together:
+    B is admitted in the step where A completes its prompt and hits those blocks too (vLLM
+    caches a block when it is scheduled; the runner writes before it reads). Thinker tokens
+    and every token-aligned hand-off tensor equal cache off bitwise (audio of a batch is not
+    compared: the talker's sampling is not batch-invariant)."""
+    d, _, _, batch_on = runs["omni_cache"]
+    d_off, _, _, batch_off = runs["off"]
+    a, b = batch_on
+    # A's document is new (A hits at most the system prompt of earlier requests)
+    assert a.num_cached_tokens < STEP_BUDGET // 4 and b.num_prompt_tokens > a.num_prompt_tokens > STEP_BUDGET + BLOCK
+    # B hits beyond A's first step: the blocks A completes in B's own first step are served
+    assert b.num_cached_tokens > STEP_BUDGET, (b.num_cached_tokens, a.num_prompt_tokens)
+    assert b.num_cached_tokens >= (a.num_prompt_tokens - 40) // BLOCK * BLOCK
+    sched = [json.loads(p.read_text()) for p in (d / "metrics").glob("scheduler-*.json")]
+    assert sched and sched[0]["same_step_hit_tokens"] > 0, sched
+    ho_on = sorted(_handoffs(d)[-2:], key=lambda h: h["hidden"].shape[0])
+    ho_off = sorted(_handoffs(d_off)[-2:], key=lambda h: h["hidden"].shape[0])
+    for r_on, r_off, h_on, h_off in zip(batch_on, batch_off, ho_on, ho_off):
+        assert r_on.error is None and r_off.error is None
+        assert r_on.num_prompt_tokens == r_off.num_prompt_tokens
+        assert r_on.token_ids == r_off.token_ids
+        assert "hidden" in h_on and any(k.startswith("hidden_states.layer_") for k in h_on), sorted(h_on)
+        # embed.tts_* rows count B's prefill steps (1 with the hit, 2 chunks without)
+        assert_handoff_equal(h_on, h_off, f"batch:{r_on.num_prompt_tokens}")

@@ -1,0 +1,285 @@
+"""vLLM-Omni's OpenAI-compatible server with omni-cache, driven by the official ``openai`` client.
+
+Two real servers, one after the other (never both at once): the bundled CPU stage config
+(thinker prefix cache on, omni-cache), then the same config with the thinker's prefix cache
+off. Both are started by :class:`omni_cache.driver.server.OmniServer` on 127.0.0.1 (free port), exactly
+as ``omni-cache serve`` starts them. Checked:
+
+- text, text+image, text+audio chat completions answer with text and a WAV;
+- a two-turn chat (system prompt, image, audio, turn 1's answer repeated in turn 2) gets a
+  thinker prefix hit that covers the first answer's tokens — the exact hit expected from the
+  token ids the server returns — and the same hit shows in ``/metrics`` (stage 0 counters);
+- that chat's text and audio are bitwise equal to the cache-off server's (same seed);
+- a non-image in ``image_url``, undecodable audio, and a prompt longer than ``max_model_len``
+  answer HTTP 400 with a message naming the problem, and the next request is served;
+- the servers stop cleanly (exit code 0, port closed).
+
+Two properties of the setup the checks depend on:
+
+- The embedded tokenizer cannot re-encode the random model's pseudo-words (they are
+  vocabulary entries without merges, docs/cpu.md), so a free answer never re-tokenizes to the
+  ids it was sampled as and turn 2 could not hit past turn 1's prompt. The two-turn chat
+  therefore restricts the thinker to digit tokens through vLLM-Omni's per-stage
+  ``sampling_params_list`` (``allowed_token_ids``); digits re-encode one token each.
+- vLLM-Omni's Qwen3-Omni talker samples the residual codebooks from the process-wide torch
+  RNG (its code predictor gets no per-request generator), so a request's audio depends on the
+  requests the talker process served before it. The two-turn chat is therefore the first
+  thing each server answers (same history on both).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from omni_cache.driver.inputs import sample_path
+from omni_cache.driver.server import OmniServer
+from omni_cache.driver.variants import derive_stage_config
+from tests.util import CPU_STAGE_CONFIG
+
+pytestmark = pytest.mark.pipeline
+
+BLOCK = 32  # thinker block_size in the bundled CPU stage config
+SEED = 1234
+SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
+          "perceiving auditory and visual inputs, as well as generating text and speech. ") * 3
+
+
+def _data_url(path, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(open(path, "rb").read()).decode()
+
+
+IMAGE_URL = _data_url(sample_path("astronaut.jpg"), "image/jpeg")
+AUDIO_B64 = base64.b64encode(open(sample_path("speech.wav"), "rb").read()).decode()
+
+
+def _client(server: OmniServer):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
+
+
+def _chat(server: OmniServer, messages: list, max_tokens: int | None = None, thinker_params: dict | None = None) -> dict:
+    """One non-streaming chat completion with text + audio out; the response as a dict.
+    ``thinker_params``: the thinker's sampling parameters (vLLM-Omni's ``sampling_params_list``;
+    the talker and code2wav keep their stage-config defaults)."""
+    kw = {"max_tokens": max_tokens} if max_tokens else {}
+    extra = {"return_token_ids": True}
+    if thinker_params is not None:
+        extra["sampling_params_list"] = [thinker_params]
+    r = _client(server).chat.completions.create(
+        model=server.model_name(), messages=messages, modalities=["text", "audio"], seed=SEED,
+        extra_body=extra, **kw)
+    return r.model_dump()
+
+
+def _digit_params(model_dir, max_tokens: int) -> dict:
+    """Thinker sampling parameters (the stage config's defaults) restricted to digit tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    digits = tok.convert_tokens_to_ids(list("0123456789"))
+    assert all(tok.encode(str(i)) == [d] for i, d in enumerate(digits))
+    return {"temperature": 0.0, "seed": SEED, "max_tokens": max_tokens, "detokenize": True,
+            "allowed_token_ids": digits}
+
+
+def _wav(resp: dict) -> tuple[np.ndarray, int, bytes]:
+    raw = base64.b64decode(resp["choices"][0]["message"]["audio"]["data"])
+    audio, sr = sf.read(io.BytesIO(raw), dtype="int16")
+    return audio, sr, raw
+
+
+def _check_text_and_audio(resp: dict) -> None:
+    msg = resp["choices"][0]["message"]
+    assert isinstance(msg["content"], str) and msg["content"].strip(), resp
+    audio, sr, _ = _wav(resp)
+    assert sr == 24_000 and audio.ndim == 1 and audio.shape[0] > 1000 and np.abs(audio).max() > 0
+
+
+def _turn1() -> list:
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": IMAGE_URL}},
+            {"type": "input_audio", "input_audio": {"data": AUDIO_B64, "format": "wav"}},
+            {"type": "text", "text": "Describe the picture and answer the spoken question."},
+        ]},
+    ]
+
+
+def _two_turn_chat(server: OmniServer, model_dir) -> dict:
+    """Turn 1, then turn 2 repeating system prompt, media and turn 1's answer; /metrics read
+    around turn 2."""
+    # 48 > BLOCK: turn 1's answer fills at least one block by decode.
+    r1 = _chat(server, _turn1(), thinker_params=_digit_params(model_dir, 48))
+    before = _stage0_prefix_counters(server)
+    r2 = _chat(server, _turn1() + [
+        {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And what would you do next?"},
+    ], thinker_params=_digit_params(model_dir, 16))
+    after = _stage0_prefix_counters(server, wait_for_change_from=before)
+    return {"r1": r1, "r2": r2, "metrics_before": before, "metrics_after": after}
+
+
+def _stage0_prefix_counters(server: OmniServer, wait_for_change_from=None, timeout=20.0) -> tuple[float, float]:
+    """(queries, hits) of vLLM's prefix cache on stage 0 (the thinker) from ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    t0 = time.time()
+    while True:
+        status, body = server.get("/metrics")
+        assert status == 200
+        vals = {"vllm:prefix_cache_queries": 0.0, "vllm:prefix_cache_hits": 0.0}
+        for fam in text_string_to_metric_families(body.decode()):
+            if fam.name in vals:
+                vals[fam.name] = sum(s.value for s in fam.samples
+                                     if s.name.endswith("_total") and s.labels.get("stage") == "0")
+        got = (vals["vllm:prefix_cache_queries"], vals["vllm:prefix_cache_hits"])
+        if wait_for_change_from is None or got != wait_for_change_from or time.time() - t0 > timeout:
+            return got
+        time.sleep(0.5)
+
+
+def _expected_hit(p1: list[int], o1: list[int], p2: list[int]) -> int:
+    """The prefix hit turn 2 must get: whole blocks of the longest common prefix of turn 2's
+    prompt and what turn 1 left in the KV cache (its prompt and all but its last sampled
+    token), at most ``len(p2) - 1`` (vLLM recomputes the last prompt token)."""
+    kv = p1 + o1[:-1]
+    common = 0
+    for a, b in zip(p2, kv):
+        if a != b:
+            break
+        common += 1
+    return (min(common, len(p2) - 1) // BLOCK) * BLOCK
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def server_on(tiny_model_dir, tmp_path_factory):
+    """The bundled CPU stage config (omni-cache on the thinker), as `omni-cache serve` runs it."""
+    log = tmp_path_factory.mktemp("serve_on") / "server.log"
+    srv = OmniServer(tiny_model_dir, CPU_STAGE_CONFIG, log_path=log).start()
+    try:
+        srv.wait_ready(timeout=1500)
+        # The first requests this server answers (same history as the cache-off server's).
+        srv.first_chat = _two_turn_chat(srv, tiny_model_dir)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_on(server_on):
+    return server_on.first_chat
+
+
+@pytest.fixture(scope="module")
+def chat_off(server_on, chat_on, tiny_model_dir, tmp_path_factory):
+    """The same two-turn chat on a cache-off server, started after the cache-on server stopped
+    (one server at a time)."""
+    rc = server_on.stop()
+    assert rc == 0, f"cache-on server exited with {rc}"
+    d = tmp_path_factory.mktemp("serve_off")
+    cfg = derive_stage_config(CPU_STAGE_CONFIG, d / "stage_config_off.yaml",
+                              stages={0: {"enable_prefix_caching": False}})
+    srv = OmniServer(tiny_model_dir, cfg, log_path=d / "server.log").start()
+    try:
+        srv.wait_ready(timeout=1500)
+        result = _two_turn_chat(srv, tiny_model_dir)
+    finally:
+        rc = srv.stop()
+    assert rc == 0, f"cache-off server exited with {rc}"
+    return result
+
+
+# ----------------------------------------------------------------------------- tests
+def test_models_and_health(server_on):
+    assert server_on.get("/health")[0] == 200
+    assert server_on.model_name() == str(server_on.model)
+
+
+@pytest.mark.parametrize("kind", ["text", "text+image", "text+audio"])
+def test_chat_answers_text_and_audio(server_on, kind):
+    content: list = [{"type": "text", "text": "What do you see and hear?"}]
+    if kind == "text+image":
+        content.insert(0, {"type": "image_url", "image_url": {"url": IMAGE_URL}})
+    if kind == "text+audio":
+        content.insert(0, {"type": "input_audio", "input_audio": {"data": AUDIO_B64, "format": "wav"}})
+    resp = _chat(server_on, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}])
+    _check_text_and_audio(resp)
+    mm = resp["usage"]["prompt_tokens_details"].get("multimodal_tokens") or {}
+    if kind == "text+image":
+        assert mm.get("image", 0) > 0, resp["usage"]
+    if kind == "text+audio":
+        assert mm.get("audio", 0) > 0, resp["usage"]
+
+
+def test_two_turn_chat_hit_covers_first_answer(chat_on):
+    r1, r2 = chat_on["r1"], chat_on["r2"]
+    _check_text_and_audio(r1)
+    _check_text_and_audio(r2)
+    p1, o1 = r1["prompt_token_ids"], r1["choices"][0]["token_ids"]
+    p2 = r2["prompt_token_ids"]
+    assert len(o1) > BLOCK, "turn 1's answer must be long enough to fill a block by decode"
+    expected = _expected_hit(p1, o1, p2)
+    cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == expected, (cached, expected, len(p1), len(o1), len(p2))
+    # The hit reaches past turn 1's prompt into its answer (a block filled by decode).
+    assert cached > len(p1), (cached, len(p1), len(o1))
+
+
+def test_metrics_endpoint_shows_the_hit(chat_on):
+    (q0, h0), (q1, h1) = chat_on["metrics_before"], chat_on["metrics_after"]
+    r2 = chat_on["r2"]
+    assert q1 - q0 == len(r2["prompt_token_ids"])
+    assert h1 - h0 == r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+BAD = {
+    "non-image in image_url": (
+        [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"plain text, no image").decode()}},
+         {"type": "text", "text": "What is this?"}],
+        ("image",)),
+    "undecodable audio": (
+        [{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....WAVEnot audio").decode(), "format": "wav"}},
+         {"type": "text", "text": "What is said?"}],
+        ("audio", "wav")),
+    "prompt longer than max_model_len": ("word " * 9000, ("maximum context length",)),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_request_is_4xx_and_server_keeps_serving(server_on, name):
+    import openai
+
+    content, words = BAD[name]
+    with pytest.raises(openai.BadRequestError) as ei:
+        _chat(server_on, [{"role": "user", "content": content}])
+    assert ei.value.status_code == 400
+    assert any(w in str(ei.value).lower() for w in words), str(ei.value)
+    assert server_on.alive() and server_on.get("/health")[0] == 200
+    _check_text_and_audio(_chat(server_on, [{"role": "user", "content": "Still there?"}]))
+
+
+def test_cache_off_server_gives_identical_text_and_audio(chat_on, chat_off):
+    for turn in ("r1", "r2"):
+        on, off = chat_on[turn], chat_off[turn]
+        assert on["choices"][0]["token_ids"] == off["choices"][0]["token_ids"], turn
+        assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"], turn
+        a_on, sr_on, _ = _wav(on)
+        a_off, sr_off, _ = _wav(off)
+        assert sr_on == sr_off and a_on.shape == a_off.shape and np.array_equal(a_on, a_off), turn
+    assert chat_off["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert chat_on["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_server_stopped_cleanly(server_on, chat_off):
+    # chat_off stopped the cache-on server (exit code asserted there) and its own.
+    assert not server_on.alive()
+    assert server_on.get("/health")[0] == 0

@@ -1,0 +1,126 @@
+"""omni-cache's scheduler hit cap on vLLM's real v1 scheduler and KV cache manager (no model:
+each step is answered with one sampled token per scheduled request, as vLLM's own scheduler
+tests do). A request that waits for KV blocks is looked up again every step; the cap must cut
+its hit to the hidden-state tier's coverage, and the counters must count the hit that
+admitted it once — not once per lookup — and nothing for a request aborted while waiting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from omni_cache import settings
+
+BS = 16
+NUM_BLOCKS = 10  # A (80 prompt tokens + decode) holds 6 blocks; B (144 tokens) needs 9
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    d = tmp_path_factory.mktemp("llama-config")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096,
+        "torch_dtype": "float32"}))
+    model = ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=1024)
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024,
+                            enable_chunked_prefill=True, async_scheduling=False, is_encoder_decoder=False)
+    cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
+    cache.num_gpu_blocks = NUM_BLOCKS
+    return VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
+
+
+def _scheduler(vllm_config):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from omni_cache.engine.scheduler import OmniCacheARScheduler
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    return OmniCacheARScheduler(vllm_config=vllm_config, kv_cache_config=kv, block_size=BS,
+                                structured_output_manager=StructuredOutputManager(vllm_config))
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                   block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def _step(s):
+    """One scheduler step answered with one sampled token per scheduled request."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                sampled_token_ids=[[7] for _ in ids]))
+    return out
+
+
+A_PROMPT = list(range(1, 81))  # 5 full blocks
+B_PROMPT = A_PROMPT[:64] + list(range(500, 580))  # shares A's first 4 blocks (64 tokens)
+
+
+def _run(s, abort_b: bool = False, max_steps: int = 40):
+    """A decodes (holding 6 of 10 blocks) while B waits for KV blocks and is looked up every
+    step; returns ``(steps B waited, B's num_computed_tokens at admission or None)``."""
+    from vllm.v1.request import RequestStatus
+
+    s.add_request(_request("A", A_PROMPT, 16))
+    assert _step(s).num_scheduled_tokens == {"A": 80}
+    s.add_request(_request("B", B_PROMPT, 1))
+    for waited in range(max_steps):
+        if abort_b and waited == 3:
+            s.finish_requests("B", RequestStatus.FINISHED_ABORTED)
+        out = _step(s)
+        admitted = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        if "B" in admitted:
+            return waited, admitted["B"]
+        if not s.requests:
+            return waited, None
+    raise AssertionError(f"B neither admitted nor gone after {max_steps} steps")
+
+
+def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch, tmp_path):
+    monkeypatch.setenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, "1")  # A's rows are "lost": its blocks are not covered
+    monkeypatch.setenv(settings.METRICS_DIR.name, str(tmp_path))
+    s = _scheduler(vllm_config)
+    waited, b_start = _run(s)
+    st = s._omni_cache_state()
+    assert waited >= 5, waited  # B was looked up (and capped) in every one of these steps
+    assert b_start == 0  # the 64-token KV hit was capped to the covered prefix: nothing
+    assert st.capped_tokens == 64, st.capped_tokens  # once, for the admitting lookup
+    assert st.same_step_hit_tokens == 0 and st.lookup == {}
+    # published by the admitting step itself (no shutdown yet): a killed engine core keeps it
+    (f,) = tmp_path.glob("scheduler-*.json")
+    assert json.loads(f.read_text())["capped_tokens"] == 64
+
+
+def test_covered_hit_is_served_and_nothing_capped(vllm_config, monkeypatch):
+    monkeypatch.delenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, raising=False)
+    s = _scheduler(vllm_config)
+    waited, b_start = _run(s)
+    assert waited >= 5 and b_start == 64  # A's 4 shared blocks are written: the hit stands
+    assert s._omni_cache_state().capped_tokens == 0
+
+
+def test_request_aborted_while_waiting_is_not_counted(vllm_config, monkeypatch):
+    monkeypatch.setenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, "1")
+    s = _scheduler(vllm_config)
+    waited, b_start = _run(s, abort_b=True)
+    st = s._omni_cache_state()
+    assert b_start is None and "B" not in s.requests  # never admitted
+    assert st.capped_tokens == 0 and st.lookup == {}, st

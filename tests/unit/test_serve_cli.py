@@ -1,0 +1,44 @@
+"""``omni-cache serve`` without starting a server: the command it runs, and refusals before
+any process starts. The running server is tested in tests/test_serve.py."""
+
+from __future__ import annotations
+
+from omni_cache.cli import main
+from omni_cache.driver.server import DEFAULT_SERVE_ARGS, OmniServer
+from tests.util import CPU_STAGE_CONFIG
+
+
+def test_command_is_vllm_omni_serve_with_our_registration(tiny_model_dir, tmp_path):
+    srv = OmniServer(tiny_model_dir, CPU_STAGE_CONFIG, port=0, log_path=tmp_path / "s.log",
+                     extra_args=["--served-model-name", "qwen3-omni"])
+    cmd = srv.command()
+    assert cmd[1:4] == ["-m", "omni_cache.driver.vllm_serve", str(tiny_model_dir)]
+    assert "--omni" in cmd and cmd[cmd.index("--deploy-config") + 1] == str(CPU_STAGE_CONFIG)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and int(cmd[cmd.index("--port") + 1]) == srv.port > 0
+    assert cmd[-len(DEFAULT_SERVE_ARGS) - 2:-2] == list(DEFAULT_SERVE_ARGS)
+    assert cmd[-2:] == ["--served-model-name", "qwen3-omni"]
+    assert srv.base_url == f"http://127.0.0.1:{srv.port}/v1"
+    assert not srv.alive() and srv.stop() is None  # never started
+
+
+def test_serve_refuses_a_bad_stage_config_before_starting(tmp_path, capsys, tiny_model_dir):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - stage_id: 0\n    max_num_seqs: many\n")
+    rc = main(["serve", "--stage-config", str(bad), "--model", str(tiny_model_dir), "--log", str(tmp_path / "s.log")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "bad.yaml" in err and "max_num_seqs" in err
+    assert not (tmp_path / "s.log").exists()
+
+
+def test_a_server_that_exits_is_reported_with_its_log(tiny_model_dir, tmp_path):
+    import pytest
+
+    from omni_cache.driver.server import ServeError
+
+    srv = OmniServer(tiny_model_dir, CPU_STAGE_CONFIG, log_path=tmp_path / "s.log",
+                     extra_args=["--no-such-option"]).start()
+    try:
+        with pytest.raises(ServeError, match=r"(?s)exited with code 2.*no-such-option"):
+            srv.wait_ready(timeout=600)
+    finally:
+        srv.stop()

@@ -1,0 +1,51 @@
+"""Helpers for tests that drive the real pipeline with a variant of the CPU stage config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CPU_STAGE_CONFIG = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
+
+
+def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = None) -> Path:
+    """The CPU stage config with the thinker's prefix cache ``off`` / ``builtin`` /
+    ``omni_cache`` (``omni_cache_forget``: omni-cache with the first request's rows "lost",
+    fault injection), hand-off recording into ``out_dir/handoff`` and cache metrics into
+    ``out_dir/metrics``; ``thinker``: stage-0 keys to override (e.g.
+    ``max_num_batched_tokens``). Returns the written YAML path."""
+    from omni_cache import settings
+    from omni_cache.driver.variants import derive_stage_config
+    from omni_cache.engine.plugin import RECORDING_PIPELINE, register
+
+    register()
+    env = {settings.HANDOFF_DUMP.name: str(out_dir / "handoff"),
+           settings.METRICS_DIR.name: str(out_dir / "metrics")}
+    stage = dict(thinker or {})
+    if variant == "off":
+        stage["enable_prefix_caching"] = False
+    elif variant == "omni_cache_forget":
+        env[settings.PREFIX_CACHE_BACKEND.name] = "omni_cache"
+        env[settings.TEST_FORGET_FIRST_N_REQUESTS.name] = "1"
+    else:
+        env[settings.PREFIX_CACHE_BACKEND.name] = variant
+    return derive_stage_config(CPU_STAGE_CONFIG, out_dir / f"stage_config_{variant}.yaml",
+                               pipeline=RECORDING_PIPELINE, stages={0: stage}, env={0: env})
+
+
+def assert_handoff_equal(got: dict, ref: dict, name: str) -> None:
+    """Two recorded thinker→talker hand-offs (tensor name → tensor) are bitwise equal.
+
+    ``embed.tts_*`` hold one ``[1, 1, hidden]`` row per thinker step (vLLM-Omni accumulates
+    the per-step side outputs), so their count follows the number of steps (chunks, hits);
+    the talker reads one row (``_get_tts_embed``): every row of ``got`` must equal ``ref``'s
+    first row. Every other tensor is token-aligned: same shape, same bits.
+    """
+    import torch
+
+    assert set(got) == set(ref), (name, sorted(ref), sorted(got))
+    for k in ref:
+        if k.startswith("embed.tts_"):
+            assert all(torch.equal(got[k][i], ref[k][0]) for i in range(got[k].shape[0])), (name, k)
+            continue
+        assert got[k].shape == ref[k].shape and torch.equal(got[k], ref[k]), (name, k)
