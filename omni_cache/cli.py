@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--family", default="qwen3-omni", choices=["qwen3-omni", "gemma3n"],
                     help="qwen3-omni (default) or gemma3n: a KV-shared (YOCO) thinker in thinker/ feeding "
                          "the Qwen3-Omni talker (stage_configs/gemma3n_yoco_cpu.yaml)")
-    mm.add_argument("--out", help="target directory (default: $OMNI_CACHE_HOME/models/qwen3-omni-<size>)")
+    mm.add_argument("--out", help=f"target directory (default: ${settings.HOME.name}/models/qwen3-omni-<size>)")
     mm.add_argument("--force", action="store_true", help="rebuild even if up to date")
     mm.set_defaults(func=_cmd_make_model)
 

@@ -226,7 +226,7 @@ def _check_yoco(p: Path, raw: dict, stages: list[dict], model_dir: Path) -> None
     for s in stages:
         sid, env = s["stage_id"], s.get("env") or {}
         fast = bool(s.get("kv_sharing_fast_prefill", False))
-        if not fast and not any(k.startswith("OMNI_CACHE_YOCO_") for k in env):
+        if not fast and not env.keys() & {settings.YOCO_ACCEPT_LAYER.name, settings.YOCO_CAPTURE_LAYERS.name}:
             continue
         cfg_dir = Path(s["model"]) if s.get("model") else model_dir / subdirs.get(sid, "")
         try:

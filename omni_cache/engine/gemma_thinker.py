@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from vllm.model_executor.models.gemma3n import Gemma3nForCausalLM
 
+from omni_cache import settings
 from omni_cache.engine.metrics import MetricsFile
 from omni_cache.models import SPECIAL_TOKENS
 from omni_cache.yoco import FINAL, stage_plan
@@ -188,7 +189,7 @@ def _accept_layer(transfer_manager: Any) -> int:
     cfg = mc.hf_config
     _, accept = stage_plan(cfg, False, os.environ)
     if accept == FINAL:
-        raise RuntimeError("OMNI_CACHE_YOCO_ACCEPT_LAYER=final: the final hidden states are not handed downstream; "
+        raise RuntimeError(f"{settings.YOCO_ACCEPT_LAYER.name}=final: the final hidden states are not handed downstream; "
                            "accept a captured layer (e.g. the self-decoder output)")
     return int(accept)
 

@@ -49,8 +49,19 @@ RUNNER_HOOKS = ("_ensure_omni_prefix_cache", "initialize_metadata_builders", "ex
 _CALL = re.compile(r"\bomni_prefix_cache\.(\w+)\(")
 
 
+def _unwrap(fn, name: str):
+    """The function behind a decorator, also one without ``functools.wraps`` (vLLM-Omni's
+    ``_locked``): the closure cell holding a function of the same name."""
+    fn = inspect.unwrap(fn)
+    for cell in getattr(fn, "__closure__", None) or ():
+        inner = cell.cell_contents
+        if inspect.isfunction(inner) and inner.__name__ == name:
+            return _unwrap(inner, name)
+    return fn
+
+
 def _params(fn) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    sig = inspect.signature(fn)
+    sig = inspect.signature(_unwrap(fn, fn.__name__))
     pos = tuple(p.name for p in sig.parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
     kw = tuple(p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY)

@@ -1,0 +1,167 @@
+"""The package's shape, checked from the source (AST) — no engine is imported:
+
+- engine code (runs inside vLLM-Omni's stage processes) never imports driver code, the CLI
+  or the benchmarks;
+- the engine-free modules (core, yoco, settings) import neither vLLM nor vLLM-Omni nor the
+  adapter packages;
+- no import cycle between omni-cache's modules (function-level imports included);
+- ``OMNI_CACHE_*`` names appear in library code only through :mod:`omni_cache.settings`, and
+  every name mentioned anywhere in the repository is a registered setting;
+- ``pyproject.toml`` lists every package.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PKG = REPO / "omni_cache"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every module imported anywhere in the file (top level and inside functions)."""
+    pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _internal_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        targets = set()
+        for imp in _imports(path, name):
+            while imp and imp not in mods:
+                imp = imp.rpartition(".")[0]
+            if imp and imp != name and imp != "omni_cache":
+                targets.add(imp)
+        graph[name] = targets
+    return graph
+
+
+def test_engine_code_never_imports_driver_code():
+    bad = {f"{m} imports {t}"
+           for m, ts in _internal_graph().items() if m.startswith("omni_cache.engine")
+           for t in ts if t.startswith(("omni_cache.driver", "omni_cache.cli"))}
+    bad |= {f"{m} imports {imp}" for m, p in _modules().items() if m.startswith("omni_cache.engine")
+            for imp in _imports(p, m) if imp.split(".")[0] == "benchmarks"}
+    assert not bad, sorted(bad)
+
+
+@pytest.mark.parametrize("package", ["omni_cache.core", "omni_cache.yoco", "omni_cache.settings"])
+def test_engine_free_modules_import_no_engine_and_no_adapter(package):
+    bad = set()
+    for m, p in _modules().items():
+        if m == package or m.startswith(package + "."):
+            for imp in _imports(p, m):
+                if imp.split(".")[0] in ("vllm", "vllm_omni") or imp.startswith(
+                        ("omni_cache.engine", "omni_cache.driver", "omni_cache.cli")):
+                    bad.add(f"{m} imports {imp}")
+    assert not bad, sorted(bad)
+
+
+def test_no_import_cycle():
+    graph = _internal_graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m)
+            assert cycle is None, " -> ".join(cycle)
+
+
+_NAME = re.compile(r"OMNI_CACHE_[A-Z][A-Z_]*[A-Z]")
+
+
+def test_settings_are_named_only_through_the_registry():
+    """Library code reads no ``OMNI_CACHE_*`` string literal (docstrings aside): every reader
+    goes through :mod:`omni_cache.settings`."""
+    bad = []
+    for m, p in _modules().items():
+        if m == "omni_cache.settings":
+            continue
+        tree = ast.parse(p.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if _NAME.search(node.value):
+                    bad.append(f"{m}:{node.lineno}: {node.value[:60]!r}")
+    assert not bad, bad
+
+
+def test_every_mentioned_setting_is_registered():
+    from omni_cache.settings import SETTINGS
+
+    files = subprocess.run(["git", "ls-files", "omni_cache", "stage_configs", "docs", "scripts", "README.md",
+                            "benchmarks/*.py", "benchmarks/prefill", "tests"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    unknown = {}
+    for f in files:
+        path = REPO / f
+        if path.suffix not in (".py", ".md", ".yaml", ".sh") or not path.is_file():
+            continue
+        for name in _NAME.findall(path.read_text()):
+            if name not in SETTINGS:
+                unknown.setdefault(name, f)
+    assert not unknown, unknown
+
+
+def test_docs_settings_table_is_generated_from_the_registry():
+    from omni_cache.settings import markdown_table
+
+    doc = (REPO / "docs" / "stage-config.md").read_text()
+    begin, end = "<!-- settings:begin -->", "<!-- settings:end -->"
+    assert begin in doc and end in doc, "docs/stage-config.md lacks the generated settings table"
+    table = doc.split(begin, 1)[1].split(end, 1)[0].strip()
+    assert table == markdown_table(), "regenerate it: python -m omni_cache.settings"
+
+
+def test_pyproject_lists_every_package():
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    on_disk = {_module_name(p.parent / "__init__.py") for p in PKG.rglob("__init__.py")}
+    assert on_disk <= listed, sorted(on_disk - listed)
+    assert cfg["package-dir"]["omni_cache.stage_configs"] == "stage_configs"

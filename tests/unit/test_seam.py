@@ -1,0 +1,21 @@
+"""The written-down seam (omni_cache.engine.seam) holds for the installed vLLM-Omni: a
+version bump that renames, re-signs or adds a manager call fails here, not silently in a
+pipeline that no longer uses the cache."""
+
+from __future__ import annotations
+
+
+def test_seam_matches_installed_vllm_omni():
+    from omni_cache.engine.seam import check_seam
+
+    assert check_seam() == []
+
+
+def test_seam_check_reports_a_moved_method(monkeypatch):
+    """The check can fail: a manager whose save_outputs lost its keyword-only arguments."""
+    from omni_cache.engine import seam
+    from omni_cache.engine.stage_manager import OmniCacheStageManager
+
+    monkeypatch.setattr(OmniCacheStageManager, "save_outputs", lambda self, hidden_states, mm_outputs: 0)
+    problems = seam.check_seam()
+    assert any("OmniCacheStageManager.save_outputs" in p for p in problems), problems

@@ -1,0 +1,188 @@
+"""The stage manager's ordinary path without an engine: vLLM-Omni's seam calls
+(``new_step_starts`` → ``save_outputs`` → ``materialize``) driven with small fakes of the
+runner and the scheduler output, as vLLM's scheduler would produce them.
+
+Every row a fake forward computes is a function of the token prefix up to it (as a causal
+model's are), so "what a full recompute gives" is known: a hand-off must equal the rows of
+the request's whole prompt computed from scratch, bitwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from omni_cache.core import StaleRowsError
+from omni_cache.engine.stage_manager import HIDDEN_KEY, OmniCacheStageManager
+
+BS, H = 4, 6
+LAYER = "hidden_states.layer_0"
+
+
+def prefix_rows(tokens: list[int], start: int, end: int) -> torch.Tensor:
+    """``[end - start, H]`` rows; row ``p`` depends on ``tokens[:p + 1]`` only."""
+    out = []
+    for p in range(start, end):
+        seed = int.from_bytes(hashlib.blake2b(repr(tokens[: p + 1]).encode(), digest_size=8).digest(), "little")
+        out.append(torch.randn(H, generator=torch.Generator().manual_seed(seed % 2**63)))
+    return torch.stack(out)
+
+
+class FakeEngine:
+    """The runner-side state the manager reads, and a forward that computes
+    :func:`prefix_rows` for the hidden states and (optionally) a captured layer."""
+
+    def __init__(self, keys=(HIDDEN_KEY, LAYER)):
+        self.keys = keys
+        self.runner = NS(cache_config=NS(kv_sharing_fast_prefill=False),
+                         kv_sharing_fast_prefill_eligible_layers=None,
+                         model=NS(omni_pooler_payload_include_hidden=True),
+                         requests={}, input_batch=NS(req_ids=[]))
+        self.manager = OmniCacheStageManager(self.runner, block_size=BS, num_blocks=16)
+
+    def add(self, rid: str, prompt: list[int]) -> None:
+        self.runner.requests[rid] = NS(prompt_token_ids=prompt, output_token_ids=[], mm_features=None)
+
+    def tokens(self, rid: str) -> list[int]:
+        st = self.runner.requests[rid]
+        return list(st.prompt_token_ids) + list(st.output_token_ids)
+
+    def step(self, *, new=(), cached=(), resumed=(), finished=(), keys=None):
+        """One engine step. ``new``: ``(rid, block_ids, num_computed, num_scheduled)``;
+        ``cached``: ``(rid, new_block_ids | None, num_computed, num_scheduled)``.
+        Returns the step's hand-off (``materialize`` of every scheduled request)."""
+        keys = self.keys if keys is None else keys
+        sched = NS(
+            finished_req_ids=set(finished),
+            scheduled_new_reqs=[NS(req_id=r, block_ids=(list(b),), num_computed_tokens=c) for r, b, c, _ in new],
+            scheduled_cached_reqs=NS(req_ids=[r for r, *_ in cached],
+                                     new_block_ids=[None if b is None else (list(b),) for _, b, _, _ in cached],
+                                     num_computed_tokens=[c for _, _, c, _ in cached],
+                                     resumed_req_ids=set(resumed)),
+            num_scheduled_tokens={r: n for r, _, _, n in (*new, *cached)},
+        )
+        self.manager.new_step_starts(sched)
+        order = [r for r, *_ in (*new, *cached)]
+        self.runner.input_batch.req_ids = order
+        spans = {r: (c, c + n) for r, _, c, n in (*new, *cached)}
+        hidden = torch.cat([prefix_rows(self.tokens(r), *spans[r]) for r in order])
+        mm = {k: hidden * 2 + 1 for k in keys if k != HIDDEN_KEY}
+        step_id = self.manager.save_outputs(hidden, mm, num_tokens_unpadded=hidden.shape[0],
+                                            num_tokens_padded=hidden.shape[0])
+        out = self.manager.materialize(step_id, order)
+        return {r: {HIDDEN_KEY: out.hidden_states[r], **{k: v[r] for k, v in out.mm_outputs.items()}}
+                for r in order}
+
+    def sample(self, rid: str, token: int) -> None:
+        self.runner.requests[rid].output_token_ids.append(token)
+
+
+def expected(tokens: list[int], start: int, end: int, keys=(HIDDEN_KEY, LAYER)) -> dict[str, torch.Tensor]:
+    rows = prefix_rows(tokens, start, end)
+    return {k: rows if k == HIDDEN_KEY else rows * 2 + 1 for k in keys}
+
+
+def assert_rows(got: dict, want: dict) -> None:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k in want:
+        assert got[k].shape == want[k].shape and torch.equal(got[k], want[k]), k
+
+
+def test_chunked_prefill_decode_and_a_hit_hand_off_what_a_recompute_gives():
+    eng = FakeEngine()
+    a = list(range(100, 110))  # 10 tokens: blocks 0, 1 full, block 2 partial
+    eng.add("A", a)
+    assert_rows(eng.step(new=[("A", [3, 7], 0, 6)])["A"], expected(a, 0, 6))        # chunk 1
+    assert_rows(eng.step(cached=[("A", [9], 6, 4)])["A"], expected(a, 6, 10))       # chunk 2, table grows
+    eng.sample("A", 55)
+    assert_rows(eng.step(cached=[("A", None, 10, 1)])["A"], expected(a + [55], 10, 11))  # decode
+    assert eng.manager.reqs["A"].block_ids == [3, 7, 9]
+
+    # B shares A's first two blocks: vLLM admits it with num_computed_tokens = 8 on A's blocks
+    b = a[:8] + [1, 2, 3]
+    eng.add("B", b)
+    got = eng.step(new=[("B", [3, 7, 11], 8, 3)])["B"]
+    assert_rows(got, expected(b, 0, 11))
+    m = eng.manager.metrics()
+    assert m["hits_served"] == 1 and m["hit_tokens"] == 8 and m["hits_refused"] == 0
+
+
+def test_hit_on_a_block_filled_by_decode_tokens():
+    """Turn 2 of a chat hits the block that turn 1's answer filled (prompt + output tokens)."""
+    eng = FakeEngine()
+    a = list(range(6))
+    eng.add("A", a)
+    eng.step(new=[("A", [0, 1], 0, 6)])
+    for i, tok in enumerate([70, 71]):  # positions 6, 7 complete block 1
+        eng.sample("A", tok)
+        eng.step(cached=[("A", None, 6 + i, 1)])
+    turn2 = a + [70, 71, 9, 9, 9]
+    eng.add("T2", turn2)
+    got = eng.step(new=[("T2", [0, 1, 5], 8, 3)], finished=["A"])["T2"]
+    assert_rows(got, expected(turn2, 0, 11))
+    assert eng.manager.metrics()["hit_tokens"] == 8
+
+
+def test_resumed_request_serves_its_hit_from_the_cache():
+    """A preempted request comes back with a new block table (``resumed_req_ids``) and its
+    prefix hit; its first step after the resume hands off rows ``[0, end)``."""
+    eng = FakeEngine()
+    a = list(range(40, 50))
+    eng.add("A", a)
+    eng.step(new=[("A", [2, 4, 6], 0, 10)])
+    eng.sample("A", 5)
+    eng.step(cached=[("A", None, 10, 1)])
+    # preempted; resumed with its two full blocks hit (vLLM: num_computed_tokens = 8)
+    got = eng.step(cached=[("A", [2, 4, 8], 8, 3)], resumed=["A"])["A"]
+    assert_rows(got, expected(a + [5], 0, 11))
+    assert eng.manager.reqs["A"].block_ids == [2, 4, 8]
+
+
+def test_same_step_hit_reads_rows_written_in_that_step():
+    eng = FakeEngine()
+    a = list(range(20, 32))  # 3 full blocks
+    b = a[:8] + [0, 0]
+    eng.add("A", a)
+    eng.add("B", b)
+    out = eng.step(new=[("A", [1, 2, 3], 0, 12), ("B", [1, 2, 4], 8, 2)])
+    assert_rows(out["A"], expected(a, 0, 12))
+    assert_rows(out["B"], expected(b, 0, 10))
+
+
+def test_a_key_that_first_appears_in_a_later_step_is_cached_and_handed_off():
+    """The set of cached keys is not fixed at the first save: a per-token output that first
+    appears in step 2 is handed off from step 2 on (it used to be dropped from every
+    hand-off), and a hit that needs it on blocks written before it existed is refused, never
+    served with missing rows."""
+    eng = FakeEngine()
+    a = list(range(8))
+    eng.add("A", a)
+    first = eng.step(new=[("A", [0, 1], 0, 8)], keys=(HIDDEN_KEY,))["A"]
+    assert set(first) == {HIDDEN_KEY}
+    eng.sample("A", 3)
+    got = eng.step(cached=[("A", [2], 8, 1)])["A"]  # the captured layer appears now
+    assert_rows(got, expected(a + [3], 8, 9))
+    assert LAYER in eng.manager.cache.specs
+
+    eng.add("B", a + [4, 4])
+    with pytest.raises(StaleRowsError, match="'B'.*block 0.*hidden_states.layer_0"):
+        eng.step(new=[("B", [0, 1, 3], 8, 2)])
+    assert eng.manager.metrics()["hits_refused"] == 1
+
+
+def test_materialize_refuses_unknown_requests_and_consumes_the_step():
+    eng = FakeEngine()
+    eng.add("A", [1, 2, 3])
+    sched = NS(finished_req_ids=set(), scheduled_new_reqs=[NS(req_id="A", block_ids=([0],), num_computed_tokens=0)],
+               scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
+               num_scheduled_tokens={"A": 3})
+    eng.manager.new_step_starts(sched)
+    eng.runner.input_batch.req_ids = ["A"]
+    step = eng.manager.save_outputs(prefix_rows([1, 2, 3], 0, 3), {}, num_tokens_unpadded=3, num_tokens_padded=3)
+    with pytest.raises(RuntimeError, match="unknown request ids"):
+        eng.manager.materialize(step, ["Z"])
+    with pytest.raises(RuntimeError, match="forward produced 2"):
+        eng.manager.save_outputs(prefix_rows([1, 2], 0, 2), {}, num_tokens_unpadded=2, num_tokens_padded=2)

@@ -1,0 +1,31 @@
+"""The stage configs ship in the wheel: build it, install it into an empty directory, and run
+``omni-cache validate`` on a bundled config by name from outside the checkout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_installed_wheel_finds_and_validates_its_stage_configs(tmp_path):
+    wheels, target, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "cwd"
+    elsewhere.mkdir()
+    pip = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(REPO)],
+                   check=True, capture_output=True, cwd=elsewhere)
+    wheel = next(wheels.glob("omni_cache-*.whl"))
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True,
+                   capture_output=True, cwd=elsewhere)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    where = subprocess.run([sys.executable, "-c", "import omni_cache; print(omni_cache.__file__)"],
+                           check=True, capture_output=True, text=True, cwd=elsewhere, env=env).stdout
+    assert where.startswith(str(target)), where  # the wheel's copy, not the checkout
+    for name in ("qwen3_omni_cpu.yaml", "gemma3n_yoco_cpu.yaml", "qwen3_omni_30b_a3b_gpu.yaml"):
+        out = subprocess.run([sys.executable, "-m", "omni_cache.cli", "validate", name], capture_output=True,
+                             text=True, cwd=elsewhere, env=env)
+        assert out.returncode == 0, (name, out.stdout[-2000:], out.stderr[-2000:])
+        assert str(target) in out.stdout and name in out.stdout, out.stdout
