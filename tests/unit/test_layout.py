@@ -165,3 +165,12 @@ def test_pyproject_lists_every_package():
     on_disk = {_module_name(p.parent / "__init__.py") for p in PKG.rglob("__init__.py")}
     assert on_disk <= listed, sorted(on_disk - listed)
     assert cfg["package-dir"]["omni_cache.stage_configs"] == "stage_configs"
+
+
+def test_committed_benchmark_results_are_json_and_plots_only():
+    """Results keep ``result.json`` (and other JSON) and the plot; raw logs and derived stage
+    configs (machine paths) stay local (.gitignore)."""
+    files = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    bad = [f for f in files if not f.endswith((".json", ".png"))]
+    assert not bad, bad
