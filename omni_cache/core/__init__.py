@@ -3,8 +3,8 @@ mirrors vLLM's paged KV cache.
 
 Import invariant: nothing under ``omni_cache.core`` imports ``vllm`` or
 ``vllm_omni`` -- only ``torch``, ``numpy`` and the standard library
-(enforced by ``tests/test_core_import.py``). Engine glue lives in
-``omni_cache.vllm_omni``.
+(enforced by ``tests/unit/test_core_import.py``). Engine glue lives in
+``omni_cache.engine`` and ``omni_cache.driver``.
 
 One concept per module:
 

@@ -6,7 +6,7 @@ pipeline variants first). This module supervises it: validates the stage config,
 port, starts the process in its own session, waits for ``GET /health`` to answer 200 while
 reporting progress, and stops the whole process group on exit. No HTTP server of our own.
 
-``omni-cache serve`` (``omni_cache.cli``) and ``tests/test_serve.py`` /
+``omni-cache serve`` (``omni_cache.cli``) and ``tests/pipeline/test_serve.py`` /
 ``benchmarks/serve_load.py`` use :class:`OmniServer`.
 """
 

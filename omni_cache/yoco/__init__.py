@@ -1,7 +1,7 @@
 """YOCO (KV-shared) thinkers: which layers are exact under KV-sharing fast prefill.
 
 No vLLM imports here (like :mod:`omni_cache.core`); engine glue lives in
-:mod:`omni_cache.vllm_omni`. See docs/yoco.md.
+:mod:`omni_cache.engine`. See docs/yoco.md.
 """
 
 from omni_cache.yoco.plan import (

@@ -1,7 +1,7 @@
 """Unit tests of the request-validation status middleware (pure ASGI, no engine).
 
 The end-to-end case (an over-long prompt on the real server answers 400) is in
-tests/test_serve.py; here a small Starlette app stands in for the routes' answers.
+tests/pipeline/test_serve.py; here a small Starlette app stands in for the routes' answers.
 """
 
 from __future__ import annotations

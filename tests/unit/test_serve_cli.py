@@ -1,5 +1,5 @@
 """``omni-cache serve`` without starting a server: the command it runs, and refusals before
-any process starts. The running server is tested in tests/test_serve.py."""
+any process starts. The running server is tested in tests/pipeline/test_serve.py."""
 
 from __future__ import annotations
 
