@@ -74,6 +74,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return 2
     for sid in cfg.stage_ids:
         print(f"stage {sid}: prefix cache = {cfg.prefix_cache_backend(sid) or 'off'}")
+    for note in cfg.notes:
+        print(f"note: {note}")
     print(f"{cfg.path}: OK")
     return 0
 

@@ -59,6 +59,8 @@ class StageConfig:
     path: Path
     raw: dict[str, Any]
     stage_ids: list[int] = field(default_factory=list)
+    #: checks that did not run and why (printed by ``omni-cache validate``)
+    notes: list[str] = field(default_factory=list)
 
     def stage(self, stage_id: int) -> dict[str, Any]:
         """The raw mapping of ``stage_id``. Raises KeyError if absent."""
@@ -200,17 +202,41 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
             if sid not in seen:
                 raise StageConfigError(p, f"platforms.{name} names stage {sid!r}, which is not in stages", key="stage_id")
             _check_keys(p, {k: v for k, v in s.items()}, schema, sid)
-    if str(raw.get("pipeline", "")).startswith("qwen3_omni_moe_omni_cache"):
-        s0 = next(s for s in stages if s.get("stage_id") == 0)
-        if s0.get("async_scheduling"):
-            raise StageConfigError(p, "omni-cache's capped thinker scheduler is synchronous; set async_scheduling: false",
-                                   stage_id=0, key="async_scheduling")
+    cfg = StageConfig(path=p, raw=raw, stage_ids=seen)
+    _check_capped_scheduler(cfg)
     if model_dir is not None:
         md = Path(model_dir)
         if not (md / "config.json").is_file():
             raise StageConfigError(p, f"model directory {str(md)!r} has no config.json (run 'omni-cache make-model')", key="model")
         _check_yoco(p, raw, stages, md)
-    return StageConfig(path=p, raw=raw, stage_ids=seen)
+    else:
+        cfg.notes.extend(f"stage {s['stage_id']}: KV-shared (YOCO) check skipped: it reads the model's config, "
+                         "pass --model DIR" for s in stages if _is_yoco_stage(s))
+    return cfg
+
+
+def _check_capped_scheduler(cfg: StageConfig) -> None:
+    """A stage with omni-cache as its prefix-cache backend must run the capped scheduler
+    (registered pipelines, :data:`omni_cache.engine.plugin.CAPPED_STAGES`): without it a hit
+    whose rows are not covered would stop the model runner instead of being recomputed."""
+    from omni_cache.engine.plugin import CAPPED_PIPELINE, CAPPED_STAGES
+
+    pipeline = cfg.raw.get("pipeline")
+    for sid in cfg.stage_ids:
+        if cfg.prefix_cache_backend(sid) != "omni_cache" or sid in CAPPED_STAGES.get(str(pipeline), ()):
+            continue
+        hint = (f"set `pipeline: {CAPPED_PIPELINE}` (Qwen3-Omni) or another omni-cache pipeline"
+                if sid == 0 else "omni-cache caps hits on the thinker (stage 0) only")
+        raise StageConfigError(
+            cfg.path, f"prefix cache backend omni_cache needs omni-cache's capped scheduler, which pipeline "
+            f"{pipeline!r} does not run on this stage; {hint}, or set "
+            f"{settings.PREFIX_CACHE_BACKEND.name}: builtin", stage_id=sid, key="pipeline")
+
+
+def _is_yoco_stage(stage: dict) -> bool:
+    env = stage.get("env") or {}
+    return bool(stage.get("kv_sharing_fast_prefill", False)) or bool(
+        env.keys() & {settings.YOCO_ACCEPT_LAYER.name, settings.YOCO_CAPTURE_LAYERS.name})
 
 
 def _check_yoco(p: Path, raw: dict, stages: list[dict], model_dir: Path) -> None:
@@ -226,7 +252,7 @@ def _check_yoco(p: Path, raw: dict, stages: list[dict], model_dir: Path) -> None
     for s in stages:
         sid, env = s["stage_id"], s.get("env") or {}
         fast = bool(s.get("kv_sharing_fast_prefill", False))
-        if not fast and not env.keys() & {settings.YOCO_ACCEPT_LAYER.name, settings.YOCO_CAPTURE_LAYERS.name}:
+        if not _is_yoco_stage(s):
             continue
         cfg_dir = Path(s["model"]) if s.get("model") else model_dir / subdirs.get(sid, "")
         try:

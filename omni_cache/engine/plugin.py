@@ -2,8 +2,8 @@
 vLLM-Omni process: registers omni-cache's pipeline variants (idempotent).
 
 ``qwen3_omni_moe_omni_cache``
-    Qwen3-Omni-MoE with :class:`~omni_cache.engine.scheduler.OmniCacheARScheduler` on the
-    thinker (prefix hits capped to the hidden-state tier's coverage).
+    Qwen3-Omni-MoE with the capped scheduler
+    (:func:`~omni_cache.engine.scheduler.capped_ar_scheduler`: sync or async) on the thinker (prefix hits capped to the hidden-state tier's coverage).
 ``qwen3_omni_moe_omni_cache_recorded``
     the same, plus the thinker→talker hand-off recorded
     (:mod:`omni_cache.engine.handoff`), for tests and audits.
@@ -20,11 +20,14 @@ import dataclasses
 
 CAPPED_PIPELINE = "qwen3_omni_moe_omni_cache"
 RECORDING_PIPELINE = "qwen3_omni_moe_omni_cache_recorded"
-SCHEDULER = "omni_cache.engine.scheduler.OmniCacheARScheduler"
+SCHEDULER = "omni_cache.engine.scheduler.capped_ar_scheduler"
+
 RECORDER = "omni_cache.engine.handoff.record_thinker2talker_full_payload"
 GEMMA_PIPELINE = "gemma3n_omni_cache"
 GEMMA_ARCH = "OmniCacheGemma3nThinker"
 GEMMA_ADAPTER = "omni_cache.engine.gemma_thinker.gemma_thinker2talker_full_payload"
+#: pipeline → stage ids that run the capped scheduler (the omni_cache backend needs it there)
+CAPPED_STAGES = {CAPPED_PIPELINE: {0}, RECORDING_PIPELINE: {0}, GEMMA_PIPELINE: {0}}
 #: model subdirectory per stage of omni-cache's pipelines (read by the stage-config check)
 STAGE_MODEL_SUBDIRS = {GEMMA_PIPELINE: {0: "thinker"}}
 

@@ -9,8 +9,16 @@ that this step's scheduled tokens complete; within ``schedule()`` a hit may also
 that requests scheduled earlier in the same step complete (a same-step hit).
 
 Selected through the pipeline topology (vLLM-Omni 0.30 owns ``scheduler_cls`` there, not in
-the deploy YAML): ``pipeline: qwen3_omni_moe_omni_cache`` (see :mod:`omni_cache.engine.plugin`).
-Synchronous scheduling only (``async_scheduling: false``; the CPU platform forces it).
+the deploy YAML): ``pipeline: qwen3_omni_moe_omni_cache`` (see :mod:`omni_cache.engine.plugin`)
+names :func:`capped_ar_scheduler`, which builds the synchronous
+(:class:`OmniCacheARScheduler`) or the asynchronous (:class:`OmniCacheARAsyncScheduler`, over
+vLLM-Omni's ``OmniARAsyncScheduler``, vLLM-Omni's default) variant from the stage's
+``async_scheduling``. Under async scheduling step N+1 is scheduled while step N runs: a block
+recorded at ``schedule()`` is written by that step, which runs before any later step reads a
+hit; decode-filled blocks, hashed by vLLM only when their step's output arrives, are recorded
+then (:meth:`OmniCacheSchedulerMixin._resolve_pending_blocks`). (vLLM's CPU platform forces
+synchronous scheduling; ``tests/unit/test_scheduler_cap.py`` drives vLLM's real async
+scheduler the way its engine core does.)
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm_omni.core.sched.omni_ar_scheduler import OmniARScheduler
+from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
 
 from omni_cache import settings
 from omni_cache.core.coverage import RowValidity, WrittenBlocks, spans_overlap
@@ -53,6 +61,12 @@ class SchedulerCapState:
         same_step_hit_tokens: hit tokens on blocks completed in the same step, over admitted
             requests.
         preemptions: requests preempted.
+        pending: request → block index → ``(block id, step)`` of blocks completed by step
+            ``step`` whose hash vLLM did not know yet (async scheduling: decode-filled blocks).
+        steps_scheduled: ``schedule()`` calls so far (the index of the next step).
+        steps_done: steps whose output has been processed (``update_from_output``): their
+            rows are written.
+        step_of_output: ``id(SchedulerOutput)`` → its step index, until its output arrives.
     """
 
     written: WrittenBlocks
@@ -68,6 +82,10 @@ class SchedulerCapState:
     capped_tokens: int = 0
     same_step_hit_tokens: int = 0
     preemptions: int = 0
+    pending: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    steps_scheduled: int = 0
+    steps_done: int = 0
+    step_of_output: dict[int, int] = field(default_factory=dict)
 
     def counters(self) -> dict[str, int]:
         """The published counters (``scheduler-<pid>.json``)."""
@@ -207,14 +225,70 @@ class OmniCacheSchedulerMixin:
             end = start + out.num_scheduled_tokens.get(rid, 0)
             if st.truncates and end - start > 1:
                 st.truncated_spans.setdefault(rid, []).append((start, end))
-            spans = st.truncated_spans.get(rid, ())
-            req_blocks = self.kv_cache_manager.get_blocks(rid).blocks[g]
-            for i in range(start // bs, min(end // bs, len(req_blocks))):
-                b = req_blocks[i]
-                validity = (RowValidity.CAPTURED_ONLY if spans_overlap(spans, i * bs, (i + 1) * bs)
-                            else RowValidity.ALL_KEYS)
-                st.written.record(b.block_id, b.block_hash, validity)
+            self._record_completed_blocks(st, rid, range(start // bs, end // bs))
+        st.step_of_output[id(out)] = st.steps_scheduled
+        st.steps_scheduled += 1
         return out
+
+    def _validity(self, st: SchedulerCapState, rid: str, block_index: int) -> RowValidity:
+        bs = st.block_size
+        spans = st.truncated_spans.get(rid, ())
+        return (RowValidity.CAPTURED_ONLY if spans_overlap(spans, block_index * bs, (block_index + 1) * bs)
+                else RowValidity.ALL_KEYS)
+
+    def _record_completed_blocks(self, st: SchedulerCapState, rid: str, block_indices: range) -> None:
+        """Record the blocks (indices into ``rid``'s mirrored block table) that this step's
+        scheduled tokens complete: their rows are written in this step, before any hit read
+        in it or in a later step.
+
+        A block whose hash is not known yet is forgotten now (its rows are being rewritten)
+        and kept pending: under async scheduling a decode step's input token is a placeholder
+        until the previous step's output arrives, so vLLM hashes (caches) a decode-filled
+        block only in ``update_from_output``; :meth:`_resolve_pending_blocks` records it once
+        both its hash is known and the step that wrote its rows has finished.
+        """
+        req_blocks = self.kv_cache_manager.get_blocks(rid).blocks[st.group]
+        for i in block_indices:
+            if i >= len(req_blocks):
+                break
+            b = req_blocks[i]
+            if b.block_hash is None:
+                st.written.forget(b.block_id)
+                st.pending.setdefault(rid, {})[i] = (b.block_id, st.steps_scheduled)
+            else:
+                st.written.record(b.block_id, b.block_hash, self._validity(st, rid, i))
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        st = self._omni_cache_state()
+        step = st.step_of_output.pop(id(scheduler_output), None)
+        if step is not None:
+            st.steps_done = max(st.steps_done, step + 1)
+        if st.pending:
+            self._resolve_pending_blocks(st)
+        return outputs
+
+    def _resolve_pending_blocks(self, st: SchedulerCapState) -> None:
+        """Record pending blocks (see :meth:`_record_completed_blocks`) whose writing step has
+        finished and whose hash vLLM now knows; drop those of requests that left the running
+        state or whose block table changed (preempted: vLLM does not hash their new tokens)."""
+        from vllm.v1.request import RequestStatus
+
+        for rid in list(st.pending):
+            req = self.requests.get(rid)
+            pending = st.pending[rid]
+            if req is None or req.status != RequestStatus.RUNNING or rid in st.forgotten:
+                del st.pending[rid]
+                continue
+            blocks = self.kv_cache_manager.get_blocks(rid).blocks[st.group]
+            for i, (block_id, step) in list(pending.items()):
+                if i >= len(blocks) or blocks[i].block_id != block_id:
+                    del pending[i]
+                elif step < st.steps_done and blocks[i].block_hash is not None:
+                    st.written.record(block_id, blocks[i].block_hash, self._validity(st, rid, i))
+                    del pending[i]
+            if not pending:
+                del st.pending[rid]
 
 
 def _yoco_rules(vllm_config) -> tuple[bool, RowValidity]:
@@ -237,3 +311,17 @@ def _yoco_rules(vllm_config) -> tuple[bool, RowValidity]:
 
 class OmniCacheARScheduler(OmniCacheSchedulerMixin, OmniARScheduler):
     """vLLM-Omni's synchronous AR scheduler with the hidden-tier hit cap."""
+
+
+class OmniCacheARAsyncScheduler(OmniCacheSchedulerMixin, OmniARAsyncScheduler):
+    """vLLM-Omni's asynchronous AR scheduler (its default) with the hidden-tier hit cap."""
+
+
+def capped_ar_scheduler(*args, vllm_config, **kwargs):
+    """The capped AR scheduler for this stage: :class:`OmniCacheARAsyncScheduler` when the
+    stage schedules asynchronously (``scheduler_config.async_scheduling``, vLLM-Omni's
+    default for AR stages), else :class:`OmniCacheARScheduler`. The pipelines name this
+    factory as their ``scheduler_cls`` (vLLM only calls it: ``get_scheduler_cls()(...)``)."""
+    cls = (OmniCacheARAsyncScheduler if vllm_config.scheduler_config.async_scheduling
+           else OmniCacheARScheduler)
+    return cls(*args, vllm_config=vllm_config, **kwargs)

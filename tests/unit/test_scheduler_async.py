@@ -1,0 +1,220 @@
+"""The capped scheduler under asynchronous scheduling (vLLM-Omni's default for AR stages), on
+vLLM's real ``AsyncScheduler`` and KV cache manager, driven the way vLLM's engine core drives
+it with a batch queue: step N+1 is scheduled while step N is still running, step N's output
+is processed after that.
+
+A small model-runner stand-in (:class:`Runner`) keeps the runner's view of each request's
+block table from the scheduler outputs, writes every scheduled token's row at its slot when a
+step runs — the row's content is the token prefix it was computed from, as a causal model's
+is — and, after the step's writes, checks every prefix hit the step serves: each hit row must
+hold exactly the hitting request's own prefix. Rows of "lost" requests are never written
+(fault injection, paired with ``OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS`` for the scheduler).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from omni_cache import settings
+
+BS = 16
+NUM_BLOCKS = 13
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    d = tmp_path_factory.mktemp("llama-config")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 5000, "max_position_embeddings": 4096,
+        "torch_dtype": "float32"}))
+    model = ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=1024)
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024,
+                            enable_chunked_prefill=True, async_scheduling=True, is_encoder_decoder=False)
+    cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
+    cache.num_gpu_blocks = NUM_BLOCKS
+    cfg = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
+    # vLLM's CPU platform turns async scheduling off in VllmConfig; a GPU stage keeps it on
+    cfg.scheduler_config.async_scheduling = True
+    return cfg
+
+
+def _scheduler(vllm_config, capped: bool = True):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler
+
+    from omni_cache.engine.scheduler import OmniCacheARAsyncScheduler, capped_ar_scheduler
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    kwargs = dict(vllm_config=vllm_config, kv_cache_config=kv, block_size=BS,
+                  structured_output_manager=StructuredOutputManager(vllm_config))
+    if not capped:
+        return OmniARAsyncScheduler(**kwargs)
+    s = capped_ar_scheduler(**kwargs)
+    assert type(s) is OmniCacheARAsyncScheduler  # the factory follows async_scheduling
+    return s
+
+
+def sampled(pos: int) -> int:
+    """The token a request samples at position ``pos`` (deterministic, so a later turn can
+    repeat an earlier answer)."""
+    return 1000 + (pos * 37) % 3000
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                   block_hasher=get_request_block_hasher(BS, sha256))
+
+
+class StaleRow(AssertionError):
+    pass
+
+
+class Runner:
+    """The model runner's side of the simulation (see the module docstring)."""
+
+    def __init__(self, lost: set[str] = frozenset()):
+        self.lost = set(lost)
+        self.tokens: dict[str, list[int]] = {}  # prompt + sampled so far (the runner samples)
+        self.tables: dict[str, list[int]] = {}
+        self.slots: dict[int, tuple[int, ...]] = {}  # slot id -> the token prefix its row holds
+        self.hit_tokens_checked = 0
+        self.hits: dict[str, int] = {}
+
+    def add(self, rid: str, prompt: list[int]) -> None:
+        self.tokens[rid] = list(prompt)
+
+    def execute(self, out):
+        """Run one step: write its rows, check its hits; returns vLLM's ``ModelRunnerOutput``."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        spans, hits = {}, {}
+        for nr in out.scheduled_new_reqs:
+            self.tables[nr.req_id] = list(nr.block_ids[0])
+            spans[nr.req_id] = nr.num_computed_tokens
+            if nr.num_computed_tokens:
+                hits[nr.req_id] = nr.num_computed_tokens
+        c = out.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            new = c.new_block_ids[i]
+            if rid in c.resumed_req_ids:
+                self.tables[rid] = list(new[0]) if new is not None else []
+                if c.num_computed_tokens[i]:
+                    hits[rid] = c.num_computed_tokens[i]
+            elif new is not None:
+                self.tables[rid].extend(new[0])
+            spans[rid] = c.num_computed_tokens[i]
+        sampled_ids = []
+        for rid, start in spans.items():  # 1. every write of the step ...
+            end = start + out.num_scheduled_tokens[rid]
+            toks = self.tokens[rid]
+            assert end <= len(toks), (rid, start, end, len(toks))  # inputs are known when the step runs
+            if rid not in self.lost:
+                for p in range(start, end):
+                    self.slots[self._slot(rid, p)] = tuple(toks[: p + 1])
+            if end == len(toks):  # the step reached the last known token: it samples one
+                toks.append(sampled(end))
+                sampled_ids.append([toks[-1]])
+            else:
+                sampled_ids.append([])
+        for rid, hit in hits.items():  # 2. ... before any hit is read
+            for p in range(hit):
+                if self.slots.get(self._slot(rid, p)) != tuple(self.tokens[rid][: p + 1]):
+                    raise StaleRow(f"request {rid}: hit row at position {p} of {hit} is not its own")
+            self.hit_tokens_checked += hit
+            self.hits[rid] = max(self.hits.get(rid, 0), hit)
+        ids = list(spans)
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled_ids)
+
+    def _slot(self, rid: str, pos: int) -> int:
+        return self.tables[rid][pos // BS] * BS + pos % BS
+
+
+A_PROMPT = list(range(1, 41))  # 40 tokens: 2 full blocks + 8
+A_TOKENS = 30  # decode fills blocks 2 and 3 with sampled tokens (positions 40..69)
+
+
+def _a_answer(n: int) -> list[int]:
+    return [sampled(p) for p in range(len(A_PROMPT) + 1, len(A_PROMPT) + 1 + n)]
+
+
+def _workload(s, runner: Runner, *, max_steps: int = 400) -> None:
+    """Turn 1 (A) decodes while C (unrelated, long) and D compete for 13 blocks (preemption);
+    C is aborted mid-decode; turn 2 (B) repeats A's prompt and the first 24 tokens of its
+    answer, so its hit covers blocks A filled while decoding."""
+    from vllm.v1.request import RequestStatus
+
+    # A's first sampled token is at position 40 (the prefill's last step samples it)
+    a_answer = [sampled(40)] + _a_answer(A_TOKENS - 1)
+    plan = {
+        0: [("A", A_PROMPT, A_TOKENS)],
+        2: [("C", list(range(2000, 2070)), 40)],
+        6: [("D", A_PROMPT[:32] + list(range(3000, 3050)), 8)],  # shares A's first 2 blocks
+    }
+    b_prompt = A_PROMPT + a_answer[:24] + list(range(4000, 4010))
+    prev = None
+    for step in range(max_steps):
+        for rid, prompt, n in plan.pop(step, []):
+            s.add_request(_request(rid, prompt, n))
+            runner.add(rid, prompt)
+        if step > 4 and "C" in s.requests and len(runner.tokens["C"]) > 95:
+            s.finish_requests("C", RequestStatus.FINISHED_ABORTED)
+        if "A" not in s.requests and "B" not in runner.tokens and step > 2:
+            s.add_request(_request("B", b_prompt, 4))
+            runner.add("B", b_prompt)
+        out = s.schedule()
+        if prev is not None:
+            s.update_from_output(prev, runner.execute(prev))
+        prev = out
+        if not s.requests and not plan and "B" in runner.tokens:
+            s.update_from_output(prev, runner.execute(prev))
+            return
+    raise AssertionError(f"workload not finished after {max_steps} steps: {sorted(s.requests)}")
+
+
+def test_async_hits_are_exact_across_decode_blocks_preemption_and_aborts(vllm_config, monkeypatch):
+    monkeypatch.delenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, raising=False)
+    s = _scheduler(vllm_config)
+    runner = Runner()
+    _workload(s, runner)
+    st = s._omni_cache_state()
+    # not vacuous: D hit A's prompt blocks; B hit blocks A filled while decoding (past its prompt)
+    assert runner.hits.get("D", 0) >= 32, runner.hits
+    assert runner.hits.get("B", 0) >= 64, runner.hits
+    assert st.preemptions > 0, "the workload did not preempt"
+    assert st.capped_tokens == 0 and not st.pending, (st.capped_tokens, st.pending)
+
+
+def test_async_hits_on_lost_rows_are_capped(vllm_config, monkeypatch):
+    """A's rows are lost (not written) and the scheduler is told so: D's and B's hits on A's
+    blocks are capped and recomputed; every hit served is still exact."""
+    monkeypatch.setenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, "1")
+    s = _scheduler(vllm_config)
+    runner = Runner(lost={"A"})
+    _workload(s, runner)
+    assert s._omni_cache_state().capped_tokens >= 32
+    assert runner.hits.get("B", 0) < 40 and runner.hits.get("D", 0) == 0, runner.hits
+
+
+def test_the_check_catches_an_uncapped_scheduler(vllm_config):
+    """The same lost rows under vLLM-Omni's own async scheduler (no cap): the runner
+    stand-in detects the wrong rows, so the two tests above can fail."""
+    s = _scheduler(vllm_config, capped=False)
+    with pytest.raises(StaleRow):
+        _workload(s, Runner(lost={"A"}))
