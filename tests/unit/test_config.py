@@ -89,3 +89,33 @@ def test_engine_argument_vllm_omni_refuses_is_refused_early(tmp_path):
     p = _write(tmp_path, lambda r: r["stages"][0].update(custom_process_next_stage_input_func="my.func"))
     with pytest.raises(StageConfigError, match="stage 0: key 'custom_process_next_stage_input_func': unknown key"):
         load_stage_config(p)
+
+
+def test_omni_cache_backend_without_the_capped_scheduler_is_refused(tmp_path):
+    p = _write(tmp_path, lambda r: r.pop("pipeline"))  # auto-detected Qwen3-Omni: no cap
+    with pytest.raises(StageConfigError, match=r"stage 0: key 'pipeline': .*capped scheduler.*qwen3_omni_moe_omni_cache"):
+        load_stage_config(p)
+    # the built-in cache needs no cap; async scheduling is allowed with the capped pipeline
+    load_stage_config(_write(tmp_path, lambda r: (r.pop("pipeline"),
+                                                  r["stages"][0]["env"].update(OMNI_CACHE_PREFIX_CACHE_BACKEND="builtin"))))
+    load_stage_config(_write(tmp_path, lambda r: r["stages"][0].update(async_scheduling=True)))
+    talker = _write(tmp_path, lambda r: r["stages"][1].update(enable_prefix_caching=True))
+    with pytest.raises(StageConfigError, match=r"stage 1: key 'pipeline': .*thinker \(stage 0\) only"):
+        load_stage_config(talker)
+
+
+def test_setting_values_and_scope_are_checked_against_the_registry(tmp_path):
+    p = _write(tmp_path, lambda r: r["stages"][0]["env"].update(OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS="two"))
+    with pytest.raises(StageConfigError, match="OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS.*non-negative integer"):
+        load_stage_config(p)
+    p = _write(tmp_path, lambda r: r["stages"][0]["env"].update(OMNI_CACHE_HOME="/tmp"))
+    with pytest.raises(StageConfigError, match="OMNI_CACHE_HOME.*not a per-stage setting"):
+        load_stage_config(p)
+    p = _write(tmp_path, lambda r: r["stages"][0]["env"].update(OMNI_CACHE_CUDA_PLATFORM="1"))
+    load_stage_config(p)  # the CUDA platform switch may be set per stage (it was missing from the old list)
+
+
+def test_yoco_check_without_model_says_it_was_skipped(capsys):
+    assert main(["validate", "gemma3n_yoco_cpu.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "note: stage 0: KV-shared (YOCO) check skipped" in out and "--model" in out
