@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -264,9 +263,20 @@ def _no_benchmarks(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. SIGTERM and Ctrl-C end it like an error would: pipelines and servers
+    are closed, and no process it started is left behind
+    (:func:`omni_cache.driver.process_tree.stop_descendants_on_exit`); the exit code is
+    143 / 130."""
+    from omni_cache.driver.process_tree import stop_descendants_on_exit
+
     logging.basicConfig(level=settings.LOG_LEVEL.get())
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    with stop_descendants_on_exit():
+        try:
+            return int(args.func(args) or 0)
+        except KeyboardInterrupt:
+            print("interrupted; stopping ...", file=sys.stderr, flush=True)
+            return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

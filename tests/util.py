@@ -8,12 +8,14 @@ REPO = Path(__file__).resolve().parent.parent
 CPU_STAGE_CONFIG = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
 
 
-def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = None) -> Path:
+def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = None, *,
+                         streaming: bool = False) -> Path:
     """The CPU stage config with the thinker's prefix cache ``off`` / ``builtin`` /
     ``omni_cache`` (``omni_cache_forget``: omni-cache with the first request's rows "lost",
     fault injection), hand-off recording into ``out_dir/handoff`` and cache metrics into
     ``out_dir/metrics``; ``thinker``: stage-0 keys to override (e.g.
-    ``max_num_batched_tokens``). Returns the written YAML path."""
+    ``max_num_batched_tokens``); ``streaming``: ``async_chunk`` (the bundled config streams;
+    the non-streaming tests turn it off). Returns the written YAML path."""
     from omni_cache import settings
     from omni_cache.driver.variants import derive_stage_config
     from omni_cache.engine.plugin import RECORDING_PIPELINE, register
@@ -30,7 +32,8 @@ def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = Non
     else:
         env[settings.PREFIX_CACHE_BACKEND.name] = variant
     return derive_stage_config(CPU_STAGE_CONFIG, out_dir / f"stage_config_{variant}.yaml",
-                               pipeline=RECORDING_PIPELINE, stages={0: stage}, env={0: env})
+                               pipeline=RECORDING_PIPELINE, top={"async_chunk": streaming},
+                               stages={0: stage}, env={0: env})
 
 
 def assert_handoff_equal(got: dict, ref: dict, name: str) -> None:

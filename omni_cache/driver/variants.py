@@ -28,6 +28,7 @@ def derive_stage_config(
     out_path: str | Path,
     *,
     pipeline: str | None = None,
+    top: Mapping[str, Any] | None = None,
     stages: Mapping[int, Mapping[str, Any]] | None = None,
     env: Mapping[int, Mapping[str, str | None]] | None = None,
     sampling: Mapping[int, Mapping[str, Any]] | None = None,
@@ -38,6 +39,7 @@ def derive_stage_config(
         base: the stage config (vLLM-Omni deploy YAML) to start from.
         out_path: where to write the variant (parent directories are created).
         pipeline: a new top-level ``pipeline:`` name.
+        top: other top-level keys to set (e.g. ``async_chunk``; None removes the key).
         stages: stage id → stage keys to set (a value of None removes the key).
         env: stage id → ``env:`` variables to set (None removes the variable).
         sampling: stage id → ``default_sampling_params`` keys to set.
@@ -49,6 +51,7 @@ def derive_stage_config(
     by_id = {s["stage_id"]: s for s in raw["stages"]}
     if pipeline is not None:
         raw["pipeline"] = pipeline
+    _set_keys(raw, top or {})
     for changes, apply in ((stages, _set_keys), (env, _set_env), (sampling, _set_sampling)):
         for sid, values in (changes or {}).items():
             if sid not in by_id:

@@ -1,11 +1,18 @@
 """Stage hand-off recording: what the thinker hands the talker, for equality tests and audits.
 
-:func:`record_thinker2talker_full_payload` is a drop-in ``custom_process_next_stage_input_func``
-for a Qwen3-Omni thinker stage (set it on stage 0 of a stage config). It saves every tensor of
-the thinker's per-request pooling output — ``hidden`` (final layer) and the captured layers
-``hidden_states.layer_N`` — to ``$OMNI_CACHE_HANDOFF_DUMP/<seq>-<request_id>.pt`` (``seq``:
-hand-off order in the stage process) (CPU copies,
-``torch.save``), then delegates to vLLM-Omni's own ``thinker2talker_full_payload``.
+Two drop-in hand-off functions for a Qwen3-Omni thinker stage (the recording pipeline
+``qwen3_omni_moe_omni_cache_recorded`` sets both), each saving CPU copies of what it hands
+over to ``$OMNI_CACHE_HANDOFF_DUMP/<seq>-<request_id>.pt`` (``seq``: hand-off order in the stage
+process; ``torch.save``) before delegating to vLLM-Omni's own function:
+
+- :func:`record_thinker2talker_full_payload` (``async_chunk: false``): every tensor of the
+  thinker's per-request pooling output — ``hidden`` (final layer) and the captured layers
+  ``hidden_states.layer_N`` — as the talker's whole-prompt payload is built from it.
+- :func:`record_thinker2talker_async_chunk` (``async_chunk: true``): every streamed chunk the
+  talker receives — the first hand-off (``embed.prefill`` ``[prompt + 1, hidden]``,
+  ``hidden_states.output``, ``embed.tts_*``, ``ids.*``) and each decode chunk
+  (``embed.decode`` ``[1, hidden]``) — one file per chunk sent, ``None`` chunks (rows still
+  accumulating) are not sent and not recorded.
 """
 
 from __future__ import annotations
@@ -33,6 +40,33 @@ def record_payload(pooling_output: Any, request: Any) -> None:
         tensors = {k: v.detach().to("cpu").clone() for k, v in pooling_output.items() if isinstance(v, torch.Tensor)}
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         torch.save(tensors, Path(out_dir) / f"{rid}.pt")
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts → ``{"a.b": leaf}``; lists of ints become int64 tensors."""
+    out: dict[str, Any] = {}
+    for k, v in (obj or {}).items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, name + "."))
+        elif isinstance(v, list) and v and all(isinstance(x, int) for x in v):
+            out[name] = torch.tensor(v, dtype=torch.int64)
+        else:
+            out[name] = v
+    return out
+
+
+def record_thinker2talker_async_chunk(transfer_manager: Any, multimodal_output: Any, request: Any,
+                                      is_finished: bool = False):
+    """vLLM-Omni's ``thinker2talker_async_chunk``, recording every chunk it sends (see the
+    module docstring). Returns its payload unchanged."""
+    from vllm_omni.data_entry_keys import to_dict
+    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import thinker2talker_async_chunk
+
+    payload = thinker2talker_async_chunk(transfer_manager, multimodal_output, request, is_finished)
+    if payload is not None:
+        record_payload(_flatten(to_dict(payload)), request)
+    return payload
 
 
 def record_thinker2talker_full_payload(transfer_manager: Any, pooling_output: dict, request: Any):

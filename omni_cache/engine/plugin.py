@@ -23,6 +23,7 @@ RECORDING_PIPELINE = "qwen3_omni_moe_omni_cache_recorded"
 SCHEDULER = "omni_cache.engine.scheduler.capped_ar_scheduler"
 
 RECORDER = "omni_cache.engine.handoff.record_thinker2talker_full_payload"
+RECORDER_ASYNC = "omni_cache.engine.handoff.record_thinker2talker_async_chunk"
 GEMMA_PIPELINE = "gemma3n_omni_cache"
 GEMMA_ARCH = "OmniCacheGemma3nThinker"
 GEMMA_ADAPTER = "omni_cache.engine.gemma_thinker.gemma_thinker2talker_full_payload"
@@ -87,4 +88,5 @@ def register() -> None:
         register_pipeline(_variant(CAPPED_PIPELINE, scheduler_cls=SCHEDULER))
     if RECORDING_PIPELINE not in OMNI_PIPELINES:
         register_pipeline(_variant(RECORDING_PIPELINE, scheduler_cls=SCHEDULER,
-                                   custom_process_next_stage_input_func=RECORDER))
+                                   custom_process_next_stage_input_func=RECORDER,
+                                   async_chunk_process_next_stage_input_func=RECORDER_ASYNC))

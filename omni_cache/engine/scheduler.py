@@ -201,7 +201,7 @@ class OmniCacheSchedulerMixin:
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
         st = self._omni_cache_state()
-        g, bs = st.group, st.block_size
+        bs = st.block_size
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         new_ids = set(starts)
         cached = out.scheduled_cached_reqs

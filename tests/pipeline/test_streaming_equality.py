@@ -1,0 +1,107 @@
+"""omni-cache on the production path: streaming hand-off (``async_chunk: true``), cache on vs
+off, bitwise.
+
+The workload of ``test_cache_equality`` (text, image, audio, a two-turn chat whose second turn
+hits the first answer's decode-filled block, a thinker prefill chunked over two steps with a
+same-step hit) runs on three streaming pipelines: prefix caching off, omni-cache, and
+omni-cache with the first request's rows declared lost (capped hits). What is compared is what
+the talker *receives*: every streamed chunk the thinker sends — the first hand-off
+(``embed.prefill``, ``hidden_states.output``, ``embed.tts_*``, ``ids.*``: prompt rows
+``cached prefix ++ fresh`` on a hit) and every decode chunk (``embed.decode``) — recorded at the
+hand-off seam, plus thinker tokens; audio too for requests sent one at a time (for the
+two-request batch the talker's sampling follows chunk timing, so its audio would not tell a
+wrong row from a right one: its hand-off chunks are compared instead).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from tests.pipeline.workloads import BLOCK, STEP_BUDGET, run_workload
+from tests.util import variant_stage_config
+
+pytestmark = pytest.mark.pipeline
+
+
+def _chunks(out_dir) -> list[list[dict]]:
+    """Recorded chunks per request (``[[chunk0, chunk1, ...], ...]``), requests in the order
+    of their first chunk."""
+    by_req: dict[str, list[tuple[int, dict]]] = defaultdict(list)
+    for p in (out_dir / "handoff").glob("*.pt"):
+        m = re.match(r"(\d+)-(.+)\.pt$", p.name)
+        by_req[m.group(2)].append((int(m.group(1)), torch.load(p)))
+    reqs = sorted(by_req.values(), key=lambda chunks: min(s for s, _ in chunks))
+    return [[c for _, c in sorted(chunks, key=lambda x: x[0])] for chunks in reqs]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    from omni_cache.driver.pipeline import OmniPipeline
+
+    out = {}
+    for variant in ("off", "omni_cache", "omni_cache_forget"):
+        d = tmp_path_factory.mktemp(f"stream-{variant}")
+        cfg = variant_stage_config(d, variant, thinker={"max_num_batched_tokens": STEP_BUDGET}, streaming=True)
+        with OmniPipeline(tiny_model_dir, cfg) as pipe:
+            named, t1_len, batch = run_workload(pipe, tiny_model_dir)
+        out[variant] = (d, named, t1_len, batch)
+    return out
+
+
+def _assert_same_chunks(got: list[dict], ref: list[dict], name: str) -> None:
+    assert len(got) == len(ref), (name, len(got), len(ref))
+    assert "embed.prefill" in ref[0] and "hidden_states.output" in ref[0], (name, sorted(ref[0]))
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert set(g) == set(r), (name, i, sorted(g), sorted(r))
+        for k in r:
+            assert g[k].shape == r[k].shape and torch.equal(g[k], r[k]), (name, i, k)
+
+
+def test_streaming_hits_happen_and_are_served(runs):
+    d, named, t1_len, batch = runs["omni_cache"]
+    hits = {n: r.num_cached_tokens for n, r in named}
+    for n, r in named:
+        if n.endswith("second, please?"):
+            assert r.num_cached_tokens >= BLOCK, (n, hits)
+    assert hits["chat:turn2"] > t1_len, (hits, t1_len)  # the answer's decode-filled block
+    assert batch[1].num_cached_tokens > STEP_BUDGET  # same-step hit past the chunked prefill's first step
+    m = json.loads(next((d / "metrics").glob("metrics-*.json")).read_text())
+    assert m["hits_served"] >= 4 and m["hits_refused"] == 0, m
+    first = _chunks(d)[1][0]  # the second request's first hand-off covers its whole prompt
+    assert first["embed.prefill"].shape[0] == named[1][1].num_prompt_tokens + 1, first["embed.prefill"].shape
+
+
+@pytest.mark.parametrize("variant", ["omni_cache", "omni_cache_forget"])
+def test_streamed_talker_inputs_equal_cache_off_bitwise(runs, variant):
+    d_off, off, _, batch_off = runs["off"]
+    d_on, on, _, batch_on = runs[variant]
+    ch_off, ch_on = _chunks(d_off), _chunks(d_on)
+    n = len(off)
+    assert len(ch_off) == len(ch_on) == n + 2  # the sequential requests, then the batch of two
+    for (name, r_off), (_, r_on), c_off, c_on in zip(off, on, ch_off[:n], ch_on[:n]):
+        assert r_off.error is None and r_on.error is None, name
+        assert r_on.token_ids == r_off.token_ids, name
+        _assert_same_chunks(c_on, c_off, name)
+        assert r_off.audio is not None and np.array_equal(r_on.audio, r_off.audio), name
+    # the batch: its two requests' chunks, matched by prompt length
+    key = lambda c: c[0]["embed.prefill"].shape[0]  # noqa: E731
+    for c_on, c_off in zip(sorted(ch_on[n:], key=key), sorted(ch_off[n:], key=key)):
+        _assert_same_chunks(c_on, c_off, f"batch:{key(c_on)}")
+    for r_on, r_off in zip(batch_on, batch_off):
+        assert r_on.token_ids == r_off.token_ids
+
+
+def test_streaming_capped_hits_stay_exact(runs):
+    normal = dict(runs["omni_cache"][1])
+    forgot = dict(runs["omni_cache_forget"][1])
+    second = "text:And what comes second, please?"
+    assert forgot[second].num_cached_tokens < normal[second].num_cached_tokens
+    d = runs["omni_cache_forget"][0]
+    sched = json.loads(next((d / "metrics").glob("scheduler-*.json")).read_text())
+    assert sched["capped_tokens"] > 0, sched
