@@ -1,10 +1,12 @@
 """``omni-cache`` command line: make-model | validate | run | serve.
 
 ``omni-cache run`` with no arguments builds (once) the embedded tiny Qwen3-Omni, starts the
-real three-stage vLLM-Omni pipeline (thinker → talker → code2wav) from
-``stage_configs/qwen3_omni_cpu.yaml``, sends the bundled photograph and speech recording
-with a text question, then a second request sharing the long prefix, and writes each
-request's text and ``.wav`` under ``--out``.
+real three-stage vLLM-Omni pipeline (thinker → talker → code2wav, streaming as the shipped
+deploy does) from ``stage_configs/qwen3_omni_cpu.yaml`` through vLLM-Omni's async engine, sends
+the bundled photograph and speech recording with a text question, then a second request
+sharing the long prefix, prints each request's time to the first text token (TTFT) and to the
+first audio packet (TTFP), and writes each request's ``.wav`` as its packets arrive, plus a
+``summary.json``, under ``--out``.
 """
 
 from __future__ import annotations
@@ -80,8 +82,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import soundfile as sf
-
     from omni_cache.driver.stage_config import StageConfigError, load_stage_config
     from omni_cache.driver.inputs import InputError, build_request, sample_path
     from omni_cache.models import build_qwen3_omni, default_model_dir
@@ -99,28 +99,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from omni_cache.driver.pipeline import OmniPipeline
+    from omni_cache.driver.streaming import StreamingPipeline
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"starting the pipeline ({cfg.path.name}, model {model}) — about 2-3 min on CPU ...", flush=True)
     summary = []
-    with OmniPipeline(model, cfg.path) as pipe:
+    with StreamingPipeline(model, cfg.path) as pipe:
         print(f"pipeline started in {pipe.start_s:.1f} s", flush=True)
         for i, req in enumerate(requests):
-            (res,) = pipe.generate([req])
             wav = out_dir / f"request{i}.wav"
-            if res.audio is not None:
-                sf.write(wav, res.audio, res.sample_rate)
+            with _PacketWriter(wav) as writer:
+                res = pipe.run(req, on_audio=writer.write)
             stages = ", ".join(f"{k.removesuffix('_ms')} {v:.0f} ms" for k, v in sorted(res.stage_durations.items()))
-            print(f"[request {i}] {res.wall_s:.2f} s wall; thinker prompt {res.num_prompt_tokens} tokens, "
+            ms = lambda t: "-" if t is None else f"{1000 * t:.0f} ms"  # noqa: E731
+            print(f"[request {i}] TTFT {ms(res.ttft_s)}, first audio packet (TTFP) {ms(res.ttfp_s)}, "
+                  f"{res.wall_s:.2f} s wall; thinker prompt {res.num_prompt_tokens} tokens, "
                   f"prefix hit {res.num_cached_tokens} tokens" + (f"; stages: {stages}" if stages else ""))
             print(f"  text: {res.text!r}")
-            print(f"  audio: {'none' if res.audio is None else f'{res.audio.shape[0]} samples @ {res.sample_rate} Hz -> {wav}'}")
+            print(f"  audio: {'none' if res.audio is None else f'{res.audio.shape[0]} samples @ {res.sample_rate} Hz in {res.audio_packets} packets -> {wav}'}")
             if res.error:
                 print(f"  error: {res.error}")
             summary.append({
                 "request_id": res.request_id, "text": res.text, "wall_s": res.wall_s,
+                "ttft_s": res.ttft_s, "ttfp_s": res.ttfp_s, "audio_packets": res.audio_packets,
                 "num_prompt_tokens": res.num_prompt_tokens, "num_cached_tokens": res.num_cached_tokens,
                 "stage_durations": res.stage_durations, "wav": str(wav) if res.audio is not None else None,
                 "error": res.error,
@@ -128,6 +130,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
         (out_dir / "summary.json").write_text(json.dumps({"start_s": pipe.start_s, "requests": summary}, indent=2))
     print(f"wrote {out_dir}/summary.json")
     return 0
+
+
+class _PacketWriter:
+    """A WAV file written packet by packet as audio arrives (``soundfile``); opened at the first
+    packet, so a request without audio leaves no file."""
+
+    def __init__(self, path: Path):
+        self.path, self._f = path, None
+
+    def write(self, packet, sample_rate: int) -> None:
+        import soundfile as sf
+
+        if self._f is None:
+            self._f = sf.SoundFile(self.path, "w", samplerate=sample_rate, channels=1, subtype="FLOAT")
+        self._f.write(packet)
+        self._f.flush()
+
+    def __enter__(self) -> _PacketWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._f is not None:
+            self._f.close()
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,135 @@
+"""Streamed requests through vLLM-Omni's async engine (``AsyncOmni``, the one its server uses):
+the time to the first text token (TTFT) and to the first audio packet (TTFP), and the waveform
+written as its packets arrive.
+
+Why not :class:`~omni_cache.driver.pipeline.OmniPipeline`: vLLM-Omni's synchronous ``Omni``
+forces its LLM stages to final-only output and hands code2wav's audio over once, at the end —
+measured on the tiny model with the streaming CPU config: one audio output of 43,605 samples at
+4.6 s, where ``AsyncOmni`` delivered a first packet of 7,125 samples (the initial 4 codec
+frames) at 2.2 s and the rest at 6.7 s. So TTFP can only be seen through ``AsyncOmni``.
+``AsyncOmni``'s audio outputs are cumulative (each carries the waveform so far): a packet is
+the new tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omni_cache.driver.inputs import OmniRequest
+from omni_cache.driver.pipeline import RequestResult, _audio_of
+from omni_cache.driver.stage_config import load_stage_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamedResult(RequestResult):
+    """A :class:`RequestResult` with the streaming times.
+
+    Attributes:
+        ttft_s: request sent → first thinker token arrived (seconds; None if none did).
+        ttfp_s: request sent → first audio packet arrived (seconds; None without audio).
+        audio_packets: audio packets received.
+    """
+
+    ttft_s: float | None = None
+    ttfp_s: float | None = None
+    audio_packets: int = 0
+
+
+class StreamingPipeline:
+    """vLLM-Omni's async multi-stage pipeline, started from a stage config; requests are run
+    one at a time with :meth:`run`.
+
+    Args:
+        model_dir: a model directory.
+        stage_config: vLLM-Omni deploy YAML; validated first.
+        stage_init_timeout: seconds a stage may take to start.
+
+    Raises:
+        omni_cache.driver.stage_config.StageConfigError: invalid stage config or model directory.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, stage_config: str | os.PathLike, *,
+                 stage_init_timeout: int = 900):
+        from omni_cache.engine.plugin import register
+
+        self.stage_config = load_stage_config(stage_config, model_dir=model_dir)
+        self.model_dir = Path(model_dir)
+        register()  # vLLM-Omni resolves ``pipeline:`` in this process (see OmniPipeline)
+        self._loop = asyncio.new_event_loop()
+        t0 = time.perf_counter()
+        self.omni = self._loop.run_until_complete(self._start(stage_init_timeout))
+        self.start_s = time.perf_counter() - t0
+        self._seq = 0
+
+    async def _start(self, stage_init_timeout: int):
+        from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+        return AsyncOmni(model=str(self.model_dir), deploy_config=str(self.stage_config.path),
+                         stage_init_timeout=stage_init_timeout, init_timeout=stage_init_timeout + 300)
+
+    def run(self, request: OmniRequest, on_audio: Callable[[np.ndarray, int], None] | None = None
+            ) -> StreamedResult:
+        """Send one request and wait for it; ``on_audio(packet, sample_rate)`` is called with
+        each new audio packet (float32 ``[num_samples]``) as it arrives."""
+        self._seq += 1
+        return self._loop.run_until_complete(self._run(request, f"run-{self._seq}", on_audio))
+
+    async def _run(self, request: OmniRequest, request_id: str, on_audio) -> StreamedResult:
+        res = StreamedResult(request_id=request_id)
+        t0 = time.perf_counter()
+        audio = np.zeros(0, dtype=np.float32)
+        async for o in self.omni.generate(request.to_engine_prompt(), request_id=request_id):
+            now = time.perf_counter() - t0
+            if o.error:
+                res.error = str(o.error)
+            res.stage_durations.update(o.stage_durations or {})
+            if o.stage_id == 0:
+                comp = o.outputs[0] if o.outputs else None
+                if comp is not None and comp.token_ids:
+                    if res.ttft_s is None:
+                        res.ttft_s = now
+                    res.token_ids = list(comp.token_ids)  # cumulative outputs
+                    res.text = comp.text or ""
+                res.num_prompt_tokens = len(o.prompt_token_ids or []) or res.num_prompt_tokens
+                res.num_cached_tokens = max(res.num_cached_tokens, int(o.num_cached_tokens or 0))
+            if o.final_output_type == "audio":
+                wave, res.sample_rate = _audio_of(o)
+                if wave is None or wave.shape[0] <= audio.shape[0]:
+                    continue
+                if not np.array_equal(wave[: audio.shape[0]], audio):
+                    raise RuntimeError(f"request {request_id}: audio outputs are not cumulative")
+                packet, audio = wave[audio.shape[0]:], wave
+                res.audio_packets += 1
+                if res.ttfp_s is None:
+                    res.ttfp_s = now
+                if on_audio is not None:
+                    on_audio(packet, res.sample_rate)
+        res.wall_s = time.perf_counter() - t0
+        res.audio = audio if audio.shape[0] else None
+        return res
+
+    def close(self) -> None:
+        """Stop all stage processes."""
+        omni, self.omni = getattr(self, "omni", None), None
+        if omni is not None:
+            omni.shutdown()
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.close()
+
+    def __enter__(self) -> StreamingPipeline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
