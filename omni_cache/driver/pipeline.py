@@ -118,7 +118,11 @@ class OmniPipeline:
         ``default_sampling_params``; see :meth:`default_sampling_params`).
 
         Returns:
-            One :class:`RequestResult` per request, in input order.
+            One :class:`RequestResult` per request, in input order. With a streaming stage
+            config (``async_chunk: true``) vLLM-Omni's synchronous engine returns only the
+            last audio packet as a request's audio; use
+            :class:`~omni_cache.driver.streaming.StreamingPipeline` for the whole waveform and
+            the time to the first packet.
         """
         prompts = [r.to_engine_prompt() if isinstance(r, OmniRequest) else r for r in requests]
         t0 = time.perf_counter()

@@ -6,9 +6,11 @@ Why not :class:`~omni_cache.driver.pipeline.OmniPipeline`: vLLM-Omni's synchrono
 forces its LLM stages to final-only output and hands code2wav's audio over once, at the end —
 measured on the tiny model with the streaming CPU config: one audio output of 43,605 samples at
 4.6 s, where ``AsyncOmni`` delivered a first packet of 7,125 samples (the initial 4 codec
-frames) at 2.2 s and the rest at 6.7 s. So TTFP can only be seen through ``AsyncOmni``.
-``AsyncOmni``'s audio outputs are cumulative (each carries the waveform so far): a packet is
-the new tail.
+frames) at 2.2 s and the rest (43,605 samples) at 6.7 s. So TTFP can only be seen through
+``AsyncOmni``. Each audio output of ``AsyncOmni`` is one packet, as vLLM-Omni's own chat and
+speech servers stream them (``serving_speech.py`` treats a tensor output as a new chunk unless
+a model keeps cumulative audio); the waveform is their concatenation. (The synchronous
+``Omni`` path with ``async_chunk: true`` returns only the last packet as the request's audio.)
 """
 
 from __future__ import annotations
@@ -104,12 +106,10 @@ class StreamingPipeline:
                 res.num_prompt_tokens = len(o.prompt_token_ids or []) or res.num_prompt_tokens
                 res.num_cached_tokens = max(res.num_cached_tokens, int(o.num_cached_tokens or 0))
             if o.final_output_type == "audio":
-                wave, res.sample_rate = _audio_of(o)
-                if wave is None or wave.shape[0] <= audio.shape[0]:
+                packet, res.sample_rate = _audio_of(o)
+                if packet is None or packet.shape[0] == 0:
                     continue
-                if not np.array_equal(wave[: audio.shape[0]], audio):
-                    raise RuntimeError(f"request {request_id}: audio outputs are not cumulative")
-                packet, audio = wave[audio.shape[0]:], wave
+                audio = np.concatenate([audio, packet])
                 res.audio_packets += 1
                 if res.ttfp_s is None:
                     res.ttfp_s = now
