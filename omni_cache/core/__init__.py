@@ -20,7 +20,7 @@ from omni_cache.core.cache import (
     KeySpec,
     StaleRowsError,
 )
-from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger
+from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger, block_hash_array
 from omni_cache.core.pool import HiddenPool, Tier
 from omni_cache.core.slots import chained_block_hashes, num_full_blocks, slot_ids
 
@@ -33,6 +33,7 @@ __all__ = [
     "StaleRowsError",
     "BLOCK_HASH_MISMATCH",
     "Tier",
+    "block_hash_array",
     "chained_block_hashes",
     "num_full_blocks",
     "slot_ids",
