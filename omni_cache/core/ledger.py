@@ -7,6 +7,7 @@ array operations rather than a Python loop per block.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
@@ -34,9 +35,10 @@ def block_hash_array(block_hashes, *, strict: bool) -> tuple[np.ndarray, np.ndar
     """Block hashes as ``uint64 [n]``, plus a validity mask (``None``: all valid).
 
     Accepted forms: a sequence of ints in ``[0, 2**64)`` (what :func:`chained_block_hashes`
-    returns; a value is accepted iff it equals its uint64 conversion, so ``-1``, ``"12"`` or
-    ``1.5`` are not block hashes), a numpy array or CPU tensor of ``uint64``/``int64`` (int64
-    is reinterpreted bit for bit as uint64: ``-1`` is ``2**64 - 1``).
+    returns; ``-1``, ``"12"``, ``None`` are not block hashes; a value equal to such an int,
+    e.g. ``5.0``, stands for it, as Python's ``==`` has it), a numpy array or CPU tensor of
+    ``uint64``/``int64`` (int64 is reinterpreted bit for bit as uint64: ``-1`` is
+    ``2**64 - 1``).
 
     Raises:
         ValueError: ``strict`` and some entry is not a block hash (with ``strict=False`` the
@@ -52,18 +54,18 @@ def block_hash_array(block_hashes, *, strict: bool) -> tuple[np.ndarray, np.ndar
             return block_hashes.reshape(-1).view(np.uint64), None
         raise TypeError(f"block hash arrays are uint64 or int64, not {block_hashes.dtype}")
     seq = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
-    try:
-        arr = np.fromiter(seq, np.uint64, len(seq))
-        if arr.tolist() == seq:  # rejects strings, negative numpy ints, fractions, ...
-            return arr, None
+    try:  # array('Q') takes only integers in [0, 2**64) (no floats, strings, negatives)
+        return np.frombuffer(array.array("Q", seq), dtype=np.uint64), None
     except (TypeError, ValueError, OverflowError):
         pass
     vals = [_hash_value(h) for h in seq]
+    arr = np.array([v or 0 for v in vals], dtype=np.uint64)
+    if all(v is not None for v in vals):
+        return arr, None
     if strict:
         bad = next(h for h, v in zip(seq, vals) if v is None)
         raise ValueError(f"block hashes are ints in [0, 2**64); got {bad!r}")
-    valid = np.array([v is not None for v in vals], dtype=bool)
-    return np.array([v or 0 for v in vals], dtype=np.uint64), valid
+    return arr, np.array([v is not None for v in vals], dtype=bool)
 
 
 class _PerBlock(Sequence):
@@ -111,7 +113,7 @@ class BlockLedger:
 
     Storage: numpy arrays over ``num_blocks`` (``block_hash`` uint64 + a cached flag, owner as
     an int64 id interned per owner, ``generation`` int64, ``filled`` int64
-    ``[num_blocks, len(keys)]``). The batched methods :meth:`record_writes`,
+    ``[len(keys), num_blocks]``, key-major so a step sets each key's fills with one scatter). The batched methods :meth:`record_writes`,
     :meth:`cache_full_blocks` and :meth:`first_uncovered` update or read all of a step's blocks
     with a few array operations; :meth:`record_write`, :meth:`cache_full_block` and
     :meth:`uncovered_key` are their one-block forms, with identical results (tested against a
@@ -139,7 +141,7 @@ class BlockLedger:
         self._cached = np.zeros(num_blocks, dtype=bool)
         self._owner = np.full(num_blocks, _NO_OWNER, dtype=np.int64)
         self._generation = np.zeros(num_blocks, dtype=np.int64)
-        self._filled = np.zeros((num_blocks, len(self.keys)), dtype=np.int64)
+        self._filled = np.zeros((len(self.keys), num_blocks), dtype=np.int64)  # key-major
         self._mark = np.zeros(num_blocks, dtype=np.int64)  # scratch of the distinct-blocks check
         self._owner_ids: dict[Hashable, int] = {}
         self._owner_names: dict[int, Hashable] = {}
@@ -213,19 +215,20 @@ class BlockLedger:
     def _reset(self, ids: np.ndarray, oid: int) -> None:
         self._cached[ids] = False
         self._owner[ids] = oid
-        self._filled[ids] = 0
+        for row in self._filled:
+            row[ids] = 0
         self._generation[ids] += 1
 
     def _reset_one(self, b: int, oid: int) -> None:
         self._cached[b] = False
         self._owner[b] = oid
-        self._filled[b] = 0
+        self._filled[:, b] = 0
         self._generation[b] += 1
 
     # -- one block -------------------------------------------------------------
     def filled(self, block_id: int, key: str) -> int:
         """Rows of ``key`` written contiguously from offset 0 in the block's current fill."""
-        return int(self._filled[block_id, self._key_index[key]])
+        return int(self._filled[self._key_index[key], block_id])
 
     def invalidate(self, block_id: int) -> None:
         """Forget the block's contents: nothing in it is served until refilled and cached."""
@@ -270,13 +273,13 @@ class BlockLedger:
         """:meth:`record_write` on checked scalars (``h``: block hash or ``None``)."""
         if self._owner.item(b) != oid or (self._cached.item(b) and self._hash.item(b) != h):
             self._reset_one(b, oid)
-        row = self._filled[b]
+        filled = self._filled
         for i, written in enumerate(key_mask):
-            v = row.item(i)
+            v = filled.item(i, b)
             if written and v >= start:  # rows at >= start are being redefined, then extended
-                row[i] = end
+                filled[i, b] = end
             elif v > start:
-                row[i] = start
+                filled[i, b] = start
         if h is not None:
             self._hash[b] = h
             self._cached[b] = True
@@ -312,7 +315,7 @@ class BlockLedger:
         hash) and keys as a :meth:`key_mask`."""
         if block_hash is None or not self._cached[block_id] or self._hash.item(block_id) != block_hash:
             return BLOCK_HASH_MISMATCH
-        short = key_mask & (self._filled[block_id] != self.block_size)
+        short = key_mask & (self._filled[:, block_id] != self.block_size)
         return self.keys[int(np.argmax(short))] if short.any() else None
 
     # -- many blocks -----------------------------------------------------------
@@ -384,12 +387,44 @@ class BlockLedger:
                 self._write_one(ids[j], first_start if j == 0 else 0, last_end if j == n - 1 else bs,
                                 hs[j] if cs[j] else None, mask, oid)
             return
-        starts = np.zeros(n, dtype=np.int64)
-        starts[0] = first_start
-        ends = np.full(n, bs, dtype=np.int64)
-        ends[-1] = last_end
-        self._write_many(np.asarray(block_ids, dtype=np.int64), starts, ends,
-                         np.asarray(block_hashes, dtype=np.uint64), np.asarray(hashed, dtype=bool), key_mask, oid)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        hs = np.asarray(block_hashes, dtype=np.uint64)
+        if not self._distinct(ids):
+            starts = np.zeros(n, dtype=np.int64)
+            starts[0] = first_start
+            ends = np.full(n, bs, dtype=np.int64)
+            ends[-1] = last_end
+            self._write_many(ids, starts, ends, hs, np.broadcast_to(np.asarray(hashed, dtype=bool), (n,)),
+                             key_mask, oid)
+            return
+        # Whole blocks (all but maybe the first and the last) end up filled to block_size for
+        # the written keys and 0 for the others, whatever they held; the last block to
+        # last_end; only a first block written from first_start > 0 depends on its old fill.
+        all_hashed = hashed is True or np.count_nonzero(hashed) == n
+        cur = self._hash.take(ids)
+        cached = self._cached.take(ids)
+        same = (cur == hs) if all_hashed else (np.asarray(hashed, dtype=bool) & (cur == hs))
+        reset = (self._owner.take(ids) != oid) | (cached & ~same)
+        old_first = 0 if reset[0] else None  # the first block's fill before this write
+        if first_start and old_first is None:
+            old_first = self._filled[:, ids[0]].tolist()
+        self._owner[ids] = oid
+        self._generation[ids] += reset
+        end0 = last_end if n == 1 else bs
+        for i, written in enumerate(key_mask.tolist()):
+            row = self._filled[i]
+            row[ids] = bs if written else 0
+            row[ids[-1]] = last_end if written else 0
+            if first_start:
+                f = min(0 if old_first == 0 else old_first[i], first_start)
+                row[ids[0]] = end0 if written and f == first_start else f
+        if all_hashed:
+            self._hash[ids] = hs
+            self._cached[ids] = True
+        else:
+            hashed = np.asarray(hashed, dtype=bool)
+            self._hash[ids] = np.where(hashed, hs, cur)
+            self._cached[ids] = hashed | (cached & ~reset)
 
     def _write_many(self, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_hashes: np.ndarray,
                     hashed: np.ndarray, key_mask: np.ndarray, oid: int) -> None:
@@ -406,8 +441,9 @@ class BlockLedger:
         if np.count_nonzero(reset):
             self._reset(ids[reset], oid)
         s = starts[:, None]
-        f = np.minimum(self._filled.take(ids, axis=0), s)  # rows at >= start are being redefined
-        self._filled[ids] = np.where(key_mask & (f == s), ends[:, None], f)
+        for i, written in enumerate(key_mask.tolist()):
+            f = np.minimum(self._filled[i].take(ids), starts)  # rows at >= start are being redefined
+            self._filled[i][ids] = np.where(f == starts, ends, f) if written else f
         if np.count_nonzero(hashed):
             h = ids[hashed]
             self._hash[h] = block_hashes[hashed]
@@ -461,7 +497,7 @@ class BlockLedger:
                 if not self._cached.item(b) or self._hash.item(b) != hashes[j]:
                     return j
                 for i in need:
-                    if filled.item(b, i) != bs:
+                    if filled.item(i, b) != bs:
                         return j
             return n
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
@@ -469,8 +505,8 @@ class BlockLedger:
         ok = self._cached.take(ids) & (self._hash.take(ids) == hs)
         if valid is not None:
             ok &= valid
-        if np.count_nonzero(key_mask):
-            ok &= ((self._filled.take(ids, axis=0) == self.block_size) | ~key_mask).all(axis=1)
+        for i in self._need(key_mask):
+            ok &= self._filled[i].take(ids) == self.block_size
         i = int(ok.argmin())
         return i if not ok[i] else n
 
