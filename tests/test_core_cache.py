@@ -455,3 +455,23 @@ def test_chained_block_hashes_continue_from_parent_with_span_across_the_split():
         tail = chained_block_hashes(toks[lo:], 32, [(a - lo, b - lo, i) for a, b, i in spans if b > lo],
                                 parent=head[-1])
         assert head + tail == whole
+
+
+def test_added_key_is_uncovered_until_written_on_both_ledger_paths():
+    for scalar_max in (0, 4):
+        cache = make_cache(num_blocks=12)
+        cache.ledger.scalar_max = cache.ledger.scalar_max_read = scalar_max
+        table = [7, 2, 9]
+        hashes, data = full_write(cache, "A", table, list(range(12)))
+        cache.add_keys([KeySpec("late", 3, torch.float32)])
+        with pytest.raises(ValueError):
+            cache.add_keys([KeySpec("late", 3, torch.float32)])
+        assert cache.covered_prefix_tokens(table, hashes, KEYS) == 12
+        assert cache.covered_prefix_tokens(table, hashes, ["late"]) == 0
+        with pytest.raises(StaleRowsError, match="late"):
+            cache.read_prefix("B", table, 12, hashes, [*KEYS, "late"])
+        late = rows(8, seed=5)
+        cache.write_request_rows("C", [4, 5], 0, {**{k: rows(8) for k in KEYS}, "late": late},
+                                 dict(enumerate(chained_block_hashes(list(range(50, 58)), BS))))
+        got = cache.read_prefix("D", [4, 5], 8, chained_block_hashes(list(range(50, 58)), BS), ["late"])
+        assert torch.equal(got["late"], late)

@@ -156,18 +156,39 @@ class HiddenStateCache:
         tier: Tier = Tier.HOST,
         zero_copy: bool | None = None,
     ) -> None:
-        """``zero_copy`` applies to ``PINNED_HOST`` pools (see :class:`HiddenPool`)."""
+        """``zero_copy`` applies to ``PINNED_HOST`` pools (see :class:`HiddenPool`).
+
+        Raises:
+            ValueError: duplicate key names.
+        """
         names = [k.name for k in keys]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate key names in {names}")
         self.num_blocks, self.block_size, self.tier = num_blocks, block_size, tier
-        self.specs = {k.name: k for k in keys}  # key name -> KeySpec, in construction order
-        self.pools = {
-            k.name: HiddenPool(k.name, num_blocks, block_size, k.width, k.dtype, device, tier, zero_copy)
-            for k in keys
-        }
-        self.ledger = BlockLedger(num_blocks, block_size, names)
+        self.device = torch.device(device)
+        self.zero_copy = zero_copy
+        self.specs: dict[str, KeySpec] = {}  # key name -> KeySpec, in the order keys were added
+        self.pools: dict[str, HiddenPool] = {}
+        self.ledger = BlockLedger(num_blocks, block_size, [])
         self.metrics = CacheMetrics()
+        self.add_keys(keys)
+
+    def add_keys(self, keys: Sequence[KeySpec]) -> None:
+        """Start caching more keys (e.g. a per-token output that first appears in a later
+        step). A new key's rows exist only from its first write on: every block written
+        before is uncovered for it, so a hit that needs it is refused, never served stale.
+
+        Raises:
+            ValueError: a key of that name is already cached, or duplicate names.
+        """
+        names = [k.name for k in keys]
+        if len(set(names)) != len(names) or set(names) & self.specs.keys():
+            raise ValueError(f"keys {names}: duplicate or already cached ({sorted(self.specs)})")
+        for k in keys:
+            self.pools[k.name] = HiddenPool(k.name, self.num_blocks, self.block_size, k.width,
+                                            k.dtype, self.device, self.tier, self.zero_copy)
+            self.specs[k.name] = k
+            self.ledger.add_key(k.name)
 
     @property
     def nbytes(self) -> int:

@@ -154,6 +154,21 @@ class BlockLedger:
         #: ``generation[b]``: how many times the block's fill was reset.
         self.generation = _PerBlock(lambda b: int(self._generation[b]), num_blocks)
 
+    def add_key(self, key: str) -> None:
+        """Track a new key. No block is filled for it yet, so no block is covered for it
+        until a later write fills it (whatever the other keys' fill).
+
+        Raises:
+            ValueError: the key is already tracked.
+        """
+        if key in self._key_index:
+            raise ValueError(f"key {key!r} is already tracked")
+        self._key_index[key] = len(self.keys)
+        self.keys = (*self.keys, key)
+        self._filled = np.concatenate([self._filled, np.zeros((1, self.num_blocks), dtype=np.int64)])
+        self._masks.clear()  # masks are over the keys
+        self._needs.clear()
+
     # -- helpers ---------------------------------------------------------------
     def key_mask(self, keys: Iterable[str]) -> np.ndarray:
         """bool ``[len(self.keys)]``: which ledger keys are in ``keys``.
