@@ -1,91 +1,346 @@
-"""Hidden-state pool on an accelerator: cost of one step's write and one hit's read, per tier.
+"""Hidden-state pool at GPU speed: per step size and tier, GPU time, host time, GB/s and the
+fraction of the machine's measured limits, in one run.
 
-torch-only (runs where vLLM is not installed, e.g. the lent GPU machine). For each tier
-(``DEVICE``: pool in GPU memory; ``PINNED_HOST``: pool in pinned host memory) it times
-``HiddenStateCache.write_request_rows`` for one prefill step of ``--tokens`` tokens at random
-free slots and ``read_prefix`` of a ``--tokens``-token hit, for the Qwen3-Omni-30B-A3B thinker
-width (2048, bf16) and three keys (final hidden, layer 0, accept_hidden_layer), with CUDA
-events (median of ``--repeats``), and reports GB/s, the host time of the write (no host synchronisation on the forward path:
-a pinned-host write only enqueues a device->host copy) and, for pinned host, the committer's
-scatter time after the copy landed (off the forward path, in a background thread).
+torch-only (runs where vLLM is not installed, e.g. the lent GPU machine). Three keys of the
+Qwen3-Omni-30B-A3B thinker width (2048, bf16: final hidden, layer 0, accept_hidden_layer),
+``--block-size`` 16, a pool of ``--num-blocks`` blocks per key.
 
-    python benchmarks/pool_gpu_bench.py --out benchmarks/results/pool_gpu.json
+1. Limits, measured first on the same GPU: a 1 GiB device-to-device copy, ``index_copy_`` and
+   ``index_select`` of 8,192 rows x 2,048 bf16 at random slots of a 65,536-row pool, and a
+   96 MiB pinned host -> device (H2D) and device -> host (D2H) copy.
+2. For each tier (``DEVICE``: pool in GPU memory; ``PINNED_HOST``: pool in pinned host memory)
+   and each step size (1k..32k tokens): ``HiddenStateCache.write_request_rows`` of one prefill
+   step of that many tokens at random free blocks (block hashes as the ``{block index: hash}``
+   mapping the engine passes), then ``read_prefix`` of a hit of that many tokens back to the
+   GPU, checked bitwise against the written rows.
+
+   - GPU time: CUDA events around the call while the stream is kept busy by a sleep kernel
+     enqueued just before (longer than the call's host time), so the events time the device
+     work alone, not the host's enqueueing (as in a real step, where the model's forward keeps
+     the stream busy).
+   - host time: wall time of the call in that same run; a call that waited for the device
+     anywhere would show the sleep here. Also for the write with the array forms of its
+     arguments (block table as a tensor, block hashes as ``(first, uint64 array)``).
+   - latency: wall time from the call to its rows having landed, idle GPU (call + synchronize).
+   - GB/s: payload bytes (tokens x keys x width x 2 B) / GPU time; DRAM traffic of a
+     device-to-device move is twice that.
+   - fraction: GB/s over the matching limit (payload bytes too): device write /
+     ``index_copy_`` rows, device read / ``index_select`` rows, pinned write / D2H, pinned
+     read / H2D.
+3. Bars of issue 18, printed as PASS/FAIL lines: write host time <= 0.2 ms per 8,192-token step
+   (both tiers), device-tier write >= 70 % of ``index_copy_``, pinned-host hit read of 8,192
+   tokens >= 70 % of pinned H2D.
+
+``--cpu-only`` runs only the CPU section (also part of a full run): host time of small steps on
+a ``HOST`` pool on the CPU (the CPU pipeline's path), to compare versions of the core.
+
+    python benchmarks/pool_gpu_bench.py --out benchmarks/results/pool_gpu_h100.json
+    python benchmarks/pool_gpu_bench.py --cpu-only --out /tmp/pool_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from omni_cache.core import HiddenStateCache, KeySpec, Tier
 
+KEYS = ("hidden", "layer_0", "layer_24")
+STEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
+BARS = {"write_host_ms_8k": 0.2, "device_write_frac": 0.70, "pinned_read_frac_8k": 0.70}
 
-def bench(tier: Tier, tokens: int, width: int, num_blocks: int, block_size: int, repeats: int) -> dict:
-    dev = torch.device("cuda")
-    keys = [KeySpec(k, width, torch.bfloat16) for k in ("hidden", "layer_0", "layer_24")]
-    cache = HiddenStateCache(num_blocks, block_size, keys, device=dev if tier is Tier.DEVICE else "cpu", tier=tier)
-    nb = tokens // block_size
-    rows = {k.name: torch.randn(tokens, width, device=dev, dtype=torch.bfloat16) for k in keys}
-    write_ms, read_ms, host_ms, commit_ms = [], [], [], []
-    for r in range(repeats + 2):
-        blocks = torch.randperm(num_blocks)[:nb].tolist()
-        block_hashes = list(range(r * nb + 1, (r + 1) * nb + 1))
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+class GpuTimer:
+    """Times a callable's device work with CUDA events behind a sleep kernel (see module doc)."""
+
+    def __init__(self) -> None:
+        torch.cuda._sleep(1000)
         torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(20_000_000)
+        e.record()
+        torch.cuda.synchronize()
+        self.cycles_per_ms = 20_000_000 / s.elapsed_time(e)
+
+    def run(self, fn, busy_ms: float) -> tuple[float, float, object]:
+        """(GPU ms, host ms, result) of one call of ``fn`` behind ``busy_ms`` of sleep."""
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(busy_ms * self.cycles_per_ms))
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         s.record()
-        cache.write_request_rows(f"r{r}", blocks, 0, rows, dict(enumerate(block_hashes)))
+        out = fn()
         e.record()
-        host = (time.perf_counter() - t0) * 1e3  # host time to enqueue (no sync if async)
+        host = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
-        w = s.elapsed_time(e)
-        t1 = time.perf_counter()
-        for pool in cache.pools.values():
-            pool.wait_pending()  # pinned host: the committer's scatter after the copy landed
-        commit = (time.perf_counter() - t1) * 1e3
-        s2, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s2.record()
-        out = cache.read_prefix(f"r{r}", blocks, tokens, block_hashes, [k.name for k in keys], out_device=dev)
-        e2.record()
+        return s.elapsed_time(e), host, out
+
+    def bench(self, fn, reps: int = 10) -> dict:
+        fn()
         torch.cuda.synchronize()
-        assert torch.equal(out["hidden"], rows["hidden"])
-        if r >= 2:
-            write_ms.append(w)
-            read_ms.append(s2.elapsed_time(e2))
-            host_ms.append(host)
-            commit_ms.append(commit)
-    nbytes = 3 * tokens * width * 2
-    wm, rm = statistics.median(write_ms), statistics.median(read_ms)
-    return {"tier": tier.name, "tokens": tokens, "width": width, "keys": 3, "bytes_per_step": nbytes,
-            "pool_bytes": cache.nbytes, "write_ms_median": wm, "read_ms_median": rm,
-            "write_GBps": nbytes / wm / 1e6, "read_GBps": nbytes / rm / 1e6,
-            "host_enqueue_ms_median": statistics.median(host_ms),
-            "commit_after_device_ms_median": statistics.median(commit_ms)}
+        t0 = time.perf_counter()
+        fn()
+        busy = max(2.0, 3 * (time.perf_counter() - t0) * 1e3 + 1.0)
+        torch.cuda.synchronize()
+        gpu, host = [], []
+        for _ in range(reps):
+            g, h, _ = self.run(fn, busy)
+            gpu.append(g)
+            host.append(h)
+        return {"gpu_ms": _median(gpu), "host_ms": _median(host), "busy_ms": busy}
+
+
+def _limit_device_copy(timer: GpuTimer) -> dict:
+    src = torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return {**timer.bench(lambda: dst.copy_(src)), "bytes": src.nbytes}
+
+
+def _limit_index_rows(timer: GpuTimer, width: int) -> tuple[dict, dict]:
+    pool = torch.randn(65536, width, device="cuda").to(torch.bfloat16)
+    rows = torch.randn(8192, width, device="cuda").to(torch.bfloat16)
+    slots = torch.randperm(65536, device="cuda")[:8192]
+    copy = {**timer.bench(lambda: pool.index_copy_(0, slots, rows)), "bytes": rows.nbytes}
+    select = {**timer.bench(lambda: pool.index_select(0, slots)), "bytes": rows.nbytes}
+    return copy, select
+
+
+def _limit_pinned(timer: GpuTimer, width: int) -> tuple[dict, dict]:
+    host = torch.empty(3 * 8192 * width, dtype=torch.bfloat16, pin_memory=True)
+    gpu = torch.randn(host.numel(), device="cuda").to(torch.bfloat16)
+    h2d = {**timer.bench(lambda: gpu.copy_(host, non_blocking=True)), "bytes": host.nbytes}
+    d2h = {**timer.bench(lambda: host.copy_(gpu, non_blocking=True)), "bytes": host.nbytes}
+    return h2d, d2h
+
+
+def measure_limits(timer: GpuTimer, width: int) -> dict:
+    """The machine's limits (payload GB/s, GPU time): see the module docstring."""
+    lim = {"device_copy": _limit_device_copy(timer)}
+    lim["index_copy_rows"], lim["index_select_rows"] = _limit_index_rows(timer, width)
+    lim["pinned_h2d"], lim["pinned_d2h"] = _limit_pinned(timer, width)
+    for v in lim.values():
+        v["GBps"] = v["bytes"] / v["gpu_ms"] / 1e6
+    torch.cuda.empty_cache()
+    return lim
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks: int, block_size: int,
+               reps: int, cache: HiddenStateCache) -> dict:
+    dev = torch.device("cuda")
+    nb = tokens // block_size
+    rows = {k: torch.randn(tokens, width, device=dev).to(torch.bfloat16) for k in KEYS}
+    rng = random.Random(tokens)
+    w_gpu, w_host, r_gpu, r_host, w_lat, r_lat, w_host_arr = [], [], [], [], [], [], []
+    busy = 2.0
+    for rep in range(reps + 2):
+        blocks = torch.randperm(num_blocks)[:nb].tolist()
+        hashes = [rng.getrandbits(64) for _ in range(nb)]
+        hash_map = dict(enumerate(hashes))  # built by the caller (the engine) before the call
+        req = f"{tier.name}-{tokens}-{rep}"
+        # idle-GPU latency of a write (its own fresh blocks), then the timed write behind a busy stream
+        lat_blocks = torch.randperm(num_blocks)[:nb].tolist()
+        t0 = time.perf_counter()
+        cache.write_request_rows(req + "-lat", lat_blocks, 0, rows, hash_map)
+        for p in cache.pools.values():
+            p.wait_pending()
+        torch.cuda.synchronize()
+        lat_w = (time.perf_counter() - t0) * 1e3
+        # host time of the same write with the array forms (block table as a tensor, block
+        # hashes as (first, uint64 array)), into other fresh blocks
+        arr_blocks = torch.randperm(num_blocks)[:nb]
+        arr_hashes = (0, np.array(hashes, dtype=np.uint64))
+        _, h_arr, _ = timer.run(lambda: cache.write_request_rows(req + "-arr", arr_blocks, 0, rows, arr_hashes), busy)
+        g, h, _ = timer.run(lambda: cache.write_request_rows(req, blocks, 0, rows, hash_map), busy)
+        for p in cache.pools.values():
+            p.wait_pending()
+        t0 = time.perf_counter()
+        cache.read_prefix(req, blocks, tokens, hashes, KEYS, out_device=dev)
+        torch.cuda.synchronize()
+        lat_r = (time.perf_counter() - t0) * 1e3
+        gr, hr, out = timer.run(lambda: cache.read_prefix(req, blocks, tokens, hashes, KEYS, out_device=dev), busy)
+        if not all(_same_bits(out[k], rows[k]) for k in KEYS):
+            raise AssertionError(f"{tier.name} {tokens}: read rows differ from the written rows")
+        busy = max(2.0, 3 * max(h, hr) + 1.0)
+        if rep >= 2:
+            w_gpu.append(g), w_host.append(h), r_gpu.append(gr), r_host.append(hr)
+            w_lat.append(lat_w), r_lat.append(lat_r), w_host_arr.append(h_arr)
+    nbytes = tokens * width * 2 * len(KEYS)
+    res = {"tier": tier.name, "tokens": tokens, "width": width, "keys": len(KEYS), "bytes": nbytes,
+           "write_gpu_ms": _median(w_gpu), "write_host_ms": _median(w_host), "write_latency_ms": _median(w_lat),
+           "read_gpu_ms": _median(r_gpu), "read_host_ms": _median(r_host), "read_latency_ms": _median(r_lat),
+           "write_host_ms_array_forms": _median(w_host_arr),
+           "write_host_ms_all": w_host, "read_host_ms_all": r_host}
+    res["write_GBps"] = nbytes / res["write_gpu_ms"] / 1e6
+    res["read_GBps"] = nbytes / res["read_gpu_ms"] / 1e6
+    return res
+
+
+def bench_cpu(reps: int, width: int = 2048) -> dict:
+    """Host time (µs) of small steps on a HOST pool on the CPU: the CPU pipeline's path."""
+    torch.manual_seed(0)
+    bs, num_blocks = 16, 1024
+    cache = HiddenStateCache(num_blocks, bs, [KeySpec(k, width, torch.bfloat16) for k in KEYS])
+    rng = random.Random(0)
+    rows = {k: torch.randn(1024, width).to(torch.bfloat16) for k in KEYS}
+    cases = {}
+
+    def timed(name, fn, n=reps):
+        fn()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        cases[name] = {"median_us": _median(ts), "min_us": min(ts)}
+
+    # decode step: 32 requests x 1 token, each with a 64-block table, mid-block positions
+    tables = [rng.sample(range(num_blocks), 64) for _ in range(32)]
+    one = {k: v[:1] for k, v in rows.items()}
+    pos = [37 + 5 * i for i in range(32)]
+
+    def decode():
+        for i, t in enumerate(tables):
+            cache.write_request_rows(f"d{i}", t, pos[i], one, {})
+
+    timed("decode_32req_x1tok_write", decode)
+    for n in (16, 128, 1024):
+        table = rng.sample(range(num_blocks), n // bs)
+        hashes = [rng.getrandbits(64) for _ in range(n // bs)]
+        part = {k: v[:n] for k, v in rows.items()}
+        timed(f"prefill_{n}tok_write", lambda t=table, h=dict(enumerate(hashes)), p=part: cache.write_request_rows(
+            "p", t, 0, p, h))
+        timed(f"hit_{n}tok_read", lambda t=table, h=hashes, n=n: cache.read_prefix("q", t, n, h, KEYS))
+    return cases
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lim = res["limits"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for tier, color in (("DEVICE", "tab:blue"), ("PINNED_HOST", "tab:orange")):
+        runs = [r for r in res["runs"] if r["tier"] == tier]
+        x = [r["tokens"] for r in runs]
+        axes[0].plot(x, [r["write_GBps"] for r in runs], "o-", color=color, label=f"{tier} write")
+        axes[0].plot(x, [r["read_GBps"] for r in runs], "s--", color=color, label=f"{tier} read")
+        axes[1].plot(x, [r["write_host_ms"] for r in runs], "o-", color=color, label=f"{tier} write")
+        axes[1].plot(x, [r["read_host_ms"] for r in runs], "s--", color=color, label=f"{tier} read")
+        axes[2].plot(x, [r["write_frac"] for r in runs], "o-", color=color, label=f"{tier} write")
+        axes[2].plot(x, [r["read_frac"] for r in runs], "s--", color=color, label=f"{tier} read")
+    for name, ls in (("index_copy_rows", ":"), ("index_select_rows", "-."), ("pinned_h2d", ":")):
+        axes[0].axhline(lim[name]["GBps"], color="gray", ls=ls, lw=1)
+        axes[0].annotate(name, (STEP_TOKENS[0], lim[name]["GBps"]), fontsize=7, color="gray")
+    axes[0].set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="GB/s (payload, GPU time)",
+                title="bandwidth")
+    axes[1].axhline(BARS["write_host_ms_8k"], color="red", ls=":", lw=1)
+    axes[1].set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="host ms per call",
+                title="host time (bar: write <= 0.2 ms at 8k)")
+    axes[2].axhline(0.7, color="red", ls=":", lw=1)
+    axes[2].set(xscale="log", xlabel="tokens per step", ylabel="fraction of limit",
+                title="fraction of measured limit (bar 0.7)")
+    for ax in axes:
+        ax.set_xticks(STEP_TOKENS, [f"{t // 1024}k" for t in STEP_TOKENS])
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"omni-cache pool, 3 keys x 2048 bf16, {res['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def bars(res: dict) -> list[str]:
+    by = {(r["tier"], r["tokens"]): r for r in res["runs"]}
+    lines = []
+    for tier in ("DEVICE", "PINNED_HOST"):
+        r = by.get((tier, 8192))
+        if r:
+            ok = r["write_host_ms"] <= BARS["write_host_ms_8k"]
+            lines.append(f"{'PASS' if ok else 'FAIL'} write host time {tier} 8k: {r['write_host_ms']:.3f} ms "
+                         f"(bar <= {BARS['write_host_ms_8k']} ms)")
+    fr = [r["write_frac"] for r in res["runs"] if r["tier"] == "DEVICE"]
+    r8 = by.get(("DEVICE", 8192))
+    if r8:
+        ok = r8["write_frac"] >= BARS["device_write_frac"]
+        lines.append(f"{'PASS' if ok else 'FAIL'} device write 8k: {r8['write_GBps']:.0f} GB/s = "
+                     f"{100 * r8['write_frac']:.0f}% of index_copy_ rows {res['limits']['index_copy_rows']['GBps']:.0f} "
+                     f"GB/s (bar >= 70%; all sizes {min(fr) * 100:.0f}-{max(fr) * 100:.0f}%)")
+    r = by.get(("PINNED_HOST", 8192))
+    if r:
+        ok = r["read_frac"] >= BARS["pinned_read_frac_8k"]
+        lines.append(f"{'PASS' if ok else 'FAIL'} pinned-host hit read 8k: {r['read_GBps']:.1f} GB/s = "
+                     f"{100 * r['read_frac']:.0f}% of pinned H2D {res['limits']['pinned_h2d']['GBps']:.1f} GB/s "
+                     f"(bar >= 70%)")
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--num-blocks", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--cpu-repeats", type=int, default=200)
+    ap.add_argument("--tokens", type=int, nargs="*", default=list(STEP_TOKENS))
+    ap.add_argument("--cpu-only", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/pool_gpu.json")
     a = ap.parse_args()
-    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "runs": [bench(t, a.tokens, a.width, a.num_blocks, a.block_size, a.repeats)
-                    for t in (Tier.DEVICE, Tier.PINNED_HOST)]}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2))
-    for r in res["runs"]:
-        print(f"{r['tier']:12} write {r['write_ms_median']:.3f} ms ({r['write_GBps']:.0f} GB/s)  "
-              f"read {r['read_ms_median']:.3f} ms ({r['read_GBps']:.0f} GB/s)  host enqueue {r['host_enqueue_ms_median']:.3f} ms  "
-              f"commit after device {r['commit_after_device_ms_median']:.3f} ms")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {"torch": torch.__version__}
+    if not a.cpu_only:
+        res["device"] = torch.cuda.get_device_name(0)
+        timer = GpuTimer()
+        res["limits"] = measure_limits(timer, a.width)
+        for name, v in res["limits"].items():
+            print(f"limit {name:18s} {v['GBps']:8.1f} GB/s  ({v['gpu_ms']:.3f} ms)", flush=True)
+        res["runs"] = []
+        for tier in (Tier.DEVICE, Tier.PINNED_HOST):
+            keys = [KeySpec(k, a.width, torch.bfloat16) for k in KEYS]
+            cache = HiddenStateCache(a.num_blocks, a.block_size, keys, device="cuda", tier=tier)
+            for tokens in a.tokens:
+                r = bench_tier(timer, tier, tokens, a.width, a.num_blocks, a.block_size, a.repeats, cache)
+                wl, rl = (("index_copy_rows", "index_select_rows") if tier is Tier.DEVICE
+                          else ("pinned_d2h", "pinned_h2d"))
+                r["write_limit"], r["read_limit"] = wl, rl
+                r["write_frac"] = r["write_GBps"] / res["limits"][wl]["GBps"]
+                r["read_frac"] = r["read_GBps"] / res["limits"][rl]["GBps"]
+                res["runs"].append(r)
+                print(f"{tier.name:11s} {tokens:6d} tok  write gpu {r['write_gpu_ms']:7.3f} ms "
+                      f"{r['write_GBps']:7.1f} GB/s ({100 * r['write_frac']:4.0f}% {wl})  host {r['write_host_ms']:.3f} ms"
+                      f"  | read gpu {r['read_gpu_ms']:7.3f} ms {r['read_GBps']:7.1f} GB/s "
+                      f"({100 * r['read_frac']:4.0f}% {rl})  host {r['read_host_ms']:.3f} ms", flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    res["cpu_small_steps_us"] = bench_cpu(a.cpu_repeats)
+    for name, v in res["cpu_small_steps_us"].items():
+        print(f"cpu {name:28s} median {v['median_us']:9.1f} us  min {v['min_us']:9.1f} us", flush=True)
+    if not a.cpu_only:
+        res["bars"] = bars(res)
+        print("\n".join(res["bars"]))
+    out.write_text(json.dumps(res, indent=1))
+    if not a.cpu_only:
+        try:
+            plot(res, out.with_suffix(".png"))
+        except ImportError:
+            print("matplotlib missing: no plot")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ Import invariant: nothing under ``omni_cache.core`` imports ``vllm`` or
 One concept per module:
 
 - :mod:`.slots`  -- block table -> slot id mapping, chained block hashes.
-- :mod:`.pool`   -- :class:`HiddenPool`, one key's ``[num_blocks, block_size, width]`` storage.
-- :mod:`.ledger` -- :class:`BlockLedger`, per-block integrity (block hash, owner, fill).
+- :mod:`.pool`   -- :class:`HiddenPool`, one key's ``[num_blocks, block_size, width]`` storage
+  (device, pinned host read/written by the GPU in place, or host).
+- :mod:`.ledger` -- :class:`BlockLedger`, per-block integrity (block hash, owner, fill), as
+  numpy arrays updated per step with vectorised operations.
 - :mod:`.cache`  -- :class:`HiddenStateCache`, pools + ledger + metrics.
 """
 
@@ -20,8 +22,8 @@ from omni_cache.core.cache import (
     KeySpec,
     StaleRowsError,
 )
-from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger
-from omni_cache.core.pool import HiddenPool, Tier
+from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger, block_hash_array
+from omni_cache.core.pool import HiddenPool, RowIndex, Tier
 from omni_cache.core.slots import chained_block_hashes, num_full_blocks, slot_ids
 
 __all__ = [
@@ -32,7 +34,9 @@ __all__ = [
     "KeySpec",
     "StaleRowsError",
     "BLOCK_HASH_MISMATCH",
+    "RowIndex",
     "Tier",
+    "block_hash_array",
     "chained_block_hashes",
     "num_full_blocks",
     "slot_ids",

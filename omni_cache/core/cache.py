@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import operator
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger
-from omni_cache.core.pool import HiddenPool, Tier
-from omni_cache.core.slots import slot_ids
+from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger, _hash_value, block_hash_array, hash_list, in_range
+from omni_cache.core.pool import HiddenPool, RowIndex, Tier
 
-BlockIds = Sequence[int] | torch.Tensor
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 
 
 @dataclass
@@ -61,8 +63,64 @@ class StaleRowsError(RuntimeError):
         )
 
 
-def _block_list(block_ids: BlockIds) -> list[int]:
-    return block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
+BlockHashes = Mapping[int, int] | tuple[int, Sequence[int] | np.ndarray | torch.Tensor]
+
+
+def _take(block_ids: BlockIds, idx: slice | np.ndarray) -> np.ndarray:
+    """Entries ``idx`` of a block table (list, numpy array or tensor) as int64 ``[k]``."""
+    if isinstance(block_ids, torch.Tensor):
+        block_ids = block_ids.cpu().numpy()
+    if isinstance(block_ids, np.ndarray):
+        return block_ids.reshape(-1)[idx].astype(np.int64)
+    if isinstance(idx, slice):
+        part = block_ids[idx]
+        try:
+            return np.frombuffer(array.array("q", part), dtype=np.int64)
+        except TypeError:  # e.g. numpy ints in a list
+            return np.array(part, dtype=np.int64)
+    return np.array([block_ids[i] for i in idx.tolist()], dtype=np.int64)
+
+
+def _hash_pairs(block_hashes: BlockHashes, nblk: int, req_id: str) -> list[tuple[int, int]]:
+    """``[(block index, block hash)]`` of a write's few ``block_hashes``, checked: indices in
+    ``[0, nblk)``, hashes unsigned 64-bit ints."""
+    if isinstance(block_hashes, Mapping):
+        pairs = list(block_hashes.items())
+    else:
+        first, hashes = block_hashes
+        hashes = block_hash_array(hashes, strict=True)[0].tolist()
+        pairs = [(int(first) + j, h) for j, h in enumerate(hashes)]
+    for j, (b, h) in enumerate(pairs):
+        if type(b) is not int:
+            try:
+                b = operator.index(b)
+            except TypeError:
+                raise ValueError(f"block hash keys are block indices (ints), got {b!r}") from None
+        if not 0 <= b < nblk:
+            raise ValueError(f"request {req_id!r}: block hashes for block indices outside a block "
+                             f"table of {nblk} blocks: {b!r}")
+        if type(h) is not int or not 0 <= h < 2**64:
+            h = _hash_value(h)
+            if h is None:
+                raise ValueError(f"block hashes are ints in [0, 2**64); got {pairs[j][1]!r}")
+        pairs[j] = (b, h)
+    return pairs
+
+
+def _hashed_blocks(block_hashes: BlockHashes) -> tuple[np.ndarray, np.ndarray]:
+    """``(block indices int64 [m], block hashes uint64 [m])`` of a write's ``block_hashes``."""
+    if isinstance(block_hashes, Mapping):
+        m = len(block_hashes)
+        if not m:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
+        try:  # array('q') takes integers only
+            idx = np.frombuffer(array.array("q", list(block_hashes)), dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"block hash keys are block indices (ints), got {list(block_hashes)[:8]}") from None
+        return idx, block_hash_array(list(block_hashes.values()), strict=True)[0]
+    first, hashes = block_hashes
+    vals = block_hash_array(hashes, strict=True)[0]
+    return np.arange(int(first), int(first) + vals.size, dtype=np.int64), vals
 
 
 class HiddenStateCache:
@@ -78,7 +136,15 @@ class HiddenStateCache:
     blocks that another request computes in the same step (vLLM caches a block when it
     is scheduled) and still get that request's rows.
 
-    ``block_ids`` arguments are a request's block table row (list or CPU int tensor).
+    ``block_ids`` arguments are a request's block table row (list, numpy int array or CPU
+    int tensor). Block hashes are unsigned 64-bit ints (see
+    :func:`~omni_cache.core.ledger.block_hash_array`).
+
+    Cost per call: one vectorised ledger update or check over the call's blocks (numpy), one
+    host -> device copy of the call's indices shared by all keys, and one or two index
+    kernels per key (``index_copy_`` / ``index_select`` through int64 words); no host
+    synchronisation on ``DEVICE`` and zero-copy ``PINNED_HOST`` pools
+    (``benchmarks/pool_gpu_bench.py``, ``docs/pool-gpu.md``).
     """
 
     def __init__(
@@ -88,12 +154,19 @@ class HiddenStateCache:
         keys: Sequence[KeySpec],
         device: torch.device | str = "cpu",
         tier: Tier = Tier.HOST,
+        zero_copy: bool | None = None,
     ) -> None:
+        """``zero_copy`` applies to ``PINNED_HOST`` pools (see :class:`HiddenPool`).
+
+        Raises:
+            ValueError: duplicate key names.
+        """
         names = [k.name for k in keys]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate key names in {names}")
         self.num_blocks, self.block_size, self.tier = num_blocks, block_size, tier
         self.device = torch.device(device)
+        self.zero_copy = zero_copy
         self.specs: dict[str, KeySpec] = {}  # key name -> KeySpec, in the order keys were added
         self.pools: dict[str, HiddenPool] = {}
         self.ledger = BlockLedger(num_blocks, block_size, [])
@@ -113,7 +186,7 @@ class HiddenStateCache:
             raise ValueError(f"keys {names}: duplicate or already cached ({sorted(self.specs)})")
         for k in keys:
             self.pools[k.name] = HiddenPool(k.name, self.num_blocks, self.block_size, k.width,
-                                            k.dtype, self.device, self.tier)
+                                            k.dtype, self.device, self.tier, self.zero_copy)
             self.specs[k.name] = k
             self.ledger.add_key(k.name)
 
@@ -127,7 +200,8 @@ class HiddenStateCache:
         lines = [f"HiddenStateCache {self.num_blocks} blocks x {self.block_size} tokens, "
                  f"tier={self.tier.name}"]
         for p in self.pools.values():
-            lines.append(f"  {p.key}: width {p.width} {p.dtype} on {p.device}: "
+            where = f"{p.device}" + (" (zero-copy from the GPU)" if p.zero_copy else "")
+            lines.append(f"  {p.key}: width {p.width} {p.dtype} on {where}: "
                          f"{p.nbytes / 2**20:.2f} MiB")
         lines.append(f"  total: {self.nbytes / 2**20:.2f} MiB")
         return "\n".join(lines)
@@ -142,7 +216,7 @@ class HiddenStateCache:
         block_ids: BlockIds,
         start: int,
         tensors: Mapping[str, torch.Tensor],
-        block_hashes: Mapping[int, Hashable],
+        block_hashes: BlockHashes,
         num_tokens: int | None = None,
     ) -> None:
         """Store the rows request ``req_id`` computed this step for positions
@@ -157,17 +231,20 @@ class HiddenStateCache:
                 dtype). Keys absent here are not marked filled for these positions, so a
                 key missing in a step makes the touched blocks uncovered for that key.
                 Call once per request per step with all of the step's keys.
-            block_hashes: block index in the request -> block hash, for every block that is FULL
-                after this write; those blocks are cached. Blocks already cached with the
-                same block hash (e.g. prefix-hit blocks) are left as they are.
+            block_hashes: block index in the request -> block hash, for every block that is
+                FULL after this write; those blocks are cached. Blocks already cached with the
+                same block hash (e.g. prefix-hit blocks) are left as they are. Also accepted,
+                cheaper for many blocks: ``(first, hashes)`` = the hashes of blocks ``first,
+                first + 1, ...`` (a sequence of ints, a uint64/int64 numpy array or CPU tensor).
             num_tokens: ``n``, the tokens computed this step; required when ``tensors`` is
                 empty (every key missing) so the ledger still learns that ``req_id`` took
                 over the touched blocks; must match the rows' length otherwise.
 
         Raises:
             ValueError: unknown key, rows of differing lengths or widths or not
-                ``num_tokens`` long, positions outside the block table, or a block hash given for a
-                touched block left partial.
+                ``num_tokens`` long, positions outside the block table, a block hash given for
+                a touched block left partial or for a block index outside the block table, or
+                a block hash that is not an unsigned 64-bit int.
         """
         t0 = time.perf_counter()
         lengths = {t.shape[0] for t in tensors.values()}
@@ -176,67 +253,139 @@ class HiddenStateCache:
         n = lengths.pop() if lengths else num_tokens or 0
         if num_tokens is not None and n != num_tokens:
             raise ValueError(f"request {req_id!r}: {n} rows but num_tokens={num_tokens}")
-        unknown = set(tensors) - self.pools.keys()
-        if unknown:
-            raise ValueError(f"request {req_id!r}: unknown keys {sorted(unknown)}")
-        blocks, bs = _block_list(block_ids), self.block_size
-        touched = {  # block index -> in-block [lo, hi) written this step
-            b: (max(start - b * bs, 0), min(start + n - b * bs, bs))
-            for b in range(start // bs, (start + n - 1) // bs + 1 if n else 0)
-        }
-        for b, (_, hi) in touched.items():
-            if b in block_hashes and hi != bs:
-                raise ValueError(f"request {req_id!r}: block {b} is hashed but only "
-                                 f"filled to offset {hi} of {bs}")
+        for key, rows in tensors.items():
+            spec = self.specs.get(key)
+            if spec is None:
+                raise ValueError(f"request {req_id!r}: unknown keys {sorted(set(tensors) - self.specs.keys())}")
+            if rows.dim() != 2 or rows.shape[1] != spec.width:
+                raise ValueError(f"key {key!r}: rows of shape {tuple(rows.shape)} do not match "
+                                 f"[{n}, {spec.width}]")
+        bs, nblk = self.block_size, len(block_ids)
+        if start < 0 or (n and (start + n - 1) // bs >= nblk):
+            raise ValueError(f"request {req_id!r}: positions [{start}, {start + n}) fall outside a "
+                             f"block table of {nblk} blocks x {bs} tokens")
+        b0 = start // bs
+        b1 = (start + n - 1) // bs + 1 if n else b0
+        last_end = start + n - (b1 - 1) * bs  # in-block end of the write in its last block
+        m = len(block_hashes) if isinstance(block_hashes, Mapping) else len(block_hashes[1])
+        if b1 - b0 <= self.ledger.scalar_max and m <= self.ledger.scalar_max:
+            # a few blocks (decode steps, small chunks): Python lists beat array operations
+            pairs = _hash_pairs(block_hashes, nblk, req_id)
+            touched = _take(block_ids, slice(b0, b1)).tolist()
+            th = [0] * (b1 - b0)
+            hashed = [False] * (b1 - b0)
+            others = []
+            for b, h in pairs:
+                if b0 <= b < b1:
+                    th[b - b0], hashed[b - b0] = h, True
+                else:
+                    others.append((b, h))
+            if n and hashed[-1] and last_end != bs:
+                raise ValueError(f"request {req_id!r}: block {b1 - 1} is hashed but only "
+                                 f"filled to offset {last_end} of {bs}")
+            other_ids = [int(block_ids[b]) for b, _ in others]
+            other_hashes = [h for _, h in others]
+        else:
+            hk, hv = _hashed_blocks(block_hashes)
+            if hk.size and not in_range(hk, nblk):
+                raise ValueError(f"request {req_id!r}: block hashes for block indices outside a block "
+                                 f"table of {nblk} blocks: {hk[(hk < 0) | (hk >= nblk)].tolist()[:8]}")
+            touched = _take(block_ids, slice(b0, b1))
+            th = np.zeros(b1 - b0, dtype=np.uint64)
+            hashed = np.zeros(b1 - b0, dtype=bool)
+            inside = (hk >= b0) & (hk < b1)
+            th[hk[inside] - b0] = hv[inside]
+            hashed[hk[inside] - b0] = True
+            if n and hashed[-1] and last_end != bs:
+                raise ValueError(f"request {req_id!r}: block {b1 - 1} is hashed but only "
+                                 f"filled to offset {last_end} of {bs}")
+            other_ids = _take(block_ids, hk[~inside])
+            other_hashes = hv[~inside]
         if n:
-            # head / tail partial blocks row by row, whole blocks as slabs
-            lo_full = min(-(-start // bs) * bs, start + n)
-            hi_full = max(((start + n) // bs) * bs, lo_full)
-            parts = [(a, b) for a, b in ((start, lo_full), (hi_full, start + n)) if b > a]
-            slots = (slot_ids(torch.tensor(blocks, dtype=torch.int64),
-                              torch.cat([torch.arange(a, b) for a, b in parts]), bs) if parts else None)
-            full = torch.tensor(blocks[lo_full // bs: hi_full // bs], dtype=torch.int64)
-            for key, rows in tensors.items():
-                pool = self.pools[key]
-                if full.numel():
-                    pool.write_blocks(full, rows[lo_full - start: hi_full - start])
-                if slots is not None:
-                    pool.write(slots, torch.cat([rows[a - start: b - start] for a, b in parts]))
-                self.metrics.bytes_written += n * self.pools[key].row_bytes
-            self.metrics.rows_written += n * len(tensors)
-        for b, (lo, hi) in touched.items():
-            self.ledger.record_write(blocks[b], block_hashes.get(b), lo, hi, tensors.keys(),
-                                     owner=req_id)
-        for b, block_hash in block_hashes.items():
-            if b not in touched:
-                self.ledger.cache_full_block(blocks[b], block_hash, owner=req_id)
+            ids = np.asarray(touched, dtype=np.int64)
+            if not in_range(ids, self.num_blocks):
+                raise ValueError(f"request {req_id!r}: block ids outside [0, {self.num_blocks}) in "
+                                 f"{ids.tolist()[:8]}")
+            try:
+                self._write_pools(ids, start, n, b0, b1, tensors)
+            except BaseException:
+                self.ledger.invalidate_blocks(ids)  # rows of unknown state: never served
+                raise
+            self.ledger.record_request_write(touched, start - b0 * bs, last_end, th, hashed,
+                                             self.ledger.key_mask(tensors), owner=req_id)
+        if len(other_ids):
+            self.ledger.cache_full_blocks(other_ids, other_hashes, owner=req_id)
         self.metrics.seconds_write += time.perf_counter() - t0
 
+    def _write_pools(self, touched: np.ndarray, start: int, n: int, b0: int, b1: int,
+                     tensors: Mapping[str, torch.Tensor]) -> None:
+        """Rows ``[start, start + n)`` into every key's pool: whole blocks as slabs, the
+        partial head / tail blocks row by row; one index array for all keys."""
+        bs = self.block_size
+        lo_full = min(-(-start // bs) * bs, start + n)
+        hi_full = max(((start + n) // bs) * bs, lo_full)
+        f0, f1 = lo_full // bs - b0, hi_full // bs - b0
+        head, tail = lo_full - start, start + n - hi_full
+        host, sizes = [], []
+        if f1 > f0:
+            host.append(touched[f0:f1])
+            sizes.append(f1 - f0)
+        if head:
+            o = start - b0 * bs
+            host.append(touched[0] * bs + np.arange(o, o + head, dtype=np.int64))
+            sizes.append(head)
+        if tail:
+            o = hi_full - (b1 - 1) * bs
+            host.append(touched[-1] * bs + np.arange(o, o + tail, dtype=np.int64))
+            sizes.append(tail)
+        parts = RowIndex(host[0]) if len(host) == 1 else RowIndex(np.concatenate(host))
+        parts = [parts] if len(host) == 1 else parts.split(sizes)
+        for key, rows in tensors.items():
+            pool, i = self.pools[key], 0
+            if f1 > f0:
+                pool.write_blocks(parts[0], rows if head == tail == 0 else rows[head: head + (f1 - f0) * bs])
+                i = 1
+            if head:
+                pool.write(parts[i], rows[:head])
+                i += 1
+            if tail:
+                pool.write(parts[i], rows[n - tail:])
+            self.metrics.bytes_written += n * pool.row_bytes
+        self.metrics.rows_written += n * len(tensors)
+
     def covered_prefix_tokens(
-        self, block_ids: BlockIds, block_hashes: Sequence[Hashable], keys: Iterable[str]
+        self, block_ids: BlockIds, block_hashes: Sequence[int], keys: Iterable[str]
     ) -> int:
-        """Tokens of the longest prefix of ``block_ids`` (block hashes ``block_hashes``) whose rows may be
-        served for all ``keys``: ``covered_blocks * block_size``."""
-        return self.ledger.covered_blocks(_block_list(block_ids), block_hashes, keys) * self.block_size
+        """Tokens of the longest prefix of ``block_ids`` (block hashes ``block_hashes``: a
+        sequence of ints, uint64/int64 numpy array or CPU tensor) whose rows may be served for
+        all ``keys``: ``covered_blocks * block_size``.
+
+        Raises:
+            ValueError: an unknown key.
+        """
+        return self.ledger.covered_blocks(block_ids, block_hashes, keys) * self.block_size
 
     def read_prefix(
         self,
         req_id: str,
         block_ids: BlockIds,
         num_tokens: int,
-        block_hashes: Sequence[Hashable],
+        block_hashes: Sequence[int],
         keys: Iterable[str],
         out_device: torch.device | str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Rows of a prefix hit: key -> ``[num_tokens, width]`` (key's dtype) for positions
-        ``[0, num_tokens)``, copied out of the pools (later writes do not alias them).
+        ``[0, num_tokens)`` on ``out_device`` (default: the pools' storage device), copied out
+        of the pools (later writes do not alias them).
 
-        ``num_tokens`` is the hit's ``num_computed_tokens``; ``block_hashes`` are the request's block
-        hashes (at least ``num_tokens // block_size`` of them).
+        ``num_tokens`` is the hit's ``num_computed_tokens``; ``block_hashes`` are the request's
+        block hashes (at least ``num_tokens // block_size`` of them; a sequence of ints, or a
+        uint64/int64 numpy array or CPU tensor). A ``PINNED_HOST`` pool read with a CUDA
+        ``out_device`` moves only the hit's blocks host -> device, on the current stream.
 
         Raises:
             ValueError: ``num_tokens`` is not a multiple of ``block_size`` or exceeds the
-                block table / block hashes.
+                block table / block hashes; an unknown key.
             StaleRowsError: some block of the hit is not covered for some key; no rows are
                 returned in that case.
         """
@@ -244,17 +393,18 @@ class HiddenStateCache:
         keys = tuple(keys)
         bs = self.block_size
         nb, rem = divmod(num_tokens, bs)
-        blocks = _block_list(block_ids)
-        if rem or nb > len(blocks) or nb > len(block_hashes):
+        if rem or nb > len(block_ids) or nb > len(block_hashes):
             raise ValueError(f"request {req_id!r}: hit of {num_tokens} tokens is not whole "
-                             f"blocks of {bs} within {len(blocks)} blocks / {len(block_hashes)} block hashes")
-        for i in range(nb):
-            key = self.ledger.uncovered_key(blocks[i], block_hashes[i], keys)
-            if key is not None:
-                self.metrics.hits_refused += 1
-                raise StaleRowsError(req_id, i, key)
-        idx = torch.tensor(blocks[:nb], dtype=torch.int64)
-        out = {k: self.pools[k].gather_blocks(idx, out_device) for k in keys}
+                             f"blocks of {bs} within {len(block_ids)} blocks / {len(block_hashes)} block hashes")
+        mask = self.ledger.key_mask(keys)
+        ids = _take(block_ids, slice(0, nb))
+        i = self.ledger.first_uncovered(ids, block_hashes[:nb], mask)
+        if i < nb:
+            self.metrics.hits_refused += 1
+            h = hash_list(block_hashes[i:i + 1])[0]
+            raise StaleRowsError(req_id, i, self.ledger.uncovered_reason(int(ids[i]), h, mask))
+        index = RowIndex(ids)
+        out = {k: self.pools[k].gather_blocks(index, out_device) for k in keys}
         self.metrics.rows_read += num_tokens * len(keys)
         self.metrics.bytes_read += sum(t.numel() * t.element_size() for t in out.values())
         if num_tokens:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from omni_cache.core import (
     HiddenStateCache,
     KeySpec,
     BLOCK_HASH_MISMATCH,
+    RowIndex,
     StaleRowsError,
     Tier,
     chained_block_hashes,
@@ -232,45 +234,195 @@ def test_metrics_and_describe():
     assert cache.nbytes == 8 * BS * 8 * 4
 
 
+CUDA_TIERS = [(Tier.DEVICE, None), (Tier.PINNED_HOST, True), (Tier.PINNED_HOST, False), (Tier.HOST, None)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("tier", list(Tier))
-def test_cuda_rows_every_tier(tier):
-    """Rows computed on the GPU survive write -> read -> merge bitwise on every tier."""
-    cache = HiddenStateCache(80, 16, [KeySpec("hidden", 2048, torch.bfloat16)], "cuda", tier)
-    assert cache.pools["hidden"].storage.is_pinned() == (tier is Tier.PINNED_HOST)
+@pytest.mark.parametrize("tier,zero_copy", CUDA_TIERS)
+@pytest.mark.parametrize("width,dtype", [(2048, torch.bfloat16), (3, torch.bfloat16), (5, torch.float32)])
+def test_cuda_rows_every_tier(tier, zero_copy, width, dtype):
+    """Rows computed on the GPU survive write -> read -> merge bitwise on every tier, through
+    int64 words (width 2048 bf16) and without (rows of 6 / 20 bytes)."""
+    cache = HiddenStateCache(80, 16, [KeySpec("hidden", width, dtype)], "cuda", tier, zero_copy=zero_copy)
+    pool = cache.pools["hidden"]
+    assert pool.storage.is_pinned() == (tier is Tier.PINNED_HOST)
+    assert pool.zero_copy == (zero_copy is True)
     table = torch.randperm(80)[:64]
     block_hashes = chained_block_hashes(list(range(1000)), 16)
-    data = torch.randn(1000, 2048, device="cuda")
-    expected = data.to(torch.bfloat16)
+    data = torch.randn(1000, width, device="cuda")
+    expected = data.to(dtype).clone()
     cache.write_request_rows("A", table, 0, {"hidden": data}, dict(enumerate(block_hashes)))
     data.zero_()  # the source is reused right away, as the model runner's buffers are
     got = cache.read_prefix("B", table, 992, block_hashes, ["hidden"], out_device="cuda")["hidden"]
-    assert got.device.type == "cuda" and torch.equal(got, expected[:992])
+    assert got.device.type == "cuda" and same_bits(got, expected[:992])
+    assert same_bits(cache.read_prefix("C", table, 992, block_hashes, ["hidden"])["hidden"].cuda(), expected[:992])
     merged = cache.merge({"hidden": got.cpu()}, {"hidden": expected[992:]})["hidden"]
-    assert merged.device.type == "cuda" and torch.equal(merged, expected)
+    assert merged.device.type == "cuda" and same_bits(merged, expected)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_pinned_host_writes_are_asynchronous_and_reads_wait_only_on_conflict():
-    """A pinned-host pool fed from the GPU returns from a write before the copy lands (no host
-    sync), a read of other blocks does not wait, and a read of the written blocks sees the
-    rows (it waits for the committer)."""
-    cache = HiddenStateCache(64, 16, [KeySpec("hidden", 1024, torch.bfloat16)], "cuda", Tier.PINNED_HOST)
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_cuda_pinned_host_writes_are_asynchronous_and_reads_wait_only_on_conflict(zero_copy):
+    """A pinned-host pool fed from the GPU returns from a write before the rows land (no host
+    sync), a CPU read of other blocks does not wait, a GPU read does not wait, and a CPU read
+    of the written blocks sees the rows (it waits for the device)."""
+    cache = HiddenStateCache(64, 16, [KeySpec("hidden", 1024, torch.bfloat16)], "cuda", Tier.PINNED_HOST,
+                             zero_copy=zero_copy)
     pool = cache.pools["hidden"]
+    stream = torch.cuda.current_stream()
     old = torch.randn(16 * 8, 1024, device="cuda")
     hashes_old = chained_block_hashes(list(range(128)), 16)
     cache.write_request_rows("A", list(range(8)), 0, {"hidden": old}, dict(enumerate(hashes_old)))
-    pool.wait_pending()
-    torch.cuda._sleep(200_000_000)  # keep the stream busy (~0.1 s): the next copy cannot land yet
+    # the first use of a kernel loads it (CUDA lazy loading), which waits for the device: not here
+    cache.read_prefix("W", list(range(8)), 128, hashes_old, ["hidden"], out_device="cuda")
     new = torch.randn(16 * 8, 1024, device="cuda")
     hashes_new = chained_block_hashes(list(range(1000, 1128)), 16)
+    expected_old, expected_new = old.to(torch.bfloat16).cpu(), new.to(torch.bfloat16)  # (.cpu() waits)
+    pool.wait_pending()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # keep the stream busy (~0.1 s): the next write cannot land yet
     cache.write_request_rows("B", list(range(8, 16)), 0, {"hidden": new}, dict(enumerate(hashes_new)))
-    assert pool._committer._inflight, "the write waited for the device"
+    assert not stream.query(), "the write waited for the device"
+    if not zero_copy:
+        assert pool._committer._inflight
     got_old = cache.read_prefix("C", list(range(8)), 128, hashes_old, ["hidden"])["hidden"]
-    assert torch.equal(got_old, old.to(torch.bfloat16).cpu())
+    assert not stream.query(), "a CPU read of other blocks waited for the device"
     got_new = cache.read_prefix("D", list(range(8, 16)), 128, hashes_new, ["hidden"], out_device="cuda")["hidden"]
-    assert torch.equal(got_new, new.to(torch.bfloat16))
-    assert not pool._committer._inflight
+    if zero_copy:
+        assert not stream.query(), "a GPU read waited"
+    assert same_bits(got_old, expected_old)
+    assert same_bits(got_new, expected_new)
+    got_new_cpu = cache.read_prefix("E", list(range(8, 16)), 128, hashes_new, ["hidden"])["hidden"]
+    assert same_bits(got_new_cpu, expected_new.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_cuda_pinned_host_cpu_write_waits_for_a_pending_gpu_read(zero_copy):
+    """Rows written from the CPU into blocks a queued GPU read still has to copy do not reach
+    that read (the CPU write waits for it)."""
+    pool = HiddenPool("hidden", 8, 4, 256, torch.float32, "cuda", Tier.PINNED_HOST, zero_copy=zero_copy)
+    first = torch.randn(8, 256)
+    pool.write(torch.arange(8) + 4, first)  # blocks 1, 2
+    pool.gather_blocks([3], out_device="cuda")  # loads the kernels (lazy loading waits for the device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    got = pool.gather_blocks([1, 2], out_device="cuda")  # queued behind the sleep
+    assert not torch.cuda.current_stream().query(), "the read did not stay queued"
+    pool.write(torch.arange(8) + 4, torch.randn(8, 256))
+    assert torch.equal(got.cpu(), first)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_uva_view_aliases_pinned_memory_bitwise():
+    from omni_cache.core.pool import uva_view
+
+    host = torch.empty(64, 512, dtype=torch.bfloat16, pin_memory=True)
+    host.view(torch.int16).copy_(torch.randint(-2**15, 2**15, host.shape, dtype=torch.int16))  # NaNs too
+    view = uva_view(host, torch.device("cuda", torch.cuda.current_device()))
+    assert view is not None and view.device.type == "cuda" and view.shape == host.shape
+    idx = torch.randperm(64, device="cuda")[:20]
+    assert same_bits(view.index_select(0, idx).cpu(), host[idx.cpu()])
+    rows = torch.randn(20, 512, device="cuda").to(torch.bfloat16)
+    view.index_copy_(0, idx, rows)
+    torch.cuda.synchronize()
+    assert same_bits(host[idx.cpu()], rows.cpu())
+    assert uva_view(torch.empty(4), torch.device("cuda", 0)) is None  # not pinned
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+# --- vectorised bookkeeping, index and block hash forms --------------------------------------
+
+
+def _ledger_state(cache):
+    led = cache.ledger
+    return [(led.block_hash[b], led.owner[b], led.generation[b], [led.filled(b, k) for k in led.keys])
+            for b in range(led.num_blocks)]
+
+
+def test_block_hash_forms_and_validation():
+    cache = make_cache(num_blocks=40)
+    table = list(range(3, 35))
+    toks = list(range(128))
+    hashes = chained_block_hashes(toks, BS)
+    data = {k: rows(128, seed=i) for i, k in enumerate(KEYS)}
+    cache.write_request_rows("A", table, 0, data, dict(enumerate(hashes)))
+    other = make_cache(num_blocks=40)
+    other.write_request_rows("A", torch.tensor(table), 0, data, (0, np.array(hashes, dtype=np.uint64)))
+    assert _ledger_state(cache) == _ledger_state(other)
+    as_int64 = torch.tensor(np.array(hashes, dtype=np.uint64).view(np.int64))  # reinterpreted
+    assert any(h >= 2**63 for h in hashes) and cache.covered_prefix_tokens(table, as_int64, KEYS) == 128
+    got = cache.read_prefix("B", np.array(table), 128, as_int64, KEYS)
+    assert all(torch.equal(got[k], data[k]) for k in KEYS)
+    for bad in ("12", -1, 1.5, 2**64, None):
+        with pytest.raises(ValueError):
+            cache.write_request_rows("C", [0], 0, {k: rows(4) for k in KEYS}, {0: bad})
+        with pytest.raises(StaleRowsError):  # a lookup with it matches nothing
+            cache.read_prefix("D", table, 4, [bad], KEYS)
+        assert cache.covered_prefix_tokens(table, [bad], KEYS) == 0
+
+
+def test_write_rejects_bad_block_ids_before_touching_anything():
+    cache = make_cache()
+    hashes, data = full_write(cache, "A", [2, 5], list(range(8)))
+    state = _ledger_state(cache)
+    pools = {k: p.storage.clone() for k, p in cache.pools.items()}
+    for table, bh in (([2, 99], {}), ([-1, 5], {}), ([2, 5], {2: 7}), ([2, 5], {-1: 7}), ([2, 5], {"0": 7})):
+        with pytest.raises(ValueError):
+            cache.write_request_rows("B", table, 0, {k: rows(8) for k in KEYS}, bh)
+    assert _ledger_state(cache) == state
+    assert all(torch.equal(p.storage, pools[k]) for k, p in cache.pools.items())
+    assert cache.covered_prefix_tokens([2, 5], hashes, KEYS) == 8
+
+
+def test_failed_pool_write_leaves_touched_blocks_unserved(monkeypatch):
+    cache = make_cache()
+    hashes, _ = full_write(cache, "A", [2, 5], list(range(8)))
+
+    def boom(*a, **k):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(cache.pools["layer_0"], "write_blocks", boom)
+    with pytest.raises(RuntimeError):  # B reuses block 5: its hidden rows land, layer_0's do not
+        cache.write_request_rows("B", [5], 0, {k: rows(4, seed=3) for k in KEYS}, {})
+    assert cache.covered_prefix_tokens([2, 5], hashes, KEYS) == 4
+    assert cache.ledger.owner[5] is None
+
+
+def test_row_index_shares_one_copy_and_checks_bounds():
+    ix = RowIndex(np.array([4, 5, 6, 9, 1], dtype=np.int64))
+    head, tail = ix.split([3, 2])
+    cpu = torch.device("cpu")
+    assert head.on(cpu).tolist() == [4, 5, 6] and tail.on(cpu).tolist() == [9, 1]
+    assert head.on(cpu).data_ptr() == ix.on(cpu).data_ptr()  # a view of the parent's copy
+    ix.check(10, "block ids")
+    with pytest.raises(IndexError):
+        ix.check(9, "block ids")
+    pool = HiddenPool("hidden", 4, BS, 4, torch.bfloat16)
+    for bad in ([-1], [16]):
+        with pytest.raises(IndexError):
+            pool.write(bad, torch.zeros(1, 4))
+        with pytest.raises(IndexError):
+            pool.gather(bad)
+
+
+@pytest.mark.parametrize("width,dtype", [(4, torch.bfloat16), (3, torch.bfloat16), (2, torch.float32),
+                                         (3, torch.float64)])
+def test_pool_cpu_paths_bitwise_with_nan_payloads(width, dtype):
+    """CPU writes go through numpy int64 words where rows allow (8-byte multiples) and
+    index_copy_ otherwise; both keep every bit, NaN payloads included."""
+    pool = HiddenPool("hidden", 6, BS, width, dtype)
+    bits = torch.randint(0, 256, (2 * BS * width * dtype.itemsize,), dtype=torch.uint8)
+    data = bits.view(dtype).view(2 * BS, width)
+    pool.write_blocks([4, 1], data)
+    assert same_bits(pool.gather_blocks([4, 1]), data)
+    pool.write([3, 22], data[:2])
+    assert same_bits(pool.gather([3, 22]), data[:2])
+    assert same_bits(pool.storage[1], data[BS:])
 
 
 def test_chained_block_hashes_continue_from_parent_with_span_across_the_split():
@@ -290,3 +442,23 @@ def test_chained_block_hashes_continue_from_parent_with_span_across_the_split():
         tail = chained_block_hashes(toks[lo:], 32, [(a - lo, b - lo, i) for a, b, i in spans if b > lo],
                                 parent=head[-1])
         assert head + tail == whole
+
+
+def test_added_key_is_uncovered_until_written_on_both_ledger_paths():
+    for scalar_max in (0, 4):
+        cache = make_cache(num_blocks=12)
+        cache.ledger.scalar_max = cache.ledger.scalar_max_read = scalar_max
+        table = [7, 2, 9]
+        hashes, data = full_write(cache, "A", table, list(range(12)))
+        cache.add_keys([KeySpec("late", 3, torch.float32)])
+        with pytest.raises(ValueError):
+            cache.add_keys([KeySpec("late", 3, torch.float32)])
+        assert cache.covered_prefix_tokens(table, hashes, KEYS) == 12
+        assert cache.covered_prefix_tokens(table, hashes, ["late"]) == 0
+        with pytest.raises(StaleRowsError, match="late"):
+            cache.read_prefix("B", table, 12, hashes, [*KEYS, "late"])
+        late = rows(8, seed=5)
+        cache.write_request_rows("C", [4, 5], 0, {**{k: rows(8) for k in KEYS}, "late": late},
+                                 dict(enumerate(chained_block_hashes(list(range(50, 58)), BS))))
+        got = cache.read_prefix("D", [4, 5], 8, chained_block_hashes(list(range(50, 58)), BS), ["late"])
+        assert torch.equal(got["late"], late)

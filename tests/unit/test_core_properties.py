@@ -114,9 +114,11 @@ class KvBlockPool:
 
 
 class Sim:
-    def __init__(self, data, drops: bool) -> None:
+    def __init__(self, data, drops: bool, vectorised: bool = False) -> None:
         self.data, self.drops = data, drops
         self.cache = HiddenStateCache(NUM_BLOCKS, BS, SPECS)
+        if vectorised:  # every ledger call through the array path, however few its blocks
+            self.cache.ledger.scalar_max = self.cache.ledger.scalar_max_read = 0
         self.kv = KvBlockPool()
         self.reqs: list[Req] = []
         self.next_id = 0
@@ -256,10 +258,11 @@ class Sim:
 OPS = ("add",) * 3 + ("step",) * 6 + ("free", "preempt")  # enough load to evict and reuse blocks
 
 
+@pytest.mark.parametrize("vectorised", [False, True])
 @settings(max_examples=150, deadline=None)
 @given(st.data(), st.booleans())
-def test_lifecycle_never_serves_wrong_rows(data, drops):
-    sim = Sim(data, drops)
+def test_lifecycle_never_serves_wrong_rows(vectorised, data, drops):
+    sim = Sim(data, drops, vectorised)
     ops = data.draw(st.lists(st.sampled_from(OPS), min_size=20, max_size=60))
     for op in ops:
         if op == "add":
@@ -300,3 +303,169 @@ def test_dropped_key_step_is_never_served():
     assert cache.covered_prefix_tokens(r.table, block_hashes, KEYS) == 4
     with pytest.raises(StaleRowsError, match="layer_0"):
         cache.read_prefix("B", r.table, 8, block_hashes, KEYS)
+
+
+# --- the vectorised ledger against a per-block reference ----------------------------------
+
+
+class RefLedger:
+    """The per-block ledger as it was before vectorisation (lists, one Python step per block):
+    the reference the numpy ledger must match exactly, block by block."""
+
+    def __init__(self, num_blocks, block_size, keys):
+        self.block_size, self.keys = block_size, tuple(keys)
+        self.block_hash = [None] * num_blocks
+        self.owner = [None] * num_blocks
+        self.generation = [0] * num_blocks
+        self.filled = [[0] * len(keys) for _ in range(num_blocks)]
+
+    def _reset(self, b, owner):
+        self.block_hash[b], self.owner[b] = None, owner
+        self.filled[b] = [0] * len(self.keys)
+        self.generation[b] += 1
+
+    def record_write(self, b, block_hash, start, end, keys, owner):
+        if owner != self.owner[b] or (self.block_hash[b] is not None and self.block_hash[b] != block_hash):
+            self._reset(b, owner)
+        f = self.filled[b]
+        for i in range(len(f)):
+            f[i] = min(f[i], start)
+        for i, k in enumerate(self.keys):
+            if k in keys and f[i] == start:
+                f[i] = end
+        if block_hash is not None:
+            self.block_hash[b] = block_hash
+
+    def cache_full_block(self, b, block_hash, owner):
+        if owner != self.owner[b] or self.block_hash[b] == block_hash:
+            return
+        if self.block_hash[b] is not None:
+            self._reset(b, owner)
+        self.block_hash[b] = block_hash
+
+    def uncovered_key(self, b, block_hash, keys):
+        if self.block_hash[b] is None or self.block_hash[b] != block_hash:
+            return "<block hash>"
+        for i, k in enumerate(self.keys):
+            if k in keys and self.filled[b][i] != self.block_size:
+                return k
+        return None
+
+    def covered_blocks(self, ids, hashes, keys):
+        n = 0
+        for b, h in zip(ids, hashes):
+            if self.uncovered_key(b, h, keys) is not None:
+                break
+            n += 1
+        return n
+
+
+LBS, LNB = 4, 10
+HASHES = (1, 2, 3, 2**64 - 1, 2**63)
+ODD_HASHES = ("x", -1, 1.0, None, np.int64(-1), 2**64)  # lookups only: never stored
+
+
+def _assert_same(led, ref):
+    for b in range(LNB):
+        assert led.block_hash[b] == ref.block_hash[b], b
+        assert led.owner[b] == ref.owner[b], b
+        assert led.generation[b] == ref.generation[b], b
+        assert [led.filled(b, k) for k in KEYS] == ref.filled[b], b
+
+
+def test_request_write_of_one_partial_block_on_the_array_path():
+    """A one-block write [0, 1) on the array path fills to 1, not to block_size (a case the
+    random test below found on one run of the GPU machine's seeds)."""
+    from omni_cache.core import BlockLedger
+
+    for scalar_max in (0, 4):
+        led = BlockLedger(LNB, LBS, KEYS)
+        led.scalar_max = scalar_max
+        led.record_request_write(np.array([3]), 0, 1, np.array([0], np.uint64), np.array([False]),
+                                 led.key_mask(["hidden"]), owner="A")
+        assert [led.filled(3, k) for k in KEYS] == [1, 0, 0]
+        led.record_request_write(np.array([3, 5]), 1, 2, np.array([9, 0], np.uint64), np.array([True, False]),
+                                 led.key_mask(KEYS), owner="A")
+        assert [led.filled(3, k) for k in KEYS] == [LBS, 0, 0] and led.block_hash[3] == 9
+        assert [led.filled(5, k) for k in KEYS] == [2, 2, 2] and led.block_hash[5] is None
+
+
+@pytest.mark.parametrize("scalar_max", [0, 4, 1000])
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_vectorised_ledger_matches_per_block_reference(scalar_max, data):
+    """Random batches (repeated blocks, any offsets, hashes, keys, owners) give the same state
+    and the same answers as the per-block reference, on the block-by-block path (small
+    calls), the vectorised path (``scalar_max=0``) and a mix; interned owners are pruned
+    often, so a pruned owner coming back must still be told apart."""
+    from omni_cache.core import BlockLedger
+
+    led, ref = BlockLedger(LNB, LBS, KEYS), RefLedger(LNB, LBS, KEYS)
+    led.scalar_max = led.scalar_max_read = scalar_max
+    led.owner_floor = led._owner_limit = 3
+    owners = st.sampled_from([f"r{i}" for i in range(8)])
+    maybe_hash = st.one_of(st.none(), st.sampled_from(HASHES))
+    keys = st.sets(st.sampled_from(KEYS))
+    for _ in range(data.draw(st.integers(1, 25))):
+        op = data.draw(st.sampled_from(("writes", "request", "cache", "one", "invalidate", "query")))
+        owner = data.draw(owners)
+        if op == "writes":  # arbitrary blocks (repeats allowed), offsets and hashes
+            n = data.draw(st.integers(1, 8))
+            ids = data.draw(st.lists(st.integers(0, LNB - 1), min_size=n, max_size=n))
+            ranges = [sorted(data.draw(st.sets(st.integers(0, LBS), min_size=2, max_size=2))) for _ in ids]
+            hs = [data.draw(maybe_hash) for _ in ids]
+            ks = data.draw(keys)
+            led.record_writes(np.array(ids), np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges]),
+                              np.array([h or 0 for h in hs], dtype=np.uint64), np.array([h is not None for h in hs]),
+                              led.key_mask(ks), owner=owner)
+            for b, (s, e), h in zip(ids, ranges, hs):
+                ref.record_write(b, h, s, e, ks, owner)
+        elif op == "request":  # a request's step: distinct consecutive table entries
+            n = data.draw(st.integers(1, 8))
+            ids = data.draw(st.permutations(range(LNB)))[:n]
+            first = data.draw(st.integers(0, LBS - 1))
+            last = data.draw(st.integers(first + 1 if n == 1 else 1, LBS))
+            hs = [data.draw(maybe_hash) for _ in ids]
+            ks = data.draw(keys)
+            as_list = data.draw(st.booleans())
+            led.record_request_write(ids if as_list else np.array(ids), first, last,
+                                     [h or 0 for h in hs] if as_list else np.array([h or 0 for h in hs], np.uint64),
+                                     [h is not None for h in hs] if as_list else np.array([h is not None for h in hs]),
+                                     led.key_mask(ks), owner=owner)
+            for j, (b, h) in enumerate(zip(ids, hs)):
+                ref.record_write(b, h, first if j == 0 else 0, last if j == n - 1 else LBS, ks, owner)
+        elif op == "cache":
+            n = data.draw(st.integers(1, 8))
+            ids = data.draw(st.lists(st.integers(0, LNB - 1), min_size=n, max_size=n))
+            hs = [data.draw(st.sampled_from(HASHES)) for _ in ids]
+            as_list = data.draw(st.booleans())
+            led.cache_full_blocks(ids if as_list else np.array(ids), hs if as_list else np.array(hs, np.uint64),
+                                  owner=owner)
+            for b, h in zip(ids, hs):
+                ref.cache_full_block(b, h, owner)
+        elif op == "one":
+            b, h = data.draw(st.integers(0, LNB - 1)), data.draw(maybe_hash)
+            if data.draw(st.booleans()):
+                s, e = sorted(data.draw(st.sets(st.integers(0, LBS), min_size=2, max_size=2)))
+                ks = data.draw(keys)
+                led.record_write(b, h, s, e, ks, owner=owner)
+                ref.record_write(b, h, s, e, ks, owner)
+            elif h is not None:
+                led.cache_full_block(b, h, owner=owner)
+                ref.cache_full_block(b, h, owner)
+        elif op == "invalidate":
+            b = data.draw(st.integers(0, LNB - 1))
+            led.invalidate(b)
+            ref._reset(b, None)
+        n = data.draw(st.integers(0, 20))
+        ids = data.draw(st.lists(st.integers(0, LNB - 1), min_size=n, max_size=n))
+        hs = data.draw(st.lists(st.sampled_from(HASHES + ODD_HASHES), min_size=n, max_size=n))
+        ks = data.draw(keys)
+        assert led.covered_blocks(ids, hs, ks) == ref.covered_blocks(ids, hs, ks)
+        if all(isinstance(h, int) and 0 <= h < 2**64 for h in hs):  # the array forms too
+            assert led.covered_blocks(np.array(ids), np.array(hs, np.uint64), ks) == ref.covered_blocks(ids, hs, ks)
+            assert led.covered_blocks(torch.tensor(ids, dtype=torch.int64), torch.tensor(
+                np.array(hs, np.uint64).view(np.int64)), ks) == ref.covered_blocks(ids, hs, ks)
+        for b, h in zip(ids, hs):
+            assert led.uncovered_key(b, h, ks) == ref.uncovered_key(b, h, ks)
+        _assert_same(led, ref)
