@@ -13,50 +13,28 @@ hold exactly the hitting request's own prefix. Rows of "lost" requests are never
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
 from omni_cache import settings
 
-BS = 16
+from tests.unit.sched_util import BS, request as _request, scheduler_kwargs
+from tests.unit.sched_util import vllm_config as _vllm_config
+
 NUM_BLOCKS = 13
 
 
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory):
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-
-    d = tmp_path_factory.mktemp("llama-config")
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "num_hidden_layers": 2, "vocab_size": 5000, "max_position_embeddings": 4096,
-        "torch_dtype": "float32"}))
-    model = ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=1024)
-    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024,
-                            enable_chunked_prefill=True, async_scheduling=True, is_encoder_decoder=False)
-    cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
-    cache.num_gpu_blocks = NUM_BLOCKS
-    cfg = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
-    # vLLM's CPU platform turns async scheduling off in VllmConfig; a GPU stage keeps it on
-    cfg.scheduler_config.async_scheduling = True
-    return cfg
+    return _vllm_config(tmp_path_factory.mktemp("llama-config"), num_blocks=NUM_BLOCKS,
+                        max_num_batched_tokens=64, async_scheduling=True)
 
 
 def _scheduler(vllm_config, capped: bool = True):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
     from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler
 
     from omni_cache.engine.scheduler import OmniCacheARAsyncScheduler, capped_ar_scheduler
 
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    kwargs = dict(vllm_config=vllm_config, kv_cache_config=kv, block_size=BS,
-                  structured_output_manager=StructuredOutputManager(vllm_config))
+    kwargs = scheduler_kwargs(vllm_config, NUM_BLOCKS)
     if not capped:
         return OmniARAsyncScheduler(**kwargs)
     s = capped_ar_scheduler(**kwargs)
@@ -68,17 +46,6 @@ def sampled(pos: int) -> int:
     """The token a request samples at position ``pos`` (deterministic, so a later turn can
     repeat an earlier answer)."""
     return 1000 + (pos * 37) % 3000
-
-
-def _request(rid: str, prompt: list[int], max_tokens: int):
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                   block_hasher=get_request_block_hasher(BS, sha256))
 
 
 class StaleRow(AssertionError):

@@ -9,54 +9,25 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from omni_cache import settings
 
-BS = 16
+from tests.unit.sched_util import request as _request, scheduler_kwargs
+from tests.unit.sched_util import vllm_config as _vllm_config
+
 NUM_BLOCKS = 10  # A (80 prompt tokens + decode) holds 6 blocks; B (144 tokens) needs 9
 
 
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory):
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-
-    d = tmp_path_factory.mktemp("llama-config")
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096,
-        "torch_dtype": "float32"}))
-    model = ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=1024)
-    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024,
-                            enable_chunked_prefill=True, async_scheduling=False, is_encoder_decoder=False)
-    cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
-    cache.num_gpu_blocks = NUM_BLOCKS
-    return VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
+    return _vllm_config(tmp_path_factory.mktemp("llama-config"), num_blocks=NUM_BLOCKS,
+                        max_num_batched_tokens=256, async_scheduling=False)
 
 
 def _scheduler(vllm_config):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
     from omni_cache.engine.scheduler import OmniCacheARScheduler
 
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    return OmniCacheARScheduler(vllm_config=vllm_config, kv_cache_config=kv, block_size=BS,
-                                structured_output_manager=StructuredOutputManager(vllm_config))
-
-
-def _request(rid: str, prompt: list[int], max_tokens: int):
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                   block_hasher=get_request_block_hasher(BS, sha256))
+    return OmniCacheARScheduler(**scheduler_kwargs(vllm_config, NUM_BLOCKS))
 
 
 def _step(s):
