@@ -88,9 +88,8 @@ class StepPlan:
     Attributes:
         req_ids: scheduled requests in batch order.
         spans: request → its rows ``[start, end)`` in the batch.
-        write_keys: keys each write carries (all rows' keys; without ``hidden`` when
-            KV-sharing fast prefill truncated this step's prefill rows, which applies to
-            requests in ``truncated``).
+        write_keys: the step's token-aligned keys (fresh rows of every request; a request
+            in ``truncated`` writes them without ``hidden``).
         truncated: requests whose ``hidden`` rows this step are the self-decoder output
             (fast prefill, more than one token scheduled) and are not written.
         handoff_keys: keys handed downstream (and read for a hit).
