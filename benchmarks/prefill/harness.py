@@ -191,7 +191,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs)
     ap.add_argument("--cpu-executor", default=MemorySettings.cpu_executor, choices=["uni", "mp"],
                     help="vLLM executor of each stage on CPU (uni: worker inside the engine-core process)")
-    ap.add_argument("--no-stream", action="store_true", help="thinker output FINAL_ONLY (TTFT = thinker finished)")
+    ap.add_argument("--no-stream", action="store_true",
+                    help="measure without streaming: async_chunk false and vLLM-Omni's synchronous Omni "
+                         "(TTFP = the whole waveform); default: async_chunk true through AsyncOmni "
+                         "(TTFP = the first audio packet)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="results root; a run dir is made in it")
     ap.add_argument("--name", help="run directory name (default: prefill-<timestamp>)")
 
@@ -242,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     mem = _memory_settings(args)
-    cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem) for v in variants}
+    cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream)
+            for v in variants}
     env = dict(os.environ)
     if mem.malloc_arena_max:
         env["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
@@ -449,8 +453,15 @@ METRIC_DEFINITIONS = {
     "ttft_ms": "driver clock: generate() called -> first thinker output with a text token received "
                "(thinker streamed with output_kind=DELTA)",
     "vllm_ttft_ms": "vLLM-Omni stage-0 vllm_ttft_ms: arrival at the thinker -> first token (orchestrator clock)",
-    "ttfp_ms": "driver clock: generate() called -> first code2wav output with audio samples received "
-               "(async_chunk false: code2wav emits the whole waveform at once)",
+    "ttfp_ms": "driver clock: generate() called -> first code2wav output with audio samples received: the first "
+               "audio packet when streaming (AsyncOmni, async_chunk true); the whole waveform with --no-stream "
+               "(synchronous Omni, async_chunk false: code2wav emits it at once)",
+    "talker_prefill_ms": "talker prefill: change of vllm:request_prefill_time_seconds{stage=1}_sum across the request",
+    "talker_decode_ms": "talker decode steps after its first codec frame (the rest of the first codec chunk: the "
+                        "talker's max_tokens is the first chunk's frame count): vllm:request_decode_time_seconds{stage=1}",
+    "code2wav_ms": "code2wav scheduled -> finished: vllm:request_inference_time_seconds{stage=2}",
+    "handoff_ms": "ttfp_ms - ttft_ms - talker_prefill_ms - talker_decode_ms - code2wav_ms: "
+                  "hand-off, transfer and orchestration time (median of per-request values)",
     "e2e_ms": "driver clock: generate() called -> last output of the request",
     "stage_0_gen_ms": "vLLM-Omni: request submitted to the thinker -> thinker finished (prefill + decode steps)",
     "hit_ratio": "h = num_cached_tokens / num_prompt_tokens of the thinker (vLLM prefix hit)",

@@ -2,8 +2,9 @@
 
 A sample (one request on one variant) is a dict with at least ``prefill_ms``,
 ``num_prompt_tokens``, ``num_cached_tokens``, ``round``, ``index`` and ``measure``; optional
-``ttft_ms``, ``ttfp_ms``, ``e2e_ms``, ``stage_0_gen_ms``, ``computed_tokens``, ``error``.
-Samples with ``measure: false`` (warm-up, chat turn 1) or an ``error`` are not summarized.
+``ttft_ms``, ``ttfp_ms``, ``e2e_ms``, ``stage_0_gen_ms``, ``computed_tokens``, ``error`` and
+TTFP's parts (``talker_prefill_ms``, ``talker_decode_ms``, ``code2wav_ms``;
+``handoff_ms`` is derived here). Samples with ``measure: false`` (warm-up, chat turn 1) or an ``error`` are not summarized.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-METRICS = ("prefill_ms", "ttft_ms", "vllm_ttft_ms", "ttfp_ms", "e2e_ms", "stage_0_gen_ms")
+METRICS = ("prefill_ms", "ttft_ms", "vllm_ttft_ms", "ttfp_ms", "e2e_ms", "stage_0_gen_ms",
+           "talker_prefill_ms", "talker_decode_ms", "code2wav_ms", "handoff_ms")
+#: TTFP = TTFT + these + hand-off (per request; see benchmarks.prefill.worker)
+TTFP_PARTS = ("ttft_ms", "talker_prefill_ms", "talker_decode_ms", "code2wav_ms")
 
 # Bars of issue 5 (omni-cache vs off / builtin); all on the thinker prefill time.
 HIGH_HIT = 0.95      # h ≥ this: speedup ≥ HIGH_HIT_SPEEDUP
@@ -22,6 +26,20 @@ LOW_HIT = 0.90       # h ≤ this: speedup ≥ IDEAL_FRACTION × 1/(1−h)
 IDEAL_FRACTION = 0.8
 MISS_TOLERANCE = 0.02   # miss-only: omni-cache within 2 % of cache off
 BUILTIN_TOLERANCE = 0.02  # "not slower than builtin": within timer noise of 2 %
+# Streaming bars (issue 14), on the time to the first audio packet
+TTFP_SPEEDUP = 5.0       # text and chat at h ≥ HIGH_HIT: TTFP of off / omni-cache ≥ this
+TTFP_BAR_WORKLOADS = ("text", "chat")
+
+
+def metric(row: dict, name: str) -> float | None:
+    """``row[name]``; ``handoff_ms`` is derived: TTFP minus its measured parts (None if any is
+    missing)."""
+    if name != "handoff_ms":
+        return row.get(name)
+    parts = [row.get(k) for k in ("ttfp_ms",) + TTFP_PARTS]
+    if any(x is None for x in parts):
+        return None
+    return parts[0] - sum(parts[1:])
 
 
 def _q(xs: list[float], q: float) -> float:
@@ -83,7 +101,7 @@ def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off"
         ok = valid(rows)
         s: dict[str, Any] = {"n": len(ok), "n_errors": sum(1 for r in rows if r.get("error"))}
         for m in METRICS:
-            s[m] = describe([r.get(m) for r in ok])
+            s[m] = describe([metric(r, m) for r in ok])
         hs = [r["num_cached_tokens"] / r["num_prompt_tokens"] for r in ok if r.get("num_prompt_tokens")]
         s["hit_ratio"] = statistics.median(hs) if hs else 0.0
         s["num_prompt_tokens"] = describe([r.get("num_prompt_tokens") for r in ok])
@@ -126,14 +144,16 @@ def add_attainable(workloads: dict[str, dict[str, dict[str, Any]]], reference: s
     ``reference`` — the speedup of a prefix cache whose hit costs exactly a prefill of the
     uncached suffix alone (the step's fixed cost included, no attention over the prefix);
     ``fraction_of_attainable`` = ``speedup_vs_off`` / ``attainable_speedup``; ``floor_ms`` and
-    ``floor_prompt_tokens`` (to compare with ``computed_tokens`` of the hit). Without a floor
-    on ``reference`` nothing is added.
+    ``floor_prompt_tokens`` (to compare with ``computed_tokens`` of the hit); ``floor_ttfp_ms``
+    (the attainable TTFP) and ``ttfp_over_floor``. Without a floor on ``reference`` nothing
+    is added.
     """
     floor = (workloads.get("floor") or {}).get(reference)
     if not floor or not floor.get("prefill_ms"):
         return
     f_ms = floor["prefill_ms"]["median"]
     f_tok = (floor.get("num_prompt_tokens") or {}).get("median")
+    f_ttfp = (floor.get("ttfp_ms") or {}).get("median")
     for w in FLOOR_BOUNDS:
         summ = workloads.get(w) or {}
         ref = (summ.get(reference) or {}).get("prefill_ms")
@@ -147,6 +167,11 @@ def add_attainable(workloads: dict[str, dict[str, dict[str, Any]]], reference: s
             s["attainable_speedup"] = attainable
             sp = s.get("speedup_vs_off")
             s["fraction_of_attainable"] = sp / attainable if sp else None
+            # the attainable TTFP: a request whose prefix is fully cached costs at least the
+            # floor's TTFP (its suffix alone through all three stages)
+            ttfp = (s.get("ttfp_ms") or {}).get("median")
+            s["floor_ttfp_ms"] = f_ttfp
+            s["ttfp_over_floor"] = ttfp / f_ttfp if ttfp and f_ttfp else None
 
 
 def bar_target(h: float) -> float:
@@ -162,9 +187,44 @@ def bar_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str = "o
     """The bars of one workload for ``variant``: a list of ``{check, value, target, passed}``.
 
     ``miss``: prefill median ≤ (1 + 2 %) × cache off. Other workloads: speedup vs off ≥
-    :func:`bar_target` (h) and prefill median ≤ (1 + 2 %) × builtin's. A missing variant or
-    metric gives ``passed: None`` (reported as n/a, never as PASS).
+    :func:`bar_target` (h) and prefill median ≤ (1 + 2 %) × builtin's. With TTFP measured
+    (:func:`ttfp_checks`) the streaming bars follow. A missing variant or metric gives
+    ``passed: None`` (reported as n/a, never as PASS).
     """
+    return _prefill_checks(workload, summ, variant) + ttfp_checks(workload, summ, variant)
+
+
+def ttfp_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str = "omni_cache") -> list[dict[str, Any]]:
+    """The streaming bars on the median time to the first audio packet (issue 14):
+    ``miss``: TTFP ≤ (1 + 2 %) × off's; text and chat at h ≥ 0.95: off / variant ≥ 5; every
+    shared-prefix workload: TTFP ≤ (1 + 2 %) × builtin's. Empty when no variant has a TTFP."""
+    s, off, bi = summ.get(variant), summ.get("off"), summ.get("builtin")
+
+    def med(x):
+        return (x.get("ttfp_ms") or {}).get("median") if x else None
+
+    if workload == "floor" or med(s) is None:
+        return []
+    a = med(s)
+    if workload == "miss":
+        b = med(off)
+        ratio = a / b if b else None
+        return [{"check": f"miss TTFP: {variant} / off ≤ {1 + MISS_TOLERANCE:.2f}", "value": ratio,
+                 "target": 1 + MISS_TOLERANCE, "passed": None if ratio is None else ratio <= 1 + MISS_TOLERANCE}]
+    out = []
+    h = s.get("hit_ratio")
+    if workload in TTFP_BAR_WORKLOADS and h is not None and h >= HIGH_HIT:
+        sp = med(off) / a if med(off) else None
+        out.append({"check": f"TTFP speedup vs off ≥ {TTFP_SPEEDUP:g} (h={h:.3f})", "value": sp,
+                    "target": TTFP_SPEEDUP, "passed": None if sp is None else sp >= TTFP_SPEEDUP})
+    b = med(bi)
+    ratio = a / b if b else None
+    out.append({"check": f"TTFP: {variant} / builtin ≤ {1 + BUILTIN_TOLERANCE:.2f}", "value": ratio,
+                "target": 1 + BUILTIN_TOLERANCE, "passed": None if ratio is None else ratio <= 1 + BUILTIN_TOLERANCE})
+    return out
+
+
+def _prefill_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str) -> list[dict[str, Any]]:
     s, off, bi = summ.get(variant), summ.get("off"), summ.get("builtin")
     checks: list[dict[str, Any]] = []
 
@@ -222,7 +282,18 @@ def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[s
     lines.append("")
     lines.append("attain. = off / floor: the speedup of a hit that costs a prefill of the suffix alone "
                  "(workload 'floor'); of att. = speedup / attain.")
-    lines.append("bar checks (omni-cache, thinker prefill time):")
+    parts = [(w, v, s) for w, summ in workloads.items() for v, s in summ.items() if (s.get("ttfp_ms") or {}).get("median")]
+    if parts:
+        lines.append("")
+        lines.append("TTFP and its parts (medians, ms): TTFT + talker prefill + talker decode (rest of the first "
+                     "codec chunk) + code2wav + hand-off")
+        for w, v, s in parts:
+            vals = " ".join(f"{k.replace('_ms', '')} {_f((s.get(k) or {}).get('median'))}"
+                            for k in ("ttfp_ms",) + TTFP_PARTS + ("handoff_ms",))
+            extra = f"; floor TTFP {s['floor_ttfp_ms']:.1f} ({s['ttfp_over_floor']:.2f}x)" if s.get("ttfp_over_floor") else ""
+            lines.append(f"  {w:8} {v:10} {vals}{extra}")
+    lines.append("")
+    lines.append("bar checks (omni-cache; thinker prefill time, then TTFP):")
     for w, cs in checks.items():
         for c in cs:
             verdict = {True: "PASS", False: "FAIL", None: "n/a "}[c["passed"]]
@@ -235,14 +306,20 @@ def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[s
 
 def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, title: str = "") -> Path:
     """One panel per workload: median thinker prefill time per variant (bar, p25–p75 error bar);
-    a dashed line marks the ideal for each cache variant (off median / (1/(1−h))). PNG."""
+    a dashed line marks the ideal for each cache variant (off median / (1/(1−h))). When TTFP
+    was measured, a second row beside it: per variant the medians of TTFP's parts stacked
+    (TTFT, talker prefill, talker decode, code2wav, hand-off), a black tick at the
+    median TTFP and a dotted line at the floor's TTFP (the attainable). PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(workloads)
-    fig, axes = plt.subplots(1, max(len(names), 1), figsize=(3.2 * max(len(names), 1), 3.6), squeeze=False)
+    with_ttfp = any((s.get("ttfp_ms") or {}).get("median") for summ in workloads.values() for s in summ.values())
+    nrows = 2 if with_ttfp else 1
+    fig, axes = plt.subplots(nrows, max(len(names), 1), figsize=(3.2 * max(len(names), 1), 3.6 * nrows),
+                             squeeze=False)
     colors = {"off": "#888888", "builtin": "#4c72b0", "omni_cache": "#dd8452"}
     for ax, w in zip(axes[0], names):
         summ = workloads[w]
@@ -272,6 +349,9 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
         ax.set_ylabel("thinker prefill, ms (median)" if ax is axes[0][0] else "")
         if any(v != "off" for v in vs):
             ax.legend(fontsize=7, loc="upper right")
+    if with_ttfp:
+        for ax, w in zip(axes[1], names):
+            _ttfp_panel(ax, workloads[w], w, first=ax is axes[1][0])
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -279,3 +359,35 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+_PART_COLORS = {"ttft_ms": "#4c72b0", "talker_prefill_ms": "#dd8452", "talker_decode_ms": "#55a868",
+                "code2wav_ms": "#c44e52", "handoff_ms": "#937860"}
+
+
+def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> None:
+    vs = [v for v in summ if (summ[v].get("ttfp_ms") or {}).get("median")]
+    for k, v in enumerate(vs):
+        bottom = 0.0
+        for part in TTFP_PARTS + ("handoff_ms",):
+            m = (summ[v].get(part) or {}).get("median")
+            if m is None or m <= 0:
+                continue
+            ax.bar(k, m, bottom=bottom, color=_PART_COLORS[part], width=0.6,
+                   label=part.replace("_ms", "") if k == 0 else None)
+            bottom += m
+        t = summ[v]["ttfp_ms"]["median"]
+        ax.hlines(t, k - 0.35, k + 0.35, colors="k", linewidth=2, zorder=3)
+        sp = summ[v].get("ttfp_ms_speedup_vs_off")
+        ax.text(k, t, f"{t:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""), ha="center", va="bottom", fontsize=7)
+        if v != "off" and summ[v].get("floor_ttfp_ms"):
+            ax.hlines(summ[v]["floor_ttfp_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5,
+                      zorder=3)
+    if vs:
+        ax.set_ylim(0, 1.3 * max(summ[v]["ttfp_ms"]["median"] for v in vs))
+    ax.set_xticks(range(len(vs)))
+    ax.set_xticklabels(vs, fontsize=8)
+    ax.set_title(f"{w}: TTFP and its parts", fontsize=9)
+    if first:
+        ax.set_ylabel("time to first audio packet, ms (median)")
+        ax.legend(fontsize=6, loc="upper right")

@@ -14,15 +14,27 @@ What is measured per request (times in ms, all from one request sent alone):
 - ``prefill_ms``: vLLM's own per-request prefill time of the thinker: first-token time minus
   scheduled time, both stamped by the thinker's engine core (vLLM's
   ``vllm:request_prefill_time_seconds`` histogram of stage 0; the per-request value is the
-  change of its sum across the request). Needs ``Omni(log_stats=True)``.
+  change of its sum across the request). Needs ``log_stats=True``.
 - ``computed_tokens``: thinker prompt tokens computed (``vllm:request_prefill_kv_computed_tokens``).
 - ``ttft_ms``: driver clock, ``generate`` called → first thinker output carrying a text
   token arrives in this process (thinker streamed with ``output_kind=DELTA``).
 - ``vllm_ttft_ms``: vLLM-Omni's ``vllm_ttft_ms`` of stage 0 (arrival at the thinker → first token,
   orchestrator clock).
 - ``ttfp_ms``: driver clock, ``generate`` called → first code2wav output carrying audio samples.
-  With ``async_chunk: false`` code2wav emits the whole waveform in one output, so this is the
-  time to the complete waveform.
+  Streaming (default; ``AsyncOmni``, the engine vLLM-Omni's server uses, with the stage
+  config's ``async_chunk: true``): the first audio packet. ``--no-stream`` (synchronous
+  ``Omni``, ``async_chunk: false``): code2wav emits the whole waveform in one output, so this
+  is the time to the complete waveform.
+- TTFP's parts, from vLLM's per-request histograms of each stage (engine-core clocks; the
+  change of each sum across the request, None unless exactly one request of that stage
+  finished): ``talker_prefill_ms`` (stage 1 ``vllm:request_prefill_time_seconds``),
+  ``talker_decode_ms`` (stage 1 ``vllm:request_decode_time_seconds``: the codec frames after
+  the first; with the benchmark's talker ``max_tokens`` = the first streamed chunk, this is the
+  rest of the first codec chunk), ``code2wav_ms`` (stage 2 ``vllm:request_inference_time_seconds``:
+  scheduled → finished). What TTFP holds beyond ``ttft_ms`` + these is hand-off and
+  orchestration time (``handoff_ms``, derived in the summary). (vLLM's queue time of stages 1
+  and 2 is no part: with ``async_chunk`` a downstream request is queued when the thinker
+  starts and waits there for its first chunk, so it overlaps the thinker's prefill.)
 - ``e2e_ms``: driver clock, ``generate`` called → last output of the request.
 - ``stage_0_gen_ms``: vLLM-Omni's stage-0 time (submitted to the thinker → thinker finished),
   kept for comparison with earlier runs.
@@ -39,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 RESULT_PREFIX = "@@RESULT "
+STAGES = ("0", "1", "2")  # thinker, talker, code2wav (stage label of vLLM's metrics)
 
 
 def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
@@ -71,7 +84,8 @@ def _hist_sums(stage: str = "0") -> dict[str, float]:
     from prometheus_client import REGISTRY
 
     want = {"vllm:request_prefill_time_seconds", "vllm:request_prefill_kv_computed_tokens",
-            "vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds"}
+            "vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+            "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"}
     out: dict[str, float] = {}
     for fam in REGISTRY.collect():
         if fam.name not in want:
@@ -87,23 +101,40 @@ def _hist_sums(stage: str = "0") -> dict[str, float]:
 class VariantWorker:
     """A started pipeline plus the per-request measurement described in the module doc."""
 
-    def __init__(self, model: str, stage_config: str, *, stream_thinker: bool = True):
-        from vllm_omni import Omni
-
+    def __init__(self, model: str, stage_config: str, *, stream: bool = True):
         from omni_cache.driver.stage_config import load_stage_config
         from omni_cache.engine.plugin import register
 
         cfg = load_stage_config(stage_config, model_dir=model)
         register()  # omni-cache's pipeline variants, resolved in this (driver) process
+        self.stream = stream
+        self._loop = None
         t0 = time.perf_counter()
-        self.omni = Omni(model=model, deploy_config=str(cfg.path), stage_init_timeout=900,
-                         init_timeout=1200, log_stats=True)
+        if stream:
+            # AsyncOmni: the only vLLM-Omni engine that hands the driver each audio packet
+            # as it leaves code2wav (see omni_cache.driver.streaming)
+            import asyncio
+
+            self._loop = asyncio.new_event_loop()
+            self.omni = self._loop.run_until_complete(self._start_async(model, str(cfg.path)))
+        else:
+            from vllm_omni import Omni
+
+            self.omni = Omni(model=model, deploy_config=str(cfg.path), stage_init_timeout=900,
+                             init_timeout=1200, log_stats=True)
         self.start_s = time.perf_counter() - t0
         self.model = model
-        self.stream_thinker = stream_thinker
         self._tok = None
+        self._seq = 0
         self.sessions: dict[str, list[int]] = {}  # chat session → prompt + answer ids so far
         self._media: dict = {}  # decoded media copies, reused across requests
+
+    @staticmethod
+    async def _start_async(model: str, deploy_config: str):
+        from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+        return AsyncOmni(model=model, deploy_config=deploy_config, stage_init_timeout=900,
+                         init_timeout=1200, log_stats=True)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -157,26 +188,36 @@ class VariantWorker:
                   for p in self.omni.default_sampling_params_list]
         if spec.get("max_tokens"):
             params[0].max_tokens = int(spec["max_tokens"])
-        if self.stream_thinker:
-            params[0].output_kind = RequestOutputKind.DELTA
+        params[0].output_kind = RequestOutputKind.DELTA
         return params
+
+    def _each_output(self, prompt: dict, params: list, handle) -> None:
+        """Send one request; call ``handle(output, perf_counter_time)`` for every output."""
+        if not self.stream:
+            for o in self.omni.generate([prompt], params, py_generator=True, use_tqdm=False):
+                handle(o, time.perf_counter())
+            return
+        self._seq += 1
+
+        async def drive():
+            async for o in self.omni.generate(prompt, request_id=f"bench-{self._seq}",
+                                              sampling_params_list=params):
+                handle(o, time.perf_counter())
+
+        self._loop.run_until_complete(drive())
 
     def run_one(self, spec: dict) -> dict:
         prompt = self.engine_prompt(spec)
         params = self.sampling_params(spec)
-        before = _hist_sums()
+        before = {st: _hist_sums(st) for st in STAGES}
         t0 = time.perf_counter()
-        ttft = ttfp = None
-        prompt_ids: list[int] = []
-        gen_ids: list[int] = []
-        cached = 0
+        st = {"ttft": None, "ttfp": None, "prompt_ids": [], "gen_ids": [], "cached": 0, "text": "",
+              "audio_samples": 0, "packets": 0}
         durations: dict[str, float] = {}
         stage_metrics: dict = {}
         errors = []
-        audio_samples = 0
-        text = ""
-        for o in self.omni.generate([prompt], params, py_generator=True, use_tqdm=False):
-            now = time.perf_counter()
+
+        def handle(o, now: float) -> None:
             if getattr(o, "error", None):
                 errors.append(str(o.error))
             durations.update(o.stage_durations or {})
@@ -184,46 +225,62 @@ class VariantWorker:
                 stage_metrics.update(o.metrics["stage_metrics"])
             if o.stage_id == 0:
                 if o.prompt_token_ids:
-                    prompt_ids = list(o.prompt_token_ids)
-                cached = max(cached, int(o.num_cached_tokens or 0))
+                    st["prompt_ids"] = list(o.prompt_token_ids)
+                st["cached"] = max(st["cached"], int(o.num_cached_tokens or 0))
                 for c in o.outputs or []:
                     new = list(c.token_ids or [])
-                    if new and ttft is None:
-                        ttft = now
-                    # DELTA outputs carry only new tokens; FINAL_ONLY carries all of them
-                    gen_ids = gen_ids + new if self.stream_thinker else new
-                    text = text + (c.text or "") if self.stream_thinker else (c.text or "")
+                    if new and st["ttft"] is None:
+                        st["ttft"] = now
+                    st["gen_ids"] += new  # DELTA outputs carry only new tokens
+                    st["text"] += c.text or ""
             if o.final_output_type == "audio":
                 n = _num_audio_samples(o)
-                if n and ttfp is None:
-                    ttfp = now
-                audio_samples += n
+                if n and st["ttfp"] is None:
+                    st["ttfp"] = now
+                st["audio_samples"] += n
+                st["packets"] += 1 if n else 0
+
+        self._each_output(prompt, params, handle)
         end = time.perf_counter()
-        after = _hist_sums()
-        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        delta = {}
+        for sid in STAGES:
+            after = _hist_sums(sid)
+            delta[sid] = {k: after.get(k, 0.0) - before[sid].get(k, 0.0) for k in after}
+        prompt_ids, gen_ids = st["prompt_ids"], st["gen_ids"]
         if spec.get("chat"):
             self.sessions[spec["chat"]["session"]] = prompt_ids + [t for t in gen_ids if t != self._im_end()]
         s0 = stage_metrics.get("0", {})
-        n_fin = delta.get("vllm:request_prefill_time_seconds:count", 0.0)
+        n_fin = delta["0"].get("vllm:request_prefill_time_seconds:count", 0.0)
+
+        def per_request_ms(sid: str, family: str) -> float | None:
+            d = delta[sid]
+            return 1000.0 * d[family] if d.get(family + ":count", 0.0) == 1 and family in d else None
+
+        ms = lambda t: 1000.0 * (t - t0) if t is not None else None  # noqa: E731
         return {
             "workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
             "measure": spec.get("measure", True),
+            "streaming": self.stream,
             "num_prompt_tokens": len(prompt_ids),
-            "num_cached_tokens": cached,
-            "hit_ratio": cached / len(prompt_ids) if prompt_ids else 0.0,
-            "computed_tokens": delta.get("vllm:request_prefill_kv_computed_tokens"),
+            "num_cached_tokens": st["cached"],
+            "hit_ratio": st["cached"] / len(prompt_ids) if prompt_ids else 0.0,
+            "computed_tokens": delta["0"].get("vllm:request_prefill_kv_computed_tokens"),
             "num_output_tokens": len(gen_ids),
-            "prefill_ms": 1000.0 * delta["vllm:request_prefill_time_seconds"] if n_fin == 1 else None,
+            "prefill_ms": 1000.0 * delta["0"]["vllm:request_prefill_time_seconds"] if n_fin == 1 else None,
             "prefill_source": "vllm:request_prefill_time_seconds (stage 0)" if n_fin == 1 else
                               f"unavailable ({n_fin:.0f} finished thinker requests observed)",
-            "ttft_ms": 1000.0 * (ttft - t0) if ttft is not None else None,
+            "ttft_ms": ms(st["ttft"]),
             "vllm_ttft_ms": s0.get("vllm_ttft_ms"),
-            "ttfp_ms": 1000.0 * (ttfp - t0) if ttfp is not None else None,
-            "e2e_ms": 1000.0 * (end - t0),
+            "ttfp_ms": ms(st["ttfp"]),
+            "talker_prefill_ms": per_request_ms("1", "vllm:request_prefill_time_seconds"),
+            "talker_decode_ms": per_request_ms("1", "vllm:request_decode_time_seconds"),
+            "code2wav_ms": per_request_ms("2", "vllm:request_inference_time_seconds"),
+            "e2e_ms": ms(end),
             "stage_0_gen_ms": durations.get("stage_0_gen_ms"),
             "stage_ms": {k: v for k, v in durations.items() if isinstance(v, (int, float))},
-            "audio_samples": audio_samples,
-            "text": text[:80],
+            "audio_samples": st["audio_samples"],
+            "audio_packets": st["packets"],
+            "text": st["text"][:80],
             "error": "; ".join(errors) or None,
         }
 
@@ -233,7 +290,12 @@ class VariantWorker:
     def close(self) -> None:
         omni, self.omni = self.omni, None
         if omni is not None:
-            omni.close()
+            if self.stream:
+                omni.shutdown()
+            else:
+                omni.close()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.close()
 
 
 def _num_audio_samples(o) -> int:
@@ -265,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="one benchmark variant's pipeline (stdin/stdout JSON)")
     ap.add_argument("--model", required=True)
     ap.add_argument("--stage-config", required=True)
-    ap.add_argument("--no-stream", action="store_true", help="thinker FINAL_ONLY (TTFT = thinker finished)")
+    ap.add_argument("--no-stream", action="store_true",
+                    help="synchronous Omni (for a stage config with async_chunk: false); default AsyncOmni")
     args = ap.parse_args(argv)
-    w = VariantWorker(args.model, args.stage_config, stream_thinker=not args.no_stream)
+    w = VariantWorker(args.model, args.stage_config, stream=not args.no_stream)
     _reply({"ready": True, "start_s": w.start_s, "pid": os.getpid()})
     try:
         for line in sys.stdin:

@@ -105,9 +105,13 @@ class MemorySettings:
 
 def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: MemorySettings,
                          thinker_max_tokens: int = 2, talker_max_tokens: int = 4,
-                         omp_bind: str = "0-1") -> Path:
+                         omp_bind: str = "0-1", async_chunk: bool | None = None) -> Path:
     """Write the stage config of ``variant`` (``off`` / ``builtin`` / ``omni_cache``) derived
     from ``base`` into ``out_dir`` and return its path.
+
+    ``async_chunk``: set the streaming hand-off on (True) or off (False); None keeps ``base``'s.
+    ``talker_max_tokens`` = 4 is the first streamed codec chunk of the bundled configs
+    (``initial_codec_chunk_frames: 4``), so a request's audio is exactly its first packet.
 
     Raises:
         ValueError: unknown variant.
@@ -135,5 +139,6 @@ def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: Memory
     # thinker time = prefill + one decode step (max_tokens 1 breaks vLLM-Omni's talker
     # hand-off: "size of tensor a (8) must match b (9)")
     sampling = {0: {"max_tokens": thinker_max_tokens}, 1: {"max_tokens": talker_max_tokens}}
+    top = {} if async_chunk is None else {"async_chunk": bool(async_chunk)}
     return derive_stage_config(base, Path(out_dir) / f"stage_config_{variant}.yaml",
-                               stages=stage_keys, env=env, sampling=sampling)
+                               top=top, stages=stage_keys, env=env, sampling=sampling)

@@ -69,6 +69,68 @@ def test_miss_bar_and_missing_variant():
     assert checks[1]["passed"] is None
 
 
+def _stream_rows(ttfp: list[float], h: float, parts: dict | None = None, **kw) -> list[dict]:
+    rows = _rows([10.0] * len(ttfp), h, **kw)
+    for r in rows:
+        r["ttfp_ms"] = ttfp[r["index"]]
+        r.update(parts or {})
+    return rows
+
+
+def test_ttfp_parts_and_handoff():
+    parts = {"ttft_ms": 50.0, "talker_prefill_ms": 20.0, "talker_decode_ms": 30.0, "code2wav_ms": 10.0}
+    s = S.summarize_workload({"off": _stream_rows([200.0, 200.0], 0.0, parts)})
+    assert s["off"]["handoff_ms"]["median"] == pytest.approx(200 - 110)
+    # a missing part: no hand-off figure rather than a wrong one
+    rows = _stream_rows([200.0], 0.0, {**parts, "code2wav_ms": None})
+    assert S.metric(rows[0], "handoff_ms") is None
+
+
+def test_ttfp_bars():
+    by_v = {"off": _stream_rows([1000.0, 1100.0], 0.0), "builtin": _stream_rows([180.0, 190.0], 0.96),
+            "omni_cache": _stream_rows([150.0, 160.0], 0.96)}
+    s = S.summarize_workload(by_v)
+    ttfp = S.ttfp_checks("text", s)
+    assert [c["passed"] for c in ttfp] == [True, True]
+    assert ttfp[0]["value"] == pytest.approx(1050 / 155)
+    assert S.bar_checks("text", s)[-2:] == ttfp
+    # image: no 5x bar (text and chat only), the builtin bar stays; slower than builtin fails
+    by_v["omni_cache"] = _stream_rows([200.0, 210.0], 0.96)
+    s = S.summarize_workload(by_v)
+    assert [c["passed"] for c in S.ttfp_checks("image", s)] == [False]
+    # text below 5x fails
+    by_v["omni_cache"] = _stream_rows([250.0, 250.0], 0.96)
+    assert S.ttfp_checks("text", S.summarize_workload(by_v))[0]["passed"] is False
+    # h below 0.95: the 5x bar does not apply
+    by_v = {"off": _stream_rows([1000.0], 0.0), "omni_cache": _stream_rows([900.0], 0.5)}
+    checks = S.ttfp_checks("chat", S.summarize_workload(by_v))
+    assert len(checks) == 1 and checks[0]["passed"] is None  # no builtin: n/a
+    # miss: within 2 % of off
+    miss = {"off": _stream_rows([1000.0], 0.0), "omni_cache": _stream_rows([1030.0], 0.0)}
+    assert S.ttfp_checks("miss", S.summarize_workload(miss))[0]["passed"] is False
+    # no TTFP measured: no TTFP bars
+    assert S.ttfp_checks("text", S.summarize_workload({"off": _rows([1.0], 0.0)})) == []
+
+
+def test_floor_ttfp_is_the_attainable():
+    summ = {"text": S.summarize_workload({"off": _stream_rows([1000.0], 0.0),
+                                          "omni_cache": _stream_rows([150.0], 0.96)}),
+            "floor": S.summarize_workload({"off": _stream_rows([120.0], 0.0)})}
+    S.add_attainable(summ)
+    assert summ["text"]["omni_cache"]["floor_ttfp_ms"] == 120.0
+    assert summ["text"]["omni_cache"]["ttfp_over_floor"] == pytest.approx(1.25)
+
+
+def test_stream_table_and_plot(tmp_path):
+    parts = {"ttft_ms": 50.0, "talker_prefill_ms": 20.0, "talker_decode_ms": 30.0, "code2wav_ms": 10.0}
+    summ = {"text": S.summarize_workload({"off": _stream_rows([1000.0], 0.0, parts),
+                                          "omni_cache": _stream_rows([150.0], 0.96, parts)})}
+    table = S.format_table(summ, {"text": S.bar_checks("text", summ["text"])})
+    assert "TTFP and its parts" in table and "handoff" in table
+    png = S.plot(summ, tmp_path / "p.png")
+    assert png.stat().st_size > 10_000
+
+
 def test_table_and_plot(tmp_path):
     summ = {"text": S.summarize_workload({"off": _rows([100], 0.0), "builtin": _rows([12], 0.95),
                                           "omni_cache": _rows([11], 0.95)}),
