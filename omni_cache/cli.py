@@ -127,7 +127,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 "stage_durations": res.stage_durations, "wav": str(wav) if res.audio is not None else None,
                 "error": res.error,
             })
-        (out_dir / "summary.json").write_text(json.dumps({"start_s": pipe.start_s, "requests": summary}, indent=2))
+            # after every request, so a run stopped early keeps what it has done
+            (out_dir / "summary.json").write_text(json.dumps({"start_s": pipe.start_s, "requests": summary}, indent=2))
     print(f"wrote {out_dir}/summary.json")
     return 0
 

@@ -1,28 +1,34 @@
 """The main job, ``omni-cache run``, end to end on the streaming CPU config: it prints each
 request's time to the first text token and to the first audio packet, writes the waveform as
-packets arrive (the file holds exactly the samples streamed), and the second request hits."""
+packets arrive and ``summary.json`` after every request, and the second request hits. Then it
+is stopped the way supervisors do — SIGTERM while a later request is running — and must leave
+no process behind (one pipeline start serves both checks)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import signal
 
 import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.pipeline.proctree import Watched, stop_and_check
+
 pytestmark = pytest.mark.pipeline
 
 
-def test_run_streams_ttft_ttfp_and_packets(tiny_model_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "omni_cache.cli", "run", "--model", str(tiny_model_dir),
-                          "--out", str(tmp_path), "--repeat", "2"],
-                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[request ")]
-    assert len(lines) == 2 and all("TTFT" in ln and "first audio packet (TTFP)" in ln for ln in lines), lines
+def test_run_streams_ttft_ttfp_and_packets_then_stops_cleanly(tiny_model_dir, tmp_path):
+    w = Watched(["run", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--repeat", "6"], tmp_path)
+    done = lambda: [ln for ln in w.lines if ln.startswith("[request ")]  # noqa: E731
+    w.wait_for(lambda: len(done()) >= 2, 900, "two finished requests")
+    stop_and_check(w, signal.SIGTERM)  # during request 3 (or later)
+
+    lines = done()
+    assert 2 <= len(lines) < 6, "the run was not stopped during a request"
+    assert all("TTFT" in ln and "first audio packet (TTFP)" in ln for ln in lines), lines
     summary = json.loads((tmp_path / "summary.json").read_text())["requests"]
+    assert len(summary) == len(lines)
     for r in summary:
         assert r["error"] is None
         assert 0 < r["ttft_s"] < r["ttfp_s"] < r["wall_s"], r  # the first packet before the end

@@ -10,12 +10,19 @@ as ``omni-cache serve`` starts them. Checked:
   thinker prefix hit that covers the first answer's tokens — the exact hit expected from the
   token ids the server returns — and the same hit shows in ``/metrics`` (stage 0 counters);
 - that chat's text and audio are bitwise equal to the cache-off server's (same seed);
+- streamed (``stream=True``, the bundled config's ``async_chunk: true``): text, text+image and
+  text+audio chat completions answer with text deltas and audio packets (a WAV each, the first
+  one — the initial codec chunk — arriving before the rest); the same two-turn chat streamed
+  gets the same exact hit and its text, token ids and every audio packet are bitwise equal to
+  the cache-off server's;
 - a non-image in ``image_url``, undecodable audio, and a prompt longer than ``max_model_len``
   answer HTTP 400 with a message naming the problem, and the next request is served;
 - the servers stop cleanly (exit code 0, port closed).
 
 Two properties of the setup the checks depend on:
 
+- Both servers answer the same requests in the same order before anything is compared
+  (the non-streamed two-turn chat, then the streamed one).
 - The embedded tokenizer cannot re-encode the random model's pseudo-words (they are
   vocabulary entries without merges, docs/cpu.md), so a free answer never re-tokenizes to the
   ids it was sampled as and turn 2 could not hit past turn 1's prompt. The two-turn chat
@@ -78,6 +85,48 @@ def _chat(server: OmniServer, messages: list, max_tokens: int | None = None, thi
     return r.model_dump()
 
 
+def _chat_stream(server: OmniServer, messages: list, thinker_params: dict | None = None) -> dict:
+    """One streamed chat completion (``stream=True``) with text + audio out, collected:
+    ``prompt_token_ids``, ``token_ids`` and ``text`` (text deltas joined), ``packets`` (each audio
+    delta decoded: int16 ``[num_samples]``), ``sample_rate``, ``cached_tokens`` (final usage
+    chunk), and the client-clock seconds ``t_first_text``, ``t_first_audio``, ``t_end``."""
+    extra = {"return_token_ids": True}
+    if thinker_params is not None:
+        extra["sampling_params_list"] = [thinker_params]
+    t0 = time.perf_counter()
+    out = {"prompt_token_ids": None, "token_ids": [], "text": "", "packets": [], "sample_rate": None,
+           "cached_tokens": None, "t_first_text": None, "t_first_audio": None, "modalities": []}
+    stream = _client(server).chat.completions.create(
+        model=server.model_name(), messages=messages, modalities=["text", "audio"], seed=SEED, stream=True,
+        stream_options={"include_usage": True}, extra_body=extra)
+    for chunk in stream:
+        now = time.perf_counter() - t0
+        d = chunk.model_dump()
+        if d.get("prompt_token_ids") is not None:
+            out["prompt_token_ids"] = d["prompt_token_ids"]
+        details = (d.get("usage") or {}).get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            out["cached_tokens"] = details["cached_tokens"]
+        modality = d.get("modality")
+        if modality and modality not in out["modalities"]:
+            out["modalities"].append(modality)
+        for c in d.get("choices") or []:
+            content = (c.get("delta") or {}).get("content") or ""
+            if modality == "audio" and content:
+                audio, sr = sf.read(io.BytesIO(base64.b64decode(content)), dtype="int16")
+                out["packets"].append(audio)
+                out["sample_rate"] = sr
+                if out["t_first_audio"] is None:
+                    out["t_first_audio"] = now
+            elif modality == "text":
+                out["token_ids"] += c.get("token_ids") or []
+                out["text"] += content
+                if content and out["t_first_text"] is None:
+                    out["t_first_text"] = now
+    out["t_end"] = time.perf_counter() - t0
+    return out
+
+
 def _digit_params(model_dir, max_tokens: int) -> dict:
     """Thinker sampling parameters (the stage config's defaults) restricted to digit tokens."""
     from transformers import AutoTokenizer
@@ -102,9 +151,10 @@ def _check_text_and_audio(resp: dict) -> None:
     assert sr == 24_000 and audio.ndim == 1 and audio.shape[0] > 1000 and np.abs(audio).max() > 0
 
 
-def _turn1() -> list:
+def _turn1(stream: bool = False) -> list:
+    # the streamed chat has its own system prompt: it must not hit the non-streamed one's blocks
     return [
-        {"role": "system", "content": SYSTEM},
+        {"role": "system", "content": ("Streamed. " if stream else "") + SYSTEM},
         {"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": IMAGE_URL}},
             {"type": "input_audio", "input_audio": {"data": AUDIO_B64, "format": "wav"}},
@@ -113,14 +163,15 @@ def _turn1() -> list:
     ]
 
 
-def _two_turn_chat(server: OmniServer, model_dir) -> dict:
+def _two_turn_chat(server: OmniServer, model_dir, stream: bool = False) -> dict:
     """Turn 1, then turn 2 repeating system prompt, media and turn 1's answer; /metrics read
-    around turn 2."""
+    around turn 2. ``stream``: both turns streamed (:func:`_chat_stream`)."""
     # 48 > BLOCK: turn 1's answer fills at least one block by decode.
-    r1 = _chat(server, _turn1(), thinker_params=_digit_params(model_dir, 48))
+    r1 = (_chat_stream if stream else _chat)(server, _turn1(stream), thinker_params=_digit_params(model_dir, 48))
+    answer = r1["text"] if stream else r1["choices"][0]["message"]["content"]
     before = _stage0_prefix_counters(server)
-    r2 = _chat(server, _turn1() + [
-        {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+    r2 = (_chat_stream if stream else _chat)(server, _turn1(stream) + [
+        {"role": "assistant", "content": answer},
         {"role": "user", "content": "And what would you do next?"},
     ], thinker_params=_digit_params(model_dir, 16))
     after = _stage0_prefix_counters(server, wait_for_change_from=before)
@@ -169,6 +220,7 @@ def server_on(tiny_model_dir, tmp_path_factory):
         srv.wait_ready(timeout=1500)
         # The first requests this server answers (same history as the cache-off server's).
         srv.first_chat = _two_turn_chat(srv, tiny_model_dir)
+        srv.streamed_chat = _two_turn_chat(srv, tiny_model_dir, stream=True)
         yield srv
     finally:
         srv.stop()
@@ -180,7 +232,12 @@ def chat_on(server_on):
 
 
 @pytest.fixture(scope="module")
-def chat_off(server_on, chat_on, tiny_model_dir, tmp_path_factory):
+def streamed_on(server_on):
+    return server_on.streamed_chat
+
+
+@pytest.fixture(scope="module")
+def chat_off(server_on, chat_on, streamed_on, tiny_model_dir, tmp_path_factory):
     """The same two-turn chat on a cache-off server, started after the cache-on server stopped
     (one server at a time)."""
     rc = server_on.stop()
@@ -192,6 +249,7 @@ def chat_off(server_on, chat_on, tiny_model_dir, tmp_path_factory):
     try:
         srv.wait_ready(timeout=1500)
         result = _two_turn_chat(srv, tiny_model_dir)
+        result["streamed"] = _two_turn_chat(srv, tiny_model_dir, stream=True)
     finally:
         rc = srv.stop()
     assert rc == 0, f"cache-off server exited with {rc}"
@@ -277,6 +335,45 @@ def test_cache_off_server_gives_identical_text_and_audio(chat_on, chat_off):
         assert sr_on == sr_off and a_on.shape == a_off.shape and np.array_equal(a_on, a_off), turn
     assert chat_off["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert chat_on["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def _check_streamed(r: dict) -> None:
+    assert r["modalities"] == ["text", "audio"], r["modalities"]
+    assert r["text"].strip() and r["token_ids"], r["text"]
+    assert r["sample_rate"] == 24_000 and len(r["packets"]) >= 2, [p.shape for p in r["packets"]]
+    assert all(p.ndim == 1 and p.shape[0] > 0 for p in r["packets"])
+    # the initial codec chunk arrives as its own packet, before the rest of the waveform
+    assert r["packets"][0].shape[0] < sum(p.shape[0] for p in r["packets"])
+    assert r["t_first_text"] <= r["t_first_audio"] < r["t_end"]
+
+
+@pytest.mark.parametrize("kind", ["text", "text+image", "text+audio"])
+def test_streamed_chat_answers_text_deltas_and_audio_packets(server_on, kind):
+    content: list = [{"type": "text", "text": "What do you see and hear?"}]
+    if kind == "text+image":
+        content.insert(0, {"type": "image_url", "image_url": {"url": IMAGE_URL}})
+    if kind == "text+audio":
+        content.insert(0, {"type": "input_audio", "input_audio": {"data": AUDIO_B64, "format": "wav"}})
+    _check_streamed(_chat_stream(server_on, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]))
+
+
+def test_streamed_two_turn_chat_hit_and_equal_to_cache_off(streamed_on, chat_off):
+    r1, r2 = streamed_on["r1"], streamed_on["r2"]
+    _check_streamed(r1)
+    _check_streamed(r2)
+    expected = _expected_hit(r1["prompt_token_ids"], r1["token_ids"], r2["prompt_token_ids"])
+    assert r2["cached_tokens"] == expected > len(r1["prompt_token_ids"]), (r2["cached_tokens"], expected)
+    (_, h0), (_, h1) = streamed_on["metrics_before"], streamed_on["metrics_after"]
+    assert h1 - h0 == expected
+    off = chat_off["streamed"]
+    assert off["r2"]["cached_tokens"] == 0
+    for turn in ("r1", "r2"):
+        on_t, off_t = streamed_on[turn], off[turn]
+        assert on_t["prompt_token_ids"] == off_t["prompt_token_ids"], turn
+        assert on_t["token_ids"] == off_t["token_ids"] and on_t["text"] == off_t["text"], turn
+        assert len(on_t["packets"]) == len(off_t["packets"]), turn
+        for k, (a, b) in enumerate(zip(on_t["packets"], off_t["packets"])):
+            assert a.shape == b.shape and np.array_equal(a, b), (turn, k)
 
 
 def test_server_stopped_cleanly(server_on, chat_off):

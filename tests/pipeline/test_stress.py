@@ -1,10 +1,13 @@
-"""Randomized stress (seeded) through vLLM-Omni's async engine (``AsyncOmni``, the one its
-server uses): many concurrent requests, mixed modalities, a KV pool small enough to force
-eviction and preemption, chunked prefill, and client aborts at random moments — omni-cache
-vs cache off.
+"""Randomized stress (seeded) on the production path — vLLM-Omni's async engine
+(``AsyncOmni``, the one its server uses) with the streaming hand-off (``async_chunk: true``):
+many concurrent requests, mixed modalities, a KV pool small enough to force eviction and
+preemption (requests preempted after their first chunk went to the talker, then resumed),
+chunked prefill, client aborts at random moments and right after a request's first audio
+packet — omni-cache vs cache off.
 
 Every request that was not aborted must hand the talker the same rows with omni-cache as
-without a cache. Concurrency changes batch composition, and on CPU a bf16 GEMM row can differ
+without a cache: its first streamed hand-off (prompt rows, exactly one per request — a
+resumed request handing its prompt twice fails) and its decode chunks. Concurrency changes batch composition, and on CPU a bf16 GEMM row can differ
 in its last bits with the batch it ran in, so rows are compared with a tolerance far below
 what a wrong row (another prompt's, or a stale one) would show; the test also reports how
 many were bitwise equal. Preemptions are counted by omni-cache's scheduler (its metrics
@@ -29,6 +32,7 @@ SEED = 20261122
 N_REQUESTS = 32
 CONCURRENCY = 6
 ABORT_FRACTION = 0.25
+FIRST_PACKET = "first audio packet"  # abort as soon as the request's first audio packet arrives
 PREFIXES = [
     "You are a careful observer. Describe what you perceive in detail, step by step. " * 4,
     "Answer briefly and precisely, as a museum guide would, without speculation please. " * 4,
@@ -52,25 +56,36 @@ def _workload():
     reqs = []
     for i in range(N_REQUESTS):
         media = rng.choice([{}, {"image": sample_path("astronaut.jpg")}, {"audio": sample_path("speech.wav")}])
-        abort = rng.uniform(0.0, 3.0) if rng.random() < ABORT_FRACTION else None
+        u = rng.random()
+        abort = rng.uniform(0.0, 3.0) if u < ABORT_FRACTION else FIRST_PACKET if u < 1.5 * ABORT_FRACTION else None
         reqs.append((f"stress{i:03d}", rng.choice(PREFIXES) + f" Item {rng.randint(0, 3)}.", media, abort))
     return reqs
 
 
 async def _one(omni, sem, rid, text, media, abort_after):
-    """Run one request; ``abort_after`` seconds after submission the client aborts it.
+    """Run one request; ``abort_after`` seconds after submission (or, with
+    :data:`FIRST_PACKET`, when its first audio packet arrives) the client aborts it.
     Returns ``(completed, num_cached_tokens, num_prompt_tokens, thinker token ids)``."""
     async with sem:
         prompt = build_request(text, **media).to_engine_prompt()
         outs = []
+        first_packet = asyncio.Event()
 
         async def consume():
             async for o in omni.generate(prompt, request_id=rid):
                 outs.append(o)
+                if o.final_output_type == "audio":
+                    first_packet.set()
 
         task = asyncio.ensure_future(consume())
         if abort_after is not None:
-            done, _ = await asyncio.wait({task}, timeout=abort_after)
+            if abort_after == FIRST_PACKET:
+                waiter = asyncio.ensure_future(first_packet.wait())
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                done = task.done()
+            else:
+                done, _ = await asyncio.wait({task}, timeout=abort_after)
             if not done:
                 await omni.abort(rid)
                 task.cancel()
@@ -108,10 +123,17 @@ async def _drive(model_dir, cfg):
         omni.shutdown()
 
 
-def _dump_for(d, request_id):
-    files = [p for p in (d / "handoff").glob("*.pt") if p.name.split("-", 1)[1].startswith(request_id + "-")]
-    assert len(files) == 1, (request_id, len(files))
-    return torch.load(files[0])
+def _chunks_for(d, request_id) -> tuple[dict, torch.Tensor | None]:
+    """A request's streamed hand-off: (first chunk, its decode chunks' ``embed.decode`` rows
+    concatenated ``[num_decode_chunks, hidden]``); exactly one first chunk (prompt rows)."""
+    files = sorted((p for p in (d / "handoff").glob("*.pt") if p.name.split("-", 1)[1].startswith(request_id + "-")),
+                   key=lambda p: int(p.name.split("-", 1)[0]))
+    chunks = [torch.load(p) for p in files]
+    firsts = [c for c in chunks if "embed.prefill" in c]
+    assert len(firsts) == 1, f"{request_id}: {len(firsts)} prompt hand-offs in {len(chunks)} chunks"
+    assert "embed.prefill" in chunks[0], f"{request_id}: a decode chunk before the prompt hand-off"
+    dec = [c["embed.decode"] for c in chunks[1:] if "embed.decode" in c]
+    return chunks[0], torch.cat(dec) if dec else None
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +141,7 @@ def stress(tmp_path_factory, tiny_model_dir):
     runs = {}
     for variant in ("off", "omni_cache"):
         d = tmp_path_factory.mktemp(f"stress_{variant}")
-        cfg = _small_pool(variant_stage_config(d, variant))
+        cfg = _small_pool(variant_stage_config(d, variant, streaming=True))
         runs[variant] = (d, *asyncio.run(_drive(tiny_model_dir, cfg)))
     return runs
 
@@ -137,10 +159,14 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
     assert alive_on[3] == alive_off[3], "the last request's tokens differ"
     aborted = [rid for rid, r in on.items() if not r[0]]
     assert aborted, "no request was aborted mid-flight"
+    after_packet = [w[0] for w in _workload() if w[3] == FIRST_PACKET]
+    assert after_packet, "the workload aborts no request at its first audio packet"
     assert sum(r[1] for r in on.values()) > 0, "the stress run produced no prefix hit"
     sched = _scheduler_metrics(d_on)
     assert sched["preemptions"] > 0, f"the small KV pool forced no preemption: {sched}"
     rows = bitwise = compared = 0
+    # the request sent alone after the stress (and after the first-packet aborts) is compared too
+    on, off = {**on, "alive": alive_on}, {**off, "alive": alive_off}
     for rid, (done_on, _, n_prompt, toks_on) in on.items():
         done_off, _, n_prompt_off, toks_off = off[rid]
         if not (done_on and done_off):
@@ -150,21 +176,31 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
         # rows of positions whose tokens agree: the prompt, then the sampled tokens up to the
         # first one where batching's last-bit differences flipped a near-tie (rare)
         same = next((i for i, (x, y) in enumerate(zip(toks_on, toks_off)) if x != y), min(len(toks_on), len(toks_off)))
-        h_off, h_on = _dump_for(d_off, rid), _dump_for(d_on, rid)
+        (h_off, dec_off), (h_on, dec_on) = _chunks_for(d_off, rid), _chunks_for(d_on, rid)
         assert set(h_off) == set(h_on)
-        for k in h_off:
-            a, b = h_off[k].float(), h_on[k].float()
-            if k.startswith("embed."):
-                # request-invariant TTS embeddings, appended once per engine step: the number
-                # of steps differs when a hit shortens chunked prefill; the talker uses one
+        pairs = [(k, h_off[k], h_on[k]) for k in h_off if isinstance(h_off[k], torch.Tensor)]
+        if dec_off is not None and dec_on is not None:
+            pairs.append(("embed.decode", dec_off, dec_on))
+        for k, a, b in pairs:
+            a, b = a.float(), b.float()
+            if k.startswith("ids."):
+                # token ids of the prompt (and what was sampled so far): exact
+                if toks_on == toks_off:
+                    assert torch.equal(a, b), (rid, k)
+                continue
+            if k.startswith("embed.tts"):
+                # request-invariant TTS embeddings, one row per thinker step: the talker reads one
                 a, b = a[:1], b[:1]
-            elif toks_on == toks_off:
-                # same tokens -> one row per computed position in both runs (a resumed request
-                # handing some positions twice fails here)
-                assert a.shape == b.shape, (rid, k, a.shape, b.shape, n_prompt, len(toks_on))
-            else:
-                limit = min(a.shape[0], b.shape[0], n_prompt + same)
+            elif k == "embed.decode":
+                # one row per sampled token after the first; compare while the tokens agree
+                limit = min(a.shape[0], b.shape[0], max(same - 1, 0))
                 a, b = a[:limit], b[:limit]
+            elif a.dim() >= 2 and a.shape[0] > 1:
+                # prompt rows (+ the first sampled token's): one per position in both runs
+                assert a.shape == b.shape, (rid, k, a.shape, b.shape, n_prompt)
+            if a.dim() < 2 or a.shape[0] == 0:
+                assert torch.equal(a, b), (rid, k)
+                continue
             assert a.shape == b.shape, (rid, k)
             err = (a - b).abs().amax(dim=-1) / a.abs().amax(dim=-1).clamp_min(1e-6)
             bad = int((err > 0.05).sum())

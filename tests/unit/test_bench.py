@@ -254,3 +254,31 @@ def test_paired_speedup_has_a_bootstrap_interval():
     assert lo <= s["omni_cache"]["speedup_paired"] <= hi < 1.0   # reliably slower than off
     assert S.bootstrap_median_ci([1.0, 2.0]) is None
     assert S.bootstrap_median_ci([1.0] * 5) == [1.0, 1.0]
+
+
+def test_serve_bench_command_and_summary(tmp_path):
+    """benchmarks/serve_bench.py: the vllm-omni tool's command line and the off / on summary."""
+    import argparse
+
+    from benchmarks import serve_bench as SB
+
+    args = argparse.Namespace(prefix_len=1536, suffix_len=32, num_prefixes=2, output_len=16, num_prompts=24,
+                              max_concurrency=4, seed=0)
+    cmd = SB.tool_command(args, "http://127.0.0.1:8091/v1", "m", tmp_path, tmp_path, "r.json")
+    assert cmd[1:5] == ["bench", "serve", "--omni", "--backend"] and "openai-chat-omni" in cmd
+    assert cmd[cmd.index("--base-url") + 1] == "http://127.0.0.1:8091"  # the tool appends the endpoint
+    assert cmd[cmd.index("--dataset-name") + 1] == "prefix_repetition"
+    assert "audio_ttfp" in cmd[cmd.index("--percentile-metrics") + 1]
+
+    def run(variant, cycle, ttft, ttfp, hits):
+        return {"variant": variant, "cycle": cycle, "completed": 24, "failed": 0,
+                "headline": {"median_ttft_ms": ttft, "median_audio_ttfp_ms": ttfp, "request_throughput": 1.0},
+                "stage0_prefix_cache": {"vllm:prefix_cache_queries_total": 100.0, "vllm:prefix_cache_hits_total": hits}}
+
+    summ = SB.summarize([run("on", 0, 100.0, 400.0, 90.0), run("off", 0, 500.0, 900.0, 0.0),
+                         run("on", 1, 120.0, 420.0, 90.0), run("off", 1, 520.0, 940.0, 0.0)])
+    assert summ["on"]["median_ttft_ms"] == 110.0 and summ["off"]["median_ttft_ms"] == 510.0
+    assert summ["off_over_on"]["median_ttft_ms"] == pytest.approx(510 / 110)
+    assert summ["on"]["thinker_hit_ratio"] == pytest.approx(0.9) and summ["off"]["thinker_hit_ratio"] == 0.0
+    assert "p99_ttft_ms" not in summ["off_over_on"]  # not measured: no ratio
+    assert SB.plot(summ, tmp_path / "s.png", "t").stat().st_size > 10_000

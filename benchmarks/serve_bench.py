@@ -1,0 +1,185 @@
+"""vLLM-Omni's own serving benchmark (``vllm-omni bench serve --omni``) against ``omni-cache serve``:
+omni-cache on vs the thinker's prefix cache off, streaming.
+
+The ecosystem's tool measures what vLLM-Omni publishes for its deploys — text TTFT / TPOT / E2EL
+and audio TTFP / RTF percentiles, request throughput — so these figures compare with theirs.
+Its ``prefix_repetition`` dataset (vLLM's) sends prompts that share one of
+``--num-prefixes`` random prefixes of ``--prefix-len`` tokens plus a distinct suffix: the
+shared-prefix load a prefix cache exists for. Each variant runs on a fresh server started by
+:class:`omni_cache.driver.server.OmniServer` from ``--stage-config`` (``on``: as given, omni-cache
+on the thinker; ``off``: the thinker's ``enable_prefix_caching: false``), one server at a time;
+``--cycles N`` repeats the order with fresh servers. The tool's own JSON per run is kept, and
+``result.json`` collects its headline figures per variant and the off / on ratios;
+``serve_bench.png`` plots TTFT and audio TTFP percentiles side by side.
+
+What stays in ``benchmarks/serve_load.py``: multi-turn chats with media and per-request hit
+accounting, which this tool's datasets do not generate.
+
+    .venv/bin/python -m benchmarks.serve_bench --model-size bench --num-prompts 24 --max-concurrency 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+#: the tool's headline figures compared between variants (ms unless named otherwise)
+HEADLINE = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_audio_ttfp_ms", "p90_audio_ttfp_ms",
+            "p99_audio_ttfp_ms", "median_e2el_ms", "p99_e2el_ms", "request_throughput", "median_audio_rtf")
+
+
+def tool_command(args, base_url: str, model_name: str, tokenizer: Path, result_dir: Path, filename: str) -> list[str]:
+    """The ``vllm-omni bench serve --omni`` command line for one run (list of argv strings)."""
+    exe = Path(sys.executable).with_name("vllm-omni")
+    return [str(exe), "bench", "serve", "--omni", "--backend", "openai-chat-omni",
+            "--endpoint", "/v1/chat/completions", "--base-url", base_url.removesuffix("/v1"),
+            "--model", model_name, "--tokenizer", str(tokenizer),
+            "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(args.prefix_len),
+            "--prefix-repetition-suffix-len", str(args.suffix_len),
+            "--prefix-repetition-num-prefixes", str(args.num_prefixes),
+            "--prefix-repetition-output-len", str(args.output_len),
+            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
+            "--num-warmups", "1", "--seed", str(args.seed),
+            "--percentile-metrics", "ttft,tpot,e2el,audio_ttfp,audio_rtf", "--metric-percentiles", "50,90,99",
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", filename]
+
+
+def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path) -> dict:
+    from benchmarks.serve_load import _variant_config
+    from omni_cache.driver.server import OmniServer
+
+    cfg = _variant_config(Path(args.stage_config), variant, out_dir)
+    srv = OmniServer(model_dir, cfg, log_path=out_dir / f"server-{variant}-{cycle}.log").start()
+    print(f"[{variant} #{cycle}] starting the server ...", flush=True)
+    filename = f"vllm-omni-bench-{variant}-{cycle}.json"
+    try:
+        ready = srv.wait_ready(timeout=1800, progress=lambda s: print(f"[{variant} #{cycle}] {s}", flush=True))
+        print(f"[{variant} #{cycle}] ready in {ready:.0f} s; running vllm-omni bench serve", flush=True)
+        cmd = tool_command(args, srv.base_url, srv.model_name(), model_dir, out_dir, filename)
+        log = out_dir / f"tool-{variant}-{cycle}.log"
+        with open(log, "w") as fh:
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=out_dir,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        _, metrics = srv.get("/metrics")
+    finally:
+        exit_code = srv.stop()
+    if rc != 0:
+        raise RuntimeError(f"vllm-omni bench serve failed (rc={rc}) for {variant} #{cycle}; see {log}")
+    tool = json.loads((out_dir / filename).read_text())
+    hits = {}
+    for ln in metrics.decode().splitlines():
+        for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
+            if ln.startswith(name) and 'stage="0"' in ln:
+                hits[name] = hits.get(name, 0.0) + float(ln.rsplit(" ", 1)[1])
+    return {"variant": variant, "cycle": cycle, "ready_s": ready, "exit_code": exit_code, "command": cmd,
+            "tool_result_file": filename, "stage0_prefix_cache": hits,
+            "headline": {k: tool.get(k) for k in HEADLINE},
+            "completed": tool.get("completed"), "failed": tool.get("failed", 0)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per variant: the median over cycles of each headline figure and the thinker's prefix hit
+    ratio (``/metrics`` stage 0, warm-up included); ``off_over_on``: off / on for every figure
+    (> 1: omni-cache faster; for ``request_throughput`` < 1 means omni-cache serves more)."""
+    out: dict = {}
+    for v in sorted({r["variant"] for r in runs}):
+        rs = [r for r in runs if r["variant"] == v]
+        fig = {}
+        for k in HEADLINE:
+            xs = [r["headline"][k] for r in rs if isinstance(r["headline"].get(k), (int, float))]
+            fig[k] = statistics.median(xs) if xs else None
+        q = sum(r["stage0_prefix_cache"].get("vllm:prefix_cache_queries_total", 0.0) for r in rs)
+        h = sum(r["stage0_prefix_cache"].get("vllm:prefix_cache_hits_total", 0.0) for r in rs)
+        out[v] = {**fig, "thinker_hit_ratio": h / q if q else 0.0, "completed": sum(r["completed"] or 0 for r in rs),
+                  "failed": sum(r["failed"] or 0 for r in rs)}
+    if "on" in out and "off" in out:
+        out["off_over_on"] = {k: out["off"][k] / out["on"][k] for k in HEADLINE
+                              if out["on"].get(k) and out["off"].get(k)}
+    return out
+
+
+def plot(summary: dict, path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, metric in zip(axes, ("ttft", "audio_ttfp")):
+        keys = [f"median_{metric}_ms", f"p90_{metric}_ms", f"p99_{metric}_ms"]
+        for j, v in enumerate(("off", "on")):
+            vals = [(summary.get(v) or {}).get(k) or 0.0 for k in keys]
+            bars = ax.bar([i + 0.38 * j for i in range(3)], vals, width=0.38, label=v,
+                          color="#888888" if v == "off" else "#dd8452")
+            for b, x in zip(bars, vals):
+                ax.text(b.get_x() + b.get_width() / 2, x, f"{x:.0f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([i + 0.19 for i in range(3)])
+        ax.set_xticklabels(["p50", "p90", "p99"])
+        ax.set_title({"ttft": "TTFT (text), ms", "audio_ttfp": "TTFP (first audio packet), ms"}[metric], fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-size", default="bench", choices=["tiny", "bench"])
+    ap.add_argument("--model", help="model directory (default: the embedded model of --model-size)")
+    ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"))
+    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--max-concurrency", type=int, default=4)
+    ap.add_argument("--prefix-len", type=int, default=1536, help="shared prefix tokens (prefix_repetition)")
+    ap.add_argument("--suffix-len", type=int, default=32, help="distinct suffix tokens per prompt")
+    ap.add_argument("--num-prefixes", type=int, default=2)
+    ap.add_argument("--output-len", type=int, default=16, help="thinker output tokens per request")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--order", default="on,off", help="variant order in the first cycle (rotated per cycle)")
+    ap.add_argument("--cycles", type=int, default=1)
+    ap.add_argument("--out", help="result directory (default: benchmarks/results/serve-bench-<timestamp>)")
+    args = ap.parse_args(argv)
+
+    from omni_cache.models import build_qwen3_omni, default_model_dir
+
+    model_dir = Path(args.model) if args.model else build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"serve-bench-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    order = [v.strip() for v in args.order.split(",")]
+    runs = []
+    for cycle in range(args.cycles):
+        for variant in order[cycle % len(order):] + order[:cycle % len(order)]:
+            runs.append(_run_variant(args, variant, cycle, model_dir, out_dir))
+            print(f"[{variant} #{cycle}] " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1]["headline"].items()
+                                                      if isinstance(v, (int, float))), flush=True)
+    summary = summarize(runs)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    import vllm_omni
+
+    result = {"benchmark": "serve_bench (vllm-omni bench serve --omni)", "date": stamp,
+              "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.serve_bench", *sys.argv[1:]]),
+              "git_commit": commit, "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "versions": {"vllm_omni": vllm_omni.__version__}, "model": str(model_dir), "args": vars(args),
+              "summary": summary, "runs": runs}
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+    png = plot(summary, out_dir / "serve_bench.png",
+               f"vllm-omni bench serve --omni, prefix_repetition {args.prefix_len}+{args.suffix_len} tokens, "
+               f"{args.num_prompts} prompts, concurrency {args.max_concurrency}")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out_dir / 'result.json'} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

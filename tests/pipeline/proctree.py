@@ -1,0 +1,76 @@
+"""A command run under watch: every process that ever descended from it is recorded, so a
+test can check that none is left after it stops (tests/pipeline/test_stop.py, test_run.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+
+class Watched:
+    """A command whose descendants are recorded every 0.2 s and whose output is collected."""
+
+    def __init__(self, args: list[str], cwd):
+        self.proc = subprocess.Popen([sys.executable, "-m", "omni_cache.cli", *args], cwd=cwd,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.seen: dict[int, float] = {}  # pid -> create_time (a pid can be reused)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._poll, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def _poll(self) -> None:
+        while self.proc.poll() is None:
+            try:
+                for p in psutil.Process(self.proc.pid).children(recursive=True):
+                    self.seen.setdefault(p.pid, p.create_time())
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+
+    def wait_for(self, pred, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not seen (rc={self.proc.poll()}); output:\n{''.join(self.lines[-40:])}")
+            time.sleep(0.2)
+
+    def left_behind(self) -> list[str]:
+        out = []
+        for pid, created in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{pid} {p.name()} (parent {p.ppid()})")
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+
+def stop_and_check(w: Watched, sig: int) -> None:
+    w.proc.send_signal(sig)
+    try:
+        rc = w.proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        w.proc.kill()
+        raise AssertionError("the command did not exit within 180 s of the signal")
+    time.sleep(1.0)
+    left = w.left_behind()
+    for pid in list(w.seen):  # never leave anything to later tests, whatever the outcome
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert len(w.seen) >= 2, f"no stage processes were seen: {w.seen}"
+    assert not left, f"left behind after {signal.Signals(sig).name}: {left}"
+    assert rc in (128 + sig, 130, 143, 0), rc
