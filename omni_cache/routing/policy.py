@@ -53,8 +53,13 @@ class RoutingConfig:
             of the least loaded ones.
         capacity_blocks: KV blocks of a replica whose capacity is not given explicitly
             (:meth:`PrefixAwarePolicy.add_replica`); the LRU bound of its record.
-        min_hit_blocks: a cached prefix shorter than this (blocks) counts as none, so a
-            short shared prefix (a system prompt every replica holds) does not steer.
+        min_hit_blocks: a cached prefix shorter than this (blocks) counts as none.
+        shared_prefix_fanout: a routed block followed by at least this many distinct next
+            blocks (in the prompts routed so far) ends a *shared* prefix — a system prompt
+            that many conversations continue. A hit no longer than the request's shared
+            prefix does not steer (the request goes by load, holders of the shared prefix
+            first among equal queues), so a hot system prompt cannot pin the conversations
+            that start with it to the few replicas that hold it. 0 = every hit steers.
 
     Raises:
         RoutingConfigError: a value is not an int, negative, or ``capacity_blocks < 1``.
@@ -63,9 +68,10 @@ class RoutingConfig:
     load_margin: int = 4
     capacity_blocks: int = 4096
     min_hit_blocks: int = 1
+    shared_prefix_fanout: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("load_margin", "capacity_blocks", "min_hit_blocks"):
+        for name in ("load_margin", "capacity_blocks", "min_hit_blocks", "shared_prefix_fanout"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise RoutingConfigError(name, f"expected an int, got {type(v).__name__} {v!r}")
@@ -73,6 +79,9 @@ class RoutingConfig:
                 raise RoutingConfigError(name, f"must be >= 0, got {v}")
         if self.capacity_blocks < 1:
             raise RoutingConfigError("capacity_blocks", f"must be >= 1, got {self.capacity_blocks}")
+        if self.shared_prefix_fanout == 1:
+            raise RoutingConfigError("shared_prefix_fanout", "must be 0 (off) or >= 2: with 1 every "
+                                     "routed block ends a shared prefix and no hit ever steers")
 
 
 def request_block_hashes(
@@ -222,6 +231,9 @@ class PrefixAwarePolicy:
         self.config = config or RoutingConfig()
         self._records: dict[ReplicaKey, BlockRecord] = {}
         self._holders: dict[int, set[ReplicaKey]] = {}
+        #: block hash -> distinct next block hashes seen in routed prompts (capped at the
+        #: fan-out threshold); dropped with the block's last holder
+        self._next: dict[int, set[int]] = {}
         #: events' engine block hash -> this router's block hash, per replica
         self._engine_to_router: dict[ReplicaKey, dict[Any, int]] = {}
 
@@ -297,6 +309,7 @@ class PrefixAwarePolicy:
                 s.discard(replica)
                 if not s:
                     del self._holders[h]
+                    self._next.pop(h, None)
 
     def record(self, replica: ReplicaKey, block_hashes: Sequence[int]) -> None:
         """The replica now holds these blocks (most recently used); the LRU forgets the
@@ -317,17 +330,27 @@ class PrefixAwarePolicy:
         """Leading blocks of ``block_hashes`` each candidate's record holds (0 for unknown
         replicas). Cost: O(hit length x replicas still matching)."""
         cands = list(candidates)
-        hits = dict.fromkeys(cands, 0)
-        alive = set(cands)
-        for depth, h in enumerate(block_hashes):
+        return {**dict.fromkeys(cands, 0), **self._nonzero_hits(block_hashes, cands)}
+
+    def _nonzero_hits(self, block_hashes: Sequence[int], candidates: Iterable[ReplicaKey]) -> dict[ReplicaKey, int]:
+        hits: dict[ReplicaKey, int] = {}
+        if not block_hashes or block_hashes[0] not in self._holders:
+            return hits
+        alive = self._holders[block_hashes[0]].intersection(candidates)
+        depth = 1
+        for h in block_hashes[1:]:
             holders = self._holders.get(h)
-            if not holders:
+            if holders is None:
                 break
-            alive &= holders
-            if not alive:
-                break
-            for r in alive:
-                hits[r] = depth + 1
+            if not alive <= holders:
+                for r in alive - holders:
+                    hits[r] = depth
+                alive &= holders
+                if not alive:
+                    break
+            depth += 1
+        for r in alive:
+            hits[r] = depth
         return hits
 
     # ---- choice ----
@@ -359,21 +382,22 @@ class PrefixAwarePolicy:
                 raise ValueError(f"queue length of replica {r!r} must be an int >= 0, got {q!r}")
             if r not in self._records:
                 self.add_replica(r)
-        hits = self.prefix_hits(block_hashes, queue_lengths)
-        floor = self.config.min_hit_blocks
-        if floor > 1:
-            hits = {r: (h if h >= floor else 0) for r, h in hits.items()}
-        best = max(hits.values())
-        q_min = min(queue_lengths.values())
-        limit = q_min + self.config.load_margin
-        tk = tie_key if tie_key is not None else (block_hashes[0] if len(block_hashes) else 0)
-        chosen = max(
-            (r for r, q in queue_lengths.items() if q <= limit),
-            key=lambda r: (hits[r], -queue_lengths[r], rendezvous_score(tk, r)),
-        )
-        hit = hits[chosen]
-        reason = "least-queue" if best == 0 else ("prefix" if hit == best else "load")
-        return RouteDecision(chosen, hit, best, reason)
+        hits = self._nonzero_hits(block_hashes, queue_lengths)
+        floor = max(self.config.min_hit_blocks, self.shared_prefix_blocks(block_hashes) + 1)
+        steer = {r: h for r, h in hits.items() if h >= floor}
+        best = max(steer.values(), default=0)
+        limit = min(queue_lengths.values()) + self.config.load_margin
+        eligible = [r for r, q in queue_lengths.items() if q <= limit]
+        rank = {r: (steer.get(r, 0), -queue_lengths[r], hits.get(r, 0)) for r in eligible}
+        top = max(rank.values())
+        ties = [r for r in eligible if rank[r] == top]
+        if len(ties) == 1:
+            chosen = ties[0]
+        else:
+            tk = tie_key if tie_key is not None else (block_hashes[0] if len(block_hashes) else 0)
+            chosen = max(ties, key=lambda r: rendezvous_score(tk, r))
+        reason = "least-queue" if best == 0 else ("prefix" if steer.get(chosen, 0) == best else "load")
+        return RouteDecision(chosen, hits.get(chosen, 0), max(hits.values(), default=0), reason)
 
     def route(
         self,
@@ -385,7 +409,28 @@ class PrefixAwarePolicy:
         approximate record: it will hold the prompt's full blocks once prefilled)."""
         d = self.choose(block_hashes, queue_lengths, tie_key)
         self.record(d.replica, block_hashes)
+        cap = self.config.shared_prefix_fanout
+        if cap:
+            for a, b in zip(block_hashes, block_hashes[1:]):
+                nxt = self._next.setdefault(a, set())
+                if len(nxt) < cap:
+                    nxt.add(b)
         return d
+
+    def shared_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        """Length (blocks) of the request's shared prefix: up to and including its deepest
+        block with ``>= shared_prefix_fanout`` distinct next blocks; 0 if none (or off)."""
+        cap = self.config.shared_prefix_fanout
+        if not cap:
+            return 0
+        depth = 0
+        for i, h in enumerate(block_hashes):
+            nxt = self._next.get(h)
+            if nxt is None:
+                break
+            if len(nxt) >= cap:
+                depth = i + 1
+        return depth
 
     # ---- precise: KV-cache events ----
 
