@@ -32,6 +32,7 @@ class ReadBy(enum.Enum):
     ENGINE = "stage engine process"
     EVERY = "every vLLM-Omni process"
     DRIVER = "the `omni-cache` command"
+    ORCHESTRATOR = "the process running vLLM-Omni's orchestrator (`Omni` / `AsyncOmni`)"
     SETUP = "scripts/setup.sh"
 
 
@@ -126,6 +127,19 @@ CUDA_PLATFORM = Setting(
     "OMNI_CACHE_CUDA_PLATFORM", Kind.CHOICE, "0", ReadBy.EVERY, True,
     "`1`: the opt-in CUDA OmniPlatform whose AR worker runs omni-cache's runner",
     choices=("0", "1"))
+ROUTING = Setting(
+    "OMNI_CACHE_ROUTING", Kind.CHOICE, "vllm_omni", ReadBy.ORCHESTRATOR, True,
+    "thinker (stage 0) replicas: `prefix` routes a request to the replica holding its longest "
+    "cached prefix, bounded by load (docs/routing.md); `vllm_omni` keeps vLLM-Omni's routing",
+    choices=("vllm_omni", "prefix"))
+ROUTING_LOAD_MARGIN = Setting(
+    "OMNI_CACHE_ROUTING_LOAD_MARGIN", Kind.INT, "4", ReadBy.ORCHESTRATOR, True,
+    "prefix routing: a replica whose queue exceeds the shortest by more than this many "
+    "requests gets no request")
+ROUTING_CAPACITY_BLOCKS = Setting(
+    "OMNI_CACHE_ROUTING_CAPACITY_BLOCKS", Kind.INT, "0", ReadBy.ORCHESTRATOR, True,
+    "prefix routing: KV blocks the router assumes per replica (its LRU record's bound); `0` = "
+    "the replica's KV blocks as the engine reports them")
 HOME = Setting(
     "OMNI_CACHE_HOME", Kind.PATH, None, ReadBy.DRIVER, False,
     "where `omni-cache make-model` puts the embedded models (default `~/.cache/omni-cache`)")
@@ -139,7 +153,8 @@ VENV = Setting(
 #: name → setting, in documentation order.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
-    TEST_FORGET_FIRST_N_REQUESTS, CPU_PLATFORM, CUDA_PLATFORM, HOME, LOG_LEVEL, VENV)}
+    TEST_FORGET_FIRST_N_REQUESTS, CPU_PLATFORM, CUDA_PLATFORM, ROUTING, ROUTING_LOAD_MARGIN,
+    ROUTING_CAPACITY_BLOCKS, HOME, LOG_LEVEL, VENV)}
 
 PREFIX = "OMNI_CACHE_"
 

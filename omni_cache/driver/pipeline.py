@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from omni_cache import settings
 from omni_cache.driver.stage_config import load_stage_config
 from omni_cache.driver.inputs import OmniRequest
 
@@ -109,6 +110,13 @@ class OmniPipeline:
         )
         self.start_s = time.perf_counter() - t0
         logger.info("pipeline started in %.1f s", self.start_s)
+        self.router = None
+        thinker = self.stage_config.stage(0)
+        if settings.ROUTING.get({k: str(v) for k, v in (thinker.get("env") or {}).items()}) == "prefix":
+            from omni_cache.driver.routing import install_prefix_routing
+
+            self.router = install_prefix_routing(self.omni, thinker.get("env"),
+                                                 block_size=int(thinker.get("block_size", 16)))
 
     def generate(self, requests: Sequence[OmniRequest | dict], sampling_params_list: Sequence | None = None
                  ) -> list[RequestResult]:

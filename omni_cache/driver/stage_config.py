@@ -204,6 +204,7 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
             _check_keys(p, {k: v for k, v in s.items()}, schema, sid)
     cfg = StageConfig(path=p, raw=raw, stage_ids=seen)
     _check_capped_scheduler(cfg)
+    _check_routing(cfg)
     if model_dir is not None:
         md = Path(model_dir)
         if not (md / "config.json").is_file():
@@ -231,6 +232,40 @@ def _check_capped_scheduler(cfg: StageConfig) -> None:
             cfg.path, f"prefix cache backend omni_cache needs omni-cache's capped scheduler, which pipeline "
             f"{pipeline!r} does not run on this stage; {hint}, or set "
             f"{settings.PREFIX_CACHE_BACKEND.name}: builtin", stage_id=sid, key="pipeline")
+
+
+_ROUTING_KNOBS = (settings.ROUTING_LOAD_MARGIN, settings.ROUTING_CAPACITY_BLOCKS)
+
+
+def _check_routing(cfg: StageConfig) -> None:
+    """Prefix routing (``OMNI_CACHE_ROUTING: prefix``, docs/routing.md) routes the thinker's
+    replicas only: talker and code2wav keep vLLM-Omni's routing (their requests follow the
+    thinker's through the orchestrator). Its knobs without it are a mistake, not a no-op."""
+    for sid in cfg.stage_ids:
+        env = {k: str(v) for k, v in (cfg.stage(sid).get("env") or {}).items()}
+        mode = settings.ROUTING.get(env)
+        if sid != 0 and (settings.ROUTING.name in env or any(k.name in env for k in _ROUTING_KNOBS)):
+            key = settings.ROUTING.name if settings.ROUTING.name in env else next(
+                k.name for k in _ROUTING_KNOBS if k.name in env)
+            raise StageConfigError(cfg.path, "omni-cache routes the thinker's (stage 0) replicas only; "
+                                   "talker and code2wav keep vLLM-Omni's routing — move it to stage 0",
+                                   stage_id=sid, key=f"env.{key}")
+        if mode != "prefix":
+            for k in _ROUTING_KNOBS:
+                if k.name in env:
+                    raise StageConfigError(cfg.path, f"has no effect without {settings.ROUTING.name}: prefix",
+                                           stage_id=sid, key=f"env.{k.name}")
+            continue
+        s = cfg.stage(sid)
+        replicas = (s.get("runtime") or {}).get("num_replicas", s.get("num_replicas", 1))
+        if not isinstance(replicas, int) or replicas <= 1:
+            cfg.notes.append(f"stage {sid}: {settings.ROUTING.name}: prefix with num_replicas {replicas!r}: "
+                             "nothing to route on this host (distributed replicas may still register)")
+        enabled = s.get("enable_prefix_caching", cfg.raw.get("enable_prefix_caching"))
+        if not enabled:
+            raise StageConfigError(cfg.path, "prefix routing sends a request where its prefix is cached, "
+                                   "which needs enable_prefix_caching: true on the thinker",
+                                   stage_id=sid, key=f"env.{settings.ROUTING.name}")
 
 
 def _is_yoco_stage(stage: dict) -> bool:

@@ -2,7 +2,7 @@
 
 - engine code (runs inside vLLM-Omni's stage processes) never imports driver code, the CLI
   or the benchmarks;
-- the engine-free modules (core, yoco, settings) import neither vLLM nor vLLM-Omni nor the
+- the engine-free modules (core, yoco, routing, settings) import neither vLLM nor vLLM-Omni nor the
   adapter packages;
 - no import cycle between omni-cache's modules (function-level imports included);
 - ``OMNI_CACHE_*`` names appear in library code only through :mod:`omni_cache.settings`, and
@@ -76,7 +76,8 @@ def test_engine_code_never_imports_driver_code():
     assert not bad, sorted(bad)
 
 
-@pytest.mark.parametrize("package", ["omni_cache.core", "omni_cache.yoco", "omni_cache.settings"])
+@pytest.mark.parametrize("package", ["omni_cache.core", "omni_cache.yoco", "omni_cache.routing",
+                                     "omni_cache.settings"])
 def test_engine_free_modules_import_no_engine_and_no_adapter(package):
     bad = set()
     for m, p in _modules().items():

@@ -1,0 +1,379 @@
+"""Routing simulation: prefix-aware vs vLLM-Omni's policies over 8-256 thinker replicas.
+
+Driven by the policy code itself (:mod:`omni_cache.routing`), no engine. Workload: ``N``
+conversations x ``M`` turns; each conversation opens with one of ``K`` shared system
+prompts (a hot prefix: picked with the same Zipf skew), then alternates user messages and
+answers. Turn ``t``'s prompt = system prompt + every earlier (user, answer) + user message
+``t`` (token ids; block hashes from :func:`omni_cache.routing.request_block_hashes`).
+
+Arrivals are Poisson; each arrival is the next turn of a conversation that has none in
+flight, picked with probability proportional to its popularity: uniform, or Zipf
+(``1 / rank^s``) over conversations (skewed: hot conversations talk in bursts, cold ones
+linger). Each replica serves up to ``batch`` requests at a time, FIFO beyond; a request's
+service time is ``t_fixed + t_block x uncached prompt blocks``; queue length = requests
+queued or running there (what vLLM-Omni's ``ReplicaInfo.queue_length`` reports).
+
+Ground truth per replica: an LRU KV cache of ``capacity`` blocks (prompt + answer full
+blocks cached when a request finishes). A turn >= 2 **hits** when, at the start of its
+service, its replica's KV holds at least the previous turn's prompt full blocks.
+
+Policies: ``prefix`` (the router's approximate record: what it routed),
+``prefix+events`` (also fed the replicas' stored / evicted blocks, as vLLM's KV-cache events
+would), ``random``, ``round-robin``, ``least-queue``.
+
+Reports per (replicas, skew, policy): turn >= 2 hit ratio, cached-block ratio, max/mean of
+requests per replica (``load_max_mean``) and of busy time. Bar: 64 replicas, Zipf: hit ratio
+>= 0.9 with max/mean load <= 1.3 (prefix policy).
+
+    PYTHONPATH=. /work/main/.venv/bin/python benchmarks/routing_sim.py
+
+Writes ``benchmarks/results/routing-sim/result.json`` and ``routing_sim.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import sys
+import time
+from bisect import bisect_left
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass
+from itertools import accumulate
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from omni_cache.routing import (  # noqa: E402
+    LeastQueuePolicy,
+    PrefixAwarePolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    RoutingConfig,
+    request_block_hashes,
+)
+
+OUT = REPO / "benchmarks" / "results" / "routing-sim"
+POLICIES = ("prefix", "prefix+events", "random", "round-robin", "least-queue")
+DEFAULT_POLICIES = ("prefix", "random", "round-robin", "least-queue")
+
+
+@dataclass(frozen=True)
+class Workload:
+    replicas: int
+    conversations: int
+    turns: int
+    zipf_s: float            # 0 = uniform
+    system_prompts: int = 16
+    system_tokens: int = 256
+    user_tokens: tuple[int, int] = (24, 120)
+    answer_tokens: tuple[int, int] = (16, 96)
+    block_size: int = 16
+    capacity_blocks: int = 2048   # per replica KV blocks
+    batch: int = 8
+    utilization: float = 0.7
+    t_fixed: float = 1.0
+    t_block: float = 0.05
+    seed: int = 0
+
+
+class _Fenwick:
+    """Weighted sampling of ready conversations in O(log N) (weight 0 = not ready)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.t, self.w = n, [0.0] * (n + 1), [0.0] * n
+
+    def set(self, i: int, value: float) -> None:
+        d, self.w[i] = value - self.w[i], value
+        i += 1
+        while i <= self.n:
+            self.t[i] += d
+            i += i & -i
+
+    def total(self) -> float:
+        s, i = 0.0, self.n
+        while i > 0:
+            s += self.t[i]
+            i -= i & -i
+        return s
+
+    def find(self, x: float) -> int:
+        """Smallest index whose prefix sum exceeds ``x``."""
+        pos, step = 0, 1 << self.n.bit_length()
+        while step:
+            nxt = pos + step
+            if nxt <= self.n and self.t[nxt] <= x:
+                pos, x = nxt, x - self.t[nxt]
+            step >>= 1
+        return min(pos, self.n - 1)
+
+
+class _LRU:
+    """Ground truth: one replica's KV prefix cache (block hashes, LRU eviction)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.cap, self.d = capacity, OrderedDict()
+
+    def leading_hits(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.d:
+                break
+            n += 1
+        return n
+
+    def store(self, hashes: list[int]) -> list[int]:
+        for h in hashes:
+            if h in self.d:
+                self.d.move_to_end(h)
+            else:
+                self.d[h] = None
+        ev = []
+        while len(self.d) > self.cap:
+            ev.append(self.d.popitem(last=False)[0])
+        return ev
+
+
+def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
+    """Per conversation, per turn: (prompt block hashes, prompt + answer block hashes).
+    Block hashes are extended incrementally (``parent=``), equal to hashing each prompt whole."""
+    import numpy as np
+
+    rng = random.Random(w.seed)
+    gen = np.random.default_rng(w.seed)
+    vocab, bs = 150_000, w.block_size
+    systems = [gen.integers(0, vocab, w.system_tokens).tolist() for _ in range(w.system_prompts)]
+    sys_cum = list(accumulate(1.0 / (k + 1) ** w.zipf_s for k in range(w.system_prompts)))
+    convs = []
+    for _ in range(w.conversations):
+        k = bisect_left(sys_cum, rng.random() * sys_cum[-1])
+        toks = list(systems[k])
+        hashes: list[int] = []                     # of toks' first len(hashes) full blocks
+
+        def extend(upto: list[int]) -> list[int]:
+            n = len(hashes)
+            tail = upto[n * bs:]
+            return hashes + request_block_hashes(tail, bs) if n == 0 else \
+                hashes + _chain(tail, bs, hashes[-1])
+
+        turns = []
+        for _ in range(w.turns):
+            toks += gen.integers(0, vocab, rng.randint(*w.user_tokens)).tolist()
+            answer = gen.integers(0, vocab, rng.randint(*w.answer_tokens)).tolist()
+            full = extend(toks + answer)
+            turns.append((full[: len(toks) // bs], full))  # chained: the prompt's are a prefix
+            toks += answer
+            hashes = full
+        convs.append(turns)
+    return convs
+
+
+def _chain(tail: list[int], block_size: int, parent: int) -> list[int]:
+    from omni_cache.core.slots import chained_block_hashes
+
+    return chained_block_hashes(tail, block_size, parent=parent)
+
+
+def make_policy(name: str, w: Workload):
+    if name.startswith("prefix"):
+        return PrefixAwarePolicy(RoutingConfig(load_margin=4, capacity_blocks=w.capacity_blocks))
+    return {"random": lambda: RandomPolicy(w.seed), "round-robin": RoundRobinPolicy,
+            "least-queue": lambda: LeastQueuePolicy(w.seed)}[name]()
+
+
+def simulate(w: Workload, policy_name: str, convs) -> dict:
+    rng = random.Random(w.seed + 1)
+    R, N = w.replicas, len(convs)
+    policy = make_policy(policy_name, w)
+    events_on = policy_name == "prefix+events"
+    keys = [f"replica-{i}" for i in range(R)]
+    kv = [_LRU(w.capacity_blocks) for _ in range(R)]
+    queue = dict.fromkeys(keys, 0)                   # queued + running, what the policy sees
+    waiting = [deque() for _ in range(R)]
+    running = [0] * R
+    served, busy = [0] * R, [0.0] * R
+    weight = [1.0 / (i + 1) ** w.zipf_s for i in range(N)]
+    rng.shuffle(weight)                              # popularity rank independent of system prompt
+    next_turn = [0] * N
+    ready = _Fenwick(N)
+    for i in range(N):
+        ready.set(i, weight[i])
+    to_issue = sum(len(c) for c in convs)
+    # arrival rate: utilization x capacity with every prompt a miss (no policy overloads)
+    mean_blocks = sum(len(t[0]) for c in convs for t in c) / sum(len(c) for c in convs)
+    rate = w.utilization * R * w.batch / (w.t_fixed + w.t_block * mean_blocks)
+    total = sum(len(c) for c in convs)
+    heap: list[tuple[float, int, str, tuple]] = []
+    seq = 0
+    now = 0.0
+    hits = later = cached = prompt_blocks = 0
+    reasons: dict[str, int] = {}
+    done = 0
+
+    def start(r: int, t: float) -> None:
+        nonlocal seq, hits, later, cached, prompt_blocks
+        c, turn, prompt, full = waiting[r].popleft()
+        running[r] += 1
+        h = kv[r].leading_hits(prompt)
+        if turn >= 1:
+            later += 1
+            prev = len(convs[c][turn - 1][0])
+            hits += h >= prev
+            cached += h
+            prompt_blocks += len(prompt)
+        dur = w.t_fixed + w.t_block * (len(prompt) - h)
+        busy[r] += dur
+        seq += 1
+        heapq.heappush(heap, (t + dur, seq, "finish", (r, c, full)))
+
+    seq += 1
+    heapq.heappush(heap, (rng.expovariate(rate), seq, "arrive", ()))
+    while done < total:
+        now, _, kind, data = heapq.heappop(heap)
+        if kind == "arrive":
+            tot = ready.total()
+            if tot > 1e-12:
+                c = ready.find(rng.random() * tot)
+                while ready.w[c] == 0.0:             # float residue at an edge
+                    c = (c + 1) % N
+                ready.set(c, 0.0)
+                to_issue -= 1
+                turn = next_turn[c]
+                next_turn[c] += 1
+                prompt, full = convs[c][turn]
+                d = policy.route(prompt, queue, tie_key=c)
+                reasons[d.reason] = reasons.get(d.reason, 0) + 1
+                r = int(d.replica.rsplit("-", 1)[1])
+                queue[d.replica] += 1
+                served[r] += 1
+                waiting[r].append((c, turn, prompt, full))
+                if running[r] < w.batch:
+                    start(r, now)
+            if to_issue:
+                seq += 1
+                heapq.heappush(heap, (now + rng.expovariate(rate), seq, "arrive", ()))
+        else:
+            r, c, full = data
+            running[r] -= 1
+            queue[keys[r]] -= 1
+            evicted = kv[r].store(full)
+            if events_on:                            # what BlockStored / BlockRemoved carry
+                policy.record(keys[r], full)
+                policy.forget(keys[r], evicted)
+            done += 1
+            if next_turn[c] < w.turns:
+                ready.set(c, weight[c])
+            if waiting[r] and running[r] < w.batch:
+                start(r, now)
+    mean_served = sum(served) / R
+    mean_busy = sum(busy) / R
+    return {
+        "policy": policy_name,
+        "requests": total,
+        "turn2_hit_ratio": hits / later if later else 0.0,
+        "cached_block_ratio": cached / prompt_blocks if prompt_blocks else 0.0,
+        "load_max_mean": max(served) / mean_served,
+        "busy_max_mean": max(busy) / mean_busy,
+        "makespan": now,
+        "reasons": reasons,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    ap.add_argument("--conversations-per-replica", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the skewed runs")
+    ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=POLICIES)
+    ap.add_argument("--pressure-capacity", type=int, default=200,
+                    help="KV blocks per replica of the eviction-pressure runs (64 replicas, Zipf: "
+                         "prefix vs prefix+events); 0 = skip them")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+
+    t_all = time.perf_counter()
+    rows = []
+    for R in args.replicas:
+        for skew, s in (("uniform", 0.0), ("zipf", args.zipf_s)):
+            w = Workload(replicas=R, conversations=R * args.conversations_per_replica,
+                         turns=args.turns, zipf_s=s)
+            t0 = time.perf_counter()
+            convs = build_conversations(w)
+            for p in args.policies:
+                t1 = time.perf_counter()
+                row = {"replicas": R, "skew": skew, **simulate(w, p, convs)}
+                rows.append(row)
+                print(f"[{time.perf_counter() - t_all:6.1f}s] R={R:<4} {skew:<7} {p:<14} "
+                      f"hit(turn>=2)={row['turn2_hit_ratio']:.3f} cached={row['cached_block_ratio']:.3f} "
+                      f"load max/mean={row['load_max_mean']:.2f} busy max/mean={row['busy_max_mean']:.2f} "
+                      f"({time.perf_counter() - t1:.1f}s)", flush=True)
+            del t0
+    if args.pressure_capacity:
+        w = Workload(replicas=64, conversations=64 * args.conversations_per_replica, turns=args.turns,
+                     zipf_s=args.zipf_s, capacity_blocks=args.pressure_capacity)
+        convs = build_conversations(w)
+        for p in ("prefix", "prefix+events", "least-queue"):
+            row = {"replicas": 64, "skew": f"zipf, {args.pressure_capacity} KV blocks", **simulate(w, p, convs)}
+            rows.append(row)
+            print(f"[{time.perf_counter() - t_all:6.1f}s] R=64   zipf, eviction pressure ({args.pressure_capacity} "
+                  f"blocks) {p:<14} hit(turn>=2)={row['turn2_hit_ratio']:.3f} "
+                  f"cached={row['cached_block_ratio']:.3f} load max/mean={row['load_max_mean']:.2f}", flush=True)
+    bar = [r for r in rows if r["replicas"] == 64 and r["skew"] == "zipf" and r["policy"] == "prefix"]
+    bar_ok = bool(bar) and bar[0]["turn2_hit_ratio"] >= 0.9 and bar[0]["load_max_mean"] <= 1.3
+    base = Workload(replicas=0, conversations=0, turns=args.turns, zipf_s=args.zipf_s)
+    result = {
+        "command": "PYTHONPATH=. python benchmarks/routing_sim.py " + " ".join(argv or sys.argv[1:]),
+        "workload": {**asdict(base), "replicas": args.replicas,
+                     "conversations_per_replica": args.conversations_per_replica},
+        "policy_config": {"load_margin": 4, "shared_prefix_fanout": 4, "capacity_blocks": base.capacity_blocks},
+        "bar": {"replicas": 64, "skew": "zipf", "policy": "prefix", "hit_ratio_min": 0.9,
+                "load_max_mean_max": 1.3, "met": bar_ok, "row": bar[0] if bar else None},
+        "rows": rows,
+        "runtime_s": round(time.perf_counter() - t_all, 1),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    if not args.no_plot:
+        plot(rows, args.out / "routing_sim.png")
+    print(f"bar (64 replicas, zipf, prefix: hit >= 0.9, max/mean <= 1.3): {'MET' if bar_ok else 'NOT MET'}"
+          f"; wrote {args.out} in {result['runtime_s']} s")
+    return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for j, skew in enumerate(("uniform", "zipf")):
+        for p in POLICIES:
+            rs = sorted((r for r in rows if r["skew"] == skew and r["policy"] == p), key=lambda r: r["replicas"])
+            if not rs:
+                continue
+            x = [r["replicas"] for r in rs]
+            axes[0][j].plot(x, [r["turn2_hit_ratio"] for r in rs], marker="o", label=p)
+            axes[1][j].plot(x, [r["load_max_mean"] for r in rs], marker="o", label=p)
+        axes[0][j].set_title(f"{skew} conversation popularity")
+        axes[0][j].set_ylabel("turn >= 2 hit ratio")
+        axes[0][j].set_ylim(0, 1.05)
+        axes[1][j].set_ylabel("max / mean requests per replica")
+        axes[1][j].set_xlabel("thinker replicas")
+        axes[1][j].set_xscale("log", base=2)
+        axes[0][j].axhline(0.9, color="grey", ls=":", lw=1)
+        axes[1][j].axhline(1.3, color="grey", ls=":", lw=1)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Routing simulation (omni_cache.routing): prefix-aware vs vLLM-Omni's policies")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
