@@ -18,9 +18,12 @@ Qwen3-Omni-30B-A3B thinker width (2048, bf16: final hidden, layer 0, accept_hidd
      enqueued just before (longer than the call's host time), so the events time the device
      work alone, not the host's enqueueing (as in a real step, where the model's forward keeps
      the stream busy).
-   - host time: wall time of the call in that same run; a call that waited for the device
-     anywhere would show the sleep here. Also for the write with the array forms of its
-     arguments (block table as a tensor, block hashes as ``(first, uint64 array)``).
+   - host time: wall time of the call alone behind the same kind of busy stream, in a run of
+     its own without the events (recording a CUDA event costs tens of µs on the lent VM's host;
+     ``*_host_ms_with_events`` keeps the wall time of the event-timed run, events included); a
+     call that waited for the device anywhere would show the sleep here. Also for the write
+     with the array forms of its arguments (block table as a tensor, block hashes as
+     ``(first, uint64 array)``). Each timed write goes to fresh random blocks.
    - latency: wall time from the call to its rows having landed, idle GPU (call + synchronize).
    - GB/s: payload bytes (tokens x keys x width x 2 B) / GPU time; DRAM traffic of a
      device-to-device move is twice that.
@@ -75,7 +78,8 @@ class GpuTimer:
         self.cycles_per_ms = 20_000_000 / s.elapsed_time(e)
 
     def run(self, fn, busy_ms: float) -> tuple[float, float, object]:
-        """(GPU ms, host ms, result) of one call of ``fn`` behind ``busy_ms`` of sleep."""
+        """(GPU ms, host ms, result) of one call of ``fn`` behind ``busy_ms`` of sleep; the host
+        time includes recording the two CUDA events around the call (see :meth:`host`)."""
         torch.cuda.synchronize()
         torch.cuda._sleep(int(busy_ms * self.cycles_per_ms))
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -86,6 +90,17 @@ class GpuTimer:
         host = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
         return s.elapsed_time(e), host, out
+
+    def host(self, fn, busy_ms: float) -> tuple[float, object]:
+        """(host ms, result) of one call of ``fn`` behind ``busy_ms`` of sleep, nothing else
+        timed: the call's own host time (each event record costs tens of µs on a VM host)."""
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(busy_ms * self.cycles_per_ms))
+        t0 = time.perf_counter()
+        out = fn()
+        host = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        return host, out
 
     def bench(self, fn, reps: int = 10) -> dict:
         fn()
@@ -146,46 +161,69 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
     nb = tokens // block_size
     rows = {k: torch.randn(tokens, width, device=dev).to(torch.bfloat16) for k in KEYS}
     rng = random.Random(tokens)
-    w_gpu, w_host, r_gpu, r_host, w_lat, r_lat, w_host_arr = [], [], [], [], [], [], []
+    m = {k: [] for k in ("w_gpu", "w_host", "w_host_ev", "w_host_arr", "r_gpu", "r_host", "r_host_ev",
+                         "w_lat", "r_lat")}
     busy = 2.0
-    for rep in range(reps + 2):
-        blocks = torch.randperm(num_blocks)[:nb].tolist()
+
+    def fresh_write(req: str, arrays: bool = False):
+        """A write of the step into fresh random blocks (block hashes as the ``{block index:
+        hash}`` mapping the engine builds before the call, or the array forms: block table as a
+        tensor, block hashes as ``(first, uint64 array)``)."""
+        blocks = torch.randperm(num_blocks)[:nb]
         hashes = [rng.getrandbits(64) for _ in range(nb)]
-        hash_map = dict(enumerate(hashes))  # built by the caller (the engine) before the call
+        if arrays:
+            args = (blocks, 0, rows, (0, np.array(hashes, dtype=np.uint64)))
+        else:
+            blocks = blocks.tolist()
+            args = (blocks, 0, rows, dict(enumerate(hashes)))
+        return (lambda: cache.write_request_rows(req, *args)), blocks, hashes
+
+    for rep in range(reps + 2):
         req = f"{tier.name}-{tokens}-{rep}"
-        # idle-GPU latency of a write (its own fresh blocks), then the timed write behind a busy stream
-        lat_blocks = torch.randperm(num_blocks)[:nb].tolist()
+        # idle-GPU latency of a write, then GPU time (events) and host time (no events) of
+        # writes behind a busy stream, each into its own fresh blocks
+        fn, _, _ = fresh_write(req + "-lat")
         t0 = time.perf_counter()
-        cache.write_request_rows(req + "-lat", lat_blocks, 0, rows, hash_map)
+        fn()
         for p in cache.pools.values():
             p.wait_pending()
         torch.cuda.synchronize()
         lat_w = (time.perf_counter() - t0) * 1e3
-        # host time of the same write with the array forms (block table as a tensor, block
-        # hashes as (first, uint64 array)), into other fresh blocks
-        arr_blocks = torch.randperm(num_blocks)[:nb]
-        arr_hashes = (0, np.array(hashes, dtype=np.uint64))
-        _, h_arr, _ = timer.run(lambda: cache.write_request_rows(req + "-arr", arr_blocks, 0, rows, arr_hashes), busy)
-        g, h, _ = timer.run(lambda: cache.write_request_rows(req, blocks, 0, rows, hash_map), busy)
+        fn, _, _ = fresh_write(req + "-arr", arrays=True)
+        h_arr, _ = timer.host(fn, busy)
+        fn, _, _ = fresh_write(req + "-host")
+        h, _ = timer.host(fn, busy)
+        fn, blocks, hashes = fresh_write(req)
+        g, h_ev, _ = timer.run(fn, busy)
         for p in cache.pools.values():
             p.wait_pending()
+
+        def read():
+            return cache.read_prefix(req, blocks, tokens, hashes, KEYS, out_device=dev)
+
         t0 = time.perf_counter()
-        cache.read_prefix(req, blocks, tokens, hashes, KEYS, out_device=dev)
+        read()
         torch.cuda.synchronize()
         lat_r = (time.perf_counter() - t0) * 1e3
-        gr, hr, out = timer.run(lambda: cache.read_prefix(req, blocks, tokens, hashes, KEYS, out_device=dev), busy)
+        hr, _ = timer.host(read, busy)
+        gr, hr_ev, out = timer.run(read, busy)
         if not all(_same_bits(out[k], rows[k]) for k in KEYS):
             raise AssertionError(f"{tier.name} {tokens}: read rows differ from the written rows")
-        busy = max(2.0, 3 * max(h, hr) + 1.0)
+        busy = max(2.0, 3 * max(h_ev, hr_ev) + 1.0)
         if rep >= 2:
-            w_gpu.append(g), w_host.append(h), r_gpu.append(gr), r_host.append(hr)
-            w_lat.append(lat_w), r_lat.append(lat_r), w_host_arr.append(h_arr)
+            for k, v in zip(m, (g, h, h_ev, h_arr, gr, hr, hr_ev, lat_w, lat_r)):
+                m[k].append(v)
     nbytes = tokens * width * 2 * len(KEYS)
     res = {"tier": tier.name, "tokens": tokens, "width": width, "keys": len(KEYS), "bytes": nbytes,
-           "write_gpu_ms": _median(w_gpu), "write_host_ms": _median(w_host), "write_latency_ms": _median(w_lat),
-           "read_gpu_ms": _median(r_gpu), "read_host_ms": _median(r_host), "read_latency_ms": _median(r_lat),
-           "write_host_ms_array_forms": _median(w_host_arr),
-           "write_host_ms_all": w_host, "read_host_ms_all": r_host}
+           "write_gpu_ms": _median(m["w_gpu"]), "write_host_ms": _median(m["w_host"]),
+           "write_latency_ms": _median(m["w_lat"]),
+           "read_gpu_ms": _median(m["r_gpu"]), "read_host_ms": _median(m["r_host"]),
+           "read_latency_ms": _median(m["r_lat"]),
+           "write_host_ms_array_forms": _median(m["w_host_arr"]),
+           "write_host_ms_with_events": _median(m["w_host_ev"]),
+           "read_host_ms_with_events": _median(m["r_host_ev"]),
+           "write_host_ms_all": m["w_host"], "write_host_ms_array_forms_all": m["w_host_arr"],
+           "read_host_ms_all": m["r_host"], "fused_writes": cache._writer is not None}
     res["write_GBps"] = nbytes / res["write_gpu_ms"] / 1e6
     res["read_GBps"] = nbytes / res["read_gpu_ms"] / 1e6
     return res
@@ -274,7 +312,7 @@ def bars(res: dict) -> list[str]:
         if r:
             ok = r["write_host_ms"] <= BARS["write_host_ms_8k"]
             lines.append(f"{'PASS' if ok else 'FAIL'} write host time {tier} 8k: {r['write_host_ms']:.3f} ms "
-                         f"(bar <= {BARS['write_host_ms_8k']} ms)")
+                         f"(array forms {r['write_host_ms_array_forms']:.3f} ms; bar <= {BARS['write_host_ms_8k']} ms)")
     fr = [r["write_frac"] for r in res["runs"] if r["tier"] == "DEVICE"]
     r8 = by.get(("DEVICE", 8192))
     if r8:
@@ -300,6 +338,8 @@ def main() -> None:
     ap.add_argument("--cpu-repeats", type=int, default=200)
     ap.add_argument("--tokens", type=int, nargs="*", default=list(STEP_TOKENS))
     ap.add_argument("--cpu-only", action="store_true")
+    ap.add_argument("--unfused-tokens", type=int, nargs="*", default=[8192],
+                    help="also run these step sizes with fused=False (per-key index_copy_), for comparison")
     ap.add_argument("--out", default="benchmarks/results/pool_gpu.json")
     a = ap.parse_args()
     out = Path(a.out)
@@ -312,19 +352,22 @@ def main() -> None:
         for name, v in res["limits"].items():
             print(f"limit {name:18s} {v['GBps']:8.1f} GB/s  ({v['gpu_ms']:.3f} ms)", flush=True)
         res["runs"] = []
-        for tier in (Tier.DEVICE, Tier.PINNED_HOST):
+        res["runs_unfused"] = []
+        for tier, fused in ((Tier.DEVICE, True), (Tier.PINNED_HOST, True), (Tier.DEVICE, False),
+                            (Tier.PINNED_HOST, False)):
             keys = [KeySpec(k, a.width, torch.bfloat16) for k in KEYS]
-            cache = HiddenStateCache(a.num_blocks, a.block_size, keys, device="cuda", tier=tier)
-            for tokens in a.tokens:
+            cache = HiddenStateCache(a.num_blocks, a.block_size, keys, device="cuda", tier=tier, fused=fused)
+            for tokens in (a.tokens if fused else a.unfused_tokens):
                 r = bench_tier(timer, tier, tokens, a.width, a.num_blocks, a.block_size, a.repeats, cache)
                 wl, rl = (("index_copy_rows", "index_select_rows") if tier is Tier.DEVICE
                           else ("pinned_d2h", "pinned_h2d"))
                 r["write_limit"], r["read_limit"] = wl, rl
                 r["write_frac"] = r["write_GBps"] / res["limits"][wl]["GBps"]
                 r["read_frac"] = r["read_GBps"] / res["limits"][rl]["GBps"]
-                res["runs"].append(r)
-                print(f"{tier.name:11s} {tokens:6d} tok  write gpu {r['write_gpu_ms']:7.3f} ms "
-                      f"{r['write_GBps']:7.1f} GB/s ({100 * r['write_frac']:4.0f}% {wl})  host {r['write_host_ms']:.3f} ms"
+                res["runs" if fused else "runs_unfused"].append(r)
+                print(f"{tier.name:11s}{'' if fused else ' unfused'} {tokens:6d} tok  write gpu {r['write_gpu_ms']:7.3f} ms "
+                      f"{r['write_GBps']:7.1f} GB/s ({100 * r['write_frac']:4.0f}% {wl})  host {r['write_host_ms']:.3f} ms "
+                      f"(arrays {r['write_host_ms_array_forms']:.3f}, events {r['write_host_ms_with_events']:.3f})"
                       f"  | read gpu {r['read_gpu_ms']:7.3f} ms {r['read_GBps']:7.1f} GB/s "
                       f"({100 * r['read_frac']:4.0f}% {rl})  host {r['read_host_ms']:.3f} ms", flush=True)
             del cache

@@ -14,6 +14,8 @@ One concept per module:
 - :mod:`.ledger` -- :class:`BlockLedger`, per-block integrity (block hash, owner, fill), as
   numpy arrays updated per step with vectorised operations.
 - :mod:`.cache`  -- :class:`HiddenStateCache`, pools + ledger + metrics.
+- :mod:`.fused`  -- one kernel launch for all keys' rows of a step (Triton, imported lazily
+  and only for CUDA writes; optional: without it the pools' torch path runs).
 """
 
 from omni_cache.core.cache import (

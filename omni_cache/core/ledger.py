@@ -143,6 +143,7 @@ class BlockLedger:
         self._generation = np.zeros(num_blocks, dtype=np.int64)
         self._filled = np.zeros((len(self.keys), num_blocks), dtype=np.int64)  # key-major
         self._mark = np.zeros(num_blocks, dtype=np.int64)  # scratch of the distinct-blocks check
+        self._order = np.arange(num_blocks, dtype=np.int64)
         self._owner_ids: dict[Hashable, int] = {}
         self._owner_names: dict[int, Hashable] = {}
         self._next_owner = 0
@@ -221,11 +222,12 @@ class BlockLedger:
         return ids
 
     def _distinct(self, ids: np.ndarray) -> bool:
+        """Whether the int64 block ids ``ids`` (in range) are pairwise distinct."""
         if ids.size < 2:
             return True
-        order = np.arange(ids.size)
+        order = self._order[:ids.size]
         self._mark[ids] = order
-        return bool(np.array_equal(self._mark.take(ids), order))
+        return not np.count_nonzero(self._mark.take(ids) != order)
 
     def _reset(self, ids: np.ndarray, oid: int) -> None:
         self._cached[ids] = False
@@ -397,6 +399,8 @@ class BlockLedger:
         oid = self._owner_id(owner, create=True)
         if n <= self.scalar_max:
             mask = key_mask.tolist()
+            if hashed is True:
+                hashed = [True] * n
             ids, hs, cs = (x if isinstance(x, list) else x.tolist() for x in (block_ids, block_hashes, hashed))
             for j in range(n):
                 self._write_one(ids[j], first_start if j == 0 else 0, last_end if j == n - 1 else bs,
@@ -418,21 +422,25 @@ class BlockLedger:
         all_hashed = hashed is True or np.count_nonzero(hashed) == n
         cur = self._hash.take(ids)
         cached = self._cached.take(ids)
-        same = (cur == hs) if all_hashed else (np.asarray(hashed, dtype=bool) & (cur == hs))
-        reset = (self._owner.take(ids) != oid) | (cached & ~same)
-        old_first = 0 if reset[0] else None  # the first block's fill before this write
+        if all_hashed:  # a cached block under another hash starts a new fill
+            cached_other = cached & (cur != hs)
+        else:
+            cached_other = cached & ~(np.asarray(hashed, dtype=bool) & (cur == hs))
+        reset = (self._owner.take(ids) != oid) | cached_other
+        last = ids.item(-1)
+        old_first = 0 if reset.item(0) else None  # the first block's fill before this write
         if first_start and old_first is None:
-            old_first = self._filled[:, ids[0]].tolist()
+            old_first = self._filled[:, ids.item(0)].tolist()
         self._owner[ids] = oid
         self._generation[ids] += reset
         end0 = last_end if n == 1 else bs
         for i, written in enumerate(key_mask.tolist()):
             row = self._filled[i]
             row[ids] = bs if written else 0
-            row[ids[-1]] = last_end if written else 0
+            row[last] = last_end if written else 0
             if first_start:
                 f = min(0 if old_first == 0 else old_first[i], first_start)
-                row[ids[0]] = end0 if written and f == first_start else f
+                row[ids.item(0)] = end0 if written and f == first_start else f
         if all_hashed:
             self._hash[ids] = hs
             self._cached[ids] = True
@@ -559,4 +567,6 @@ def in_range(values: np.ndarray, limit: int) -> bool:
     if values.size <= 16:
         v = values.tolist()
         return not v or (min(v) >= 0 and max(v) < limit)
+    if values.dtype == np.int64:  # negative entries are huge as uint64: one reduction checks both ends
+        return bool(values.view(np.uint64).max() < limit)
     return bool(values.min() >= 0 and values.max() < limit)

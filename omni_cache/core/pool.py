@@ -83,7 +83,7 @@ class RowIndex:
             elif device.type == "cpu":
                 t = torch.from_numpy(self.host)
             else:
-                t = _staging_ring(device).stage(self.host).to(device, non_blocking=True)
+                t = staging_ring(device).stage(self.host).to(device, non_blocking=True)
             self._dev[device] = t
         return t
 
@@ -109,12 +109,21 @@ class _StagingRing:
         self.pos = 0
         self.left: list[torch.cuda.Event | None] = [None, None]
         self.lock = threading.Lock()
+        self.dev_base: int | None | bool = False  # device address of buf (False: not looked up yet)
 
     def stage(self, host: np.ndarray) -> torch.Tensor:
         """A pinned int64 tensor holding a copy of ``host``, valid for copies enqueued now."""
         n = len(host)
         if n > self.half:
             return torch.from_numpy(host).pin_memory()
+        a = self.reserve(n)
+        self.np[a:a + n] = host
+        return self.buf[a:a + n]
+
+    def reserve(self, n: int) -> int:
+        """Offset (in int64 entries) of ``n <= half`` consecutive entries of the ring, free
+        for the caller to fill (``self.np[a:a + n]``) and for device work enqueued now on the
+        current stream to read, by copy or in place (:meth:`device_address`)."""
         with self.lock:
             side = self.pos // self.half
             if self.pos + n > (side + 1) * self.half:  # move on to the other half
@@ -128,14 +137,23 @@ class _StagingRing:
                 self.pos = side * self.half
             a = self.pos
             self.pos += n
-            self.np[a:a + n] = host
-            return self.buf[a:a + n]
+            return a
+
+    def device_address(self, offset: int) -> int | None:
+        """The address at which kernels on ``device`` read entry ``offset`` of the ring in
+        place (pinned memory is mapped into the GPU's address space), or ``None`` where this
+        is not available (see :func:`device_pointer`)."""
+        if self.dev_base is False:
+            self.dev_base = device_pointer(self.buf, self.device)
+        return None if self.dev_base is None else self.dev_base + 8 * offset
 
 
 _RINGS: dict[torch.device, _StagingRing] = {}
 
 
-def _staging_ring(device: torch.device) -> _StagingRing:
+def staging_ring(device: torch.device) -> _StagingRing:
+    """The process's pinned staging ring for host -> ``device`` (a CUDA device with its index)
+    index data."""
     ring = _RINGS.get(device)
     if ring is None:
         ring = _RINGS[device] = _StagingRing(device)
@@ -209,14 +227,11 @@ def _uva_release(managed) -> None:  # called by torch (GIL held) when the view's
     _UVA_LIVE.pop(ctypes.addressof(managed.contents), None)
 
 
-def uva_view(pinned: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """A CUDA tensor on ``device`` aliasing the contiguous pinned host tensor ``pinned`` (same
-    shape and dtype): kernels read and write it over PCIe, no copy engine, no host work.
-
-    The view keeps ``pinned`` alive. Returns ``None`` where this is not available (no CUDA
-    driver library, ROCm, memory the driver does not know as pinned).
-    """
-    if torch.version.hip is not None or not pinned.is_pinned() or not pinned.is_contiguous():
+def device_pointer(pinned: torch.Tensor, device: torch.device) -> int | None:
+    """The address (an int) at which kernels on the CUDA ``device`` reach the first byte of
+    the pinned host tensor ``pinned`` (``cuPointerGetAttribute``), or ``None`` where there is
+    none (not pinned, ROCm, no CUDA driver library)."""
+    if torch.version.hip is not None or not pinned.is_pinned():
         return None
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")
@@ -228,11 +243,24 @@ def uva_view(pinned: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     dev_ptr = ctypes.c_uint64(0)
     with torch.cuda.device(device):
         rc = get_attr(ctypes.byref(dev_ptr), _CU_POINTER_ATTRIBUTE_DEVICE_POINTER, pinned.data_ptr())
-    if rc != 0 or not dev_ptr.value:
+    return dev_ptr.value if rc == 0 and dev_ptr.value else None
+
+
+def uva_view(pinned: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor on ``device`` aliasing the contiguous pinned host tensor ``pinned`` (same
+    shape and dtype): kernels read and write it over PCIe, no copy engine, no host work.
+
+    The view keeps ``pinned`` alive. Returns ``None`` where this is not available (no CUDA
+    driver library, ROCm, memory the driver does not know as pinned).
+    """
+    if not pinned.is_contiguous():
+        return None
+    dev_ptr = device_pointer(pinned, device)
+    if dev_ptr is None:
         return None
     shape = (ctypes.c_int64 * 1)(pinned.numel() * pinned.element_size())
     managed = _DLManagedTensor()
-    managed.dl_tensor = _DLTensor(dev_ptr.value, _DLDevice(_DL_KCUDA, device.index), 1,
+    managed.dl_tensor = _DLTensor(dev_ptr, _DLDevice(_DL_KCUDA, device.index), 1,
                                   _DLDataType(_DL_UINT, 8, 1), shape, None, 0)
     managed.deleter = _uva_release
     _UVA_LIVE[ctypes.addressof(managed)] = (managed, shape, pinned)

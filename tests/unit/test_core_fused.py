@@ -1,0 +1,145 @@
+"""The one-launch step write (omni_cache.core.fused): bit-exact against the pools' own path.
+
+The CUDA tests run where CUDA and Triton are (the lent GPU machine); the kernel's address
+arithmetic is also checked on the CPU under Triton's interpreter where Triton is installed.
+"""
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashes
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON),
+                                       reason="needs CUDA and Triton (the GPU machine)")
+
+INTERPRETED = r'''
+import random, sys, torch
+from omni_cache.core import fused
+bs, nblk = 4, 12
+rng = random.Random(int(sys.argv[1]))
+widths = [8, 3, 16]  # int64 words per row, one per key
+pools = [torch.randint(-2**62, 2**62, (nblk * bs, w)) for w in widths]
+for case in range(12):
+    u = rng.randint(1, 5)
+    first_off = rng.randrange(bs)
+    last_end = rng.randint(first_off + 1 if u == 1 else 1, bs)
+    n = u * bs - first_off - (bs - last_end)
+    ids = torch.tensor(rng.sample(range(nblk), u))
+    rows = [torch.randint(-2**62, 2**62, (n, w)) for w in widths]
+    expect = [p.clone() for p in pools]
+    slots = torch.cat([ids[j] * bs + torch.arange(first_off if j == 0 else 0, last_end if j == u - 1 else bs)
+                       for j in range(u)])
+    for e, r in zip(expect, rows):
+        e[slots] = r
+    tab = torch.tensor([v for r, p, w in zip(rows, pools, widths) for v in (r.data_ptr(), p.data_ptr(), w)])
+    fused.launch(tab.data_ptr(), ids.data_ptr(), u, first_off, last_end, bs, len(widths))
+    assert all(torch.equal(p, e) for p, e in zip(pools, expect)), case
+print("ok")
+'''
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
+                    reason="needs Triton, and no CUDA (where CUDA is, the tests below run the compiled kernel)")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_kernel_interpreted_on_cpu(seed):
+    """The kernel under TRITON_INTERPRET=1 on CPU memory: every (first offset, last end,
+    block count) case lands each key's rows exactly at its slots, nothing else changes."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run([sys.executable, "-c", INTERPRETED, str(seed)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+KEYS = [KeySpec("hidden", 2048, torch.bfloat16), KeySpec("layer_0", 64, torch.float32),
+        KeySpec("odd", 12, torch.float16)]  # 24-byte rows: int64 words, not 16-byte ones
+
+
+def _pair(tier, keys=KEYS, num_blocks=96, bs=16):
+    kw = {"zero_copy": True} if tier is Tier.PINNED_HOST else {}
+    return (HiddenStateCache(num_blocks, bs, keys, "cuda", tier, fused=True, **kw),
+            HiddenStateCache(num_blocks, bs, keys, "cuda", tier, fused=False, **kw))
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.PINNED_HOST])
+def test_cuda_fused_step_writes_match_index_copy(tier):
+    """Random steps (prefills, chunks starting and ending mid-block, single tokens, a key
+    missing, rows of another dtype or not contiguous) leave the fused cache's pools and
+    ledger bitwise equal to the per-key index_copy_ path's, and its hits read the same rows."""
+    a, b = _pair(tier)
+    rng = random.Random(int(tier is Tier.DEVICE))
+    bs, nb = 16, 96
+    for step in range(40):
+        table = rng.sample(range(nb), 8)
+        start = rng.randrange(0, 100)
+        n = rng.choice([1, 3, 16, 17, 31, 128 - start if start < 128 else 1])
+        n = max(1, min(n, 128 - start))
+        keys = [k for k in KEYS if step % 7 != 3 or k.name != "layer_0"]
+        rows = {k.name: torch.randn(n, k.width, device="cuda").to(k.dtype) for k in keys}
+        if step % 5 == 1:
+            rows["hidden"] = torch.randn(n, 2048, device="cuda")  # float32 into a bf16 pool
+        if step % 5 == 2:
+            rows["hidden"] = torch.randn(2048, n, device="cuda").to(torch.bfloat16).t()  # not contiguous
+        full = (start + n) // bs
+        hashes = chained_block_hashes([rng.randrange(50) for _ in range(full * bs)], bs)
+        bh = {j: hashes[j] for j in range(start // bs, full)}
+        for c in (a, b):
+            c.write_request_rows(f"r{step}", table, start, rows, bh)
+    torch.cuda.synchronize()
+    assert a._writer is not None and a._writer.launches > 0 and b._writer is None
+    for k in KEYS:
+        assert _same_bits(a.pools[k.name].storage.cpu(), b.pools[k.name].storage.cpu()), k.name
+    for f in ("_hash", "_cached", "_owner", "_generation", "_filled"):
+        assert np.array_equal(getattr(a.ledger, f), getattr(b.ledger, f)), f
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.PINNED_HOST])
+def test_cuda_fused_prefill_round_trip_without_waiting(tier):
+    """A prefill of 8,192 tokens x 3 keys written behind a busy stream: the write returns at
+    once (no host wait), uses one launch, the source buffers are reused right away, and the
+    hit reads back every row bitwise."""
+    keys = [KeySpec(k, 2048, torch.bfloat16) for k in ("hidden", "layer_0", "layer_24")]
+    cache = HiddenStateCache(1024, 16, keys, "cuda", tier)
+    table = torch.randperm(1024)[:512].tolist()
+    hashes = chained_block_hashes(list(range(8192)), 16)
+    warm = {k.name: torch.randn(16, 2048, device="cuda").to(torch.bfloat16) for k in keys}
+    cache.write_request_rows("warm", table[:1], 0, warm, {0: hashes[0]})  # compiles / loads the kernel
+    rows = {k.name: torch.randn(8192, 2048, device="cuda").to(torch.bfloat16) for k in keys}
+    expected = {k: v.clone() for k, v in rows.items()}
+    launches = cache._writer.launches
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    cache.write_request_rows("A", table, 0, rows, dict(enumerate(hashes)))
+    assert not torch.cuda.current_stream().query(), "the write waited for the device"
+    assert cache._writer.launches == launches + 1
+    for v in rows.values():
+        v.zero_()  # the model runner reuses its buffers
+    got = cache.read_prefix("B", table, 8192, hashes, [k.name for k in keys], out_device="cuda")
+    assert all(_same_bits(got[k], expected[k]) for k in expected)
+
+
+@needs_cuda_triton
+def test_cuda_fused_declines_what_it_does_not_cover():
+    """Pools of rows that are not whole int64 words, and CPU rows, take the pools' path."""
+    odd = HiddenStateCache(8, 4, [KeySpec("h", 3, torch.bfloat16)], "cuda", Tier.DEVICE)
+    odd.write_request_rows("A", [0, 1], 0, {"h": torch.randn(8, 3, device="cuda")}, {})
+    assert odd._writer is None and not odd._fused_maybe
+    dev = HiddenStateCache(8, 4, [KeySpec("h", 4, torch.bfloat16)], "cuda", Tier.DEVICE)
+    rows = torch.randn(8, 4).to(torch.bfloat16)
+    dev.write_request_rows("A", [0, 1], 0, {"h": rows}, {0: 1, 1: 2})
+    assert dev._writer is not None and dev._writer.launches == 0
+    assert _same_bits(dev.read_prefix("B", [0, 1], 8, [1, 2], ["h"])["h"].cpu(), rows)
