@@ -115,6 +115,10 @@ YOCO_ACCEPT_LAYER = Setting(
 YOCO_CAPTURE_LAYERS = Setting(
     "OMNI_CACHE_YOCO_CAPTURE_LAYERS", Kind.TEXT, None, ReadBy.ENGINE, True,
     "KV-shared thinker: extra captured layers, comma-separated indices")
+FUSED = Setting(
+    "OMNI_CACHE_FUSED", Kind.CHOICE, "1", ReadBy.ENGINE, True,
+    "CUDA: write a step's rows of every key with one Triton kernel (`1`, default) or with "
+    "torch's per-key `index_copy_` (`0`); same results", choices=("0", "1"))
 TEST_FORGET_FIRST_N_REQUESTS = Setting(
     "OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS", Kind.INT, "0", ReadBy.ENGINE, True,
     "fault injection (tests): the scheduler forgets the rows of the first N requests, so hits "
@@ -153,7 +157,7 @@ VENV = Setting(
 #: name → setting, in documentation order.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
-    TEST_FORGET_FIRST_N_REQUESTS, CPU_PLATFORM, CUDA_PLATFORM, ROUTING, ROUTING_LOAD_MARGIN,
+    FUSED, TEST_FORGET_FIRST_N_REQUESTS, CPU_PLATFORM, CUDA_PLATFORM, ROUTING, ROUTING_LOAD_MARGIN,
     ROUTING_CAPACITY_BLOCKS, HOME, LOG_LEVEL, VENV)}
 
 PREFIX = "OMNI_CACHE_"

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_cache.core import fused
-from omni_cache.core.fused import StepWriter
+from omni_cache.core.fused import StepWriter, kernel as fused_kernel, log as fused_log
 from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger, _hash_value, block_hash_array, hash_list, in_range
 from omni_cache.core.pool import HiddenPool, RowIndex, Tier
 
@@ -239,7 +238,7 @@ class HiddenStateCache:
         if self._writer is None:
             pools = list(self.pools.values())
             device = None if not pools else pools[0].device if self.tier is Tier.DEVICE else pools[0].gpu_device
-            if device is None or device.type != "cuda" or not StepWriter.covers(pools, device) or fused.kernel() is None:
+            if device is None or device.type != "cuda" or not StepWriter.covers(pools, device) or fused_kernel() is None:
                 self._fused_maybe = False
                 return None
             self._writer = StepWriter(pools, self.block_size, device)
@@ -408,7 +407,7 @@ class HiddenStateCache:
         try:
             done = w.write(ids, first_off, last_end, tensors)
         except Exception as exc:  # e.g. Triton cannot compile here: never try again
-            fused.log.warning("omni-cache: fused step write failed (%r); using index_copy_ from now on", exc)
+            fused_log.warning("omni-cache: fused step write failed (%r); using index_copy_ from now on", exc)
             self._fused_maybe = False
             return False
         if done:

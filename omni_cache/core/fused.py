@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from omni_cache import settings
 from omni_cache.core.pool import HiddenPool, Tier, staging_ring
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def kernel():
     is ``0``. Imports Triton on the first call only."""
     if not _KERNEL:
         k = None
-        if os.environ.get("OMNI_CACHE_FUSED", "1") != "0":
+        if settings.FUSED.get() != "0":
             try:
                 k = _build_kernel()
             except Exception as exc:  # ImportError, or a Triton too old for this kernel
