@@ -262,14 +262,19 @@ def test_models_and_health(server_on):
     assert server_on.model_name() == str(server_on.model)
 
 
-@pytest.mark.parametrize("kind", ["text", "text+image", "text+audio"])
-def test_chat_answers_text_and_audio(server_on, kind):
+def _question(kind: str) -> list:
+    """System prompt + a question with the media of ``kind`` (text, text+image, text+audio)."""
     content: list = [{"type": "text", "text": "What do you see and hear?"}]
     if kind == "text+image":
         content.insert(0, {"type": "image_url", "image_url": {"url": IMAGE_URL}})
     if kind == "text+audio":
         content.insert(0, {"type": "input_audio", "input_audio": {"data": AUDIO_B64, "format": "wav"}})
-    resp = _chat(server_on, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}])
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
+
+
+@pytest.mark.parametrize("kind", ["text", "text+image", "text+audio"])
+def test_chat_answers_text_and_audio(server_on, kind):
+    resp = _chat(server_on, _question(kind))
     _check_text_and_audio(resp)
     mm = resp["usage"]["prompt_tokens_details"].get("multimodal_tokens") or {}
     if kind == "text+image":
@@ -349,12 +354,7 @@ def _check_streamed(r: dict) -> None:
 
 @pytest.mark.parametrize("kind", ["text", "text+image", "text+audio"])
 def test_streamed_chat_answers_text_deltas_and_audio_packets(server_on, kind):
-    content: list = [{"type": "text", "text": "What do you see and hear?"}]
-    if kind == "text+image":
-        content.insert(0, {"type": "image_url", "image_url": {"url": IMAGE_URL}})
-    if kind == "text+audio":
-        content.insert(0, {"type": "input_audio", "input_audio": {"data": AUDIO_B64, "format": "wav"}})
-    _check_streamed(_chat_stream(server_on, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]))
+    _check_streamed(_chat_stream(server_on, _question(kind)))
 
 
 def test_streamed_two_turn_chat_hit_and_equal_to_cache_off(streamed_on, chat_off):
