@@ -257,6 +257,8 @@ def chat_off(server_on, chat_on, streamed_on, tiny_model_dir, tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- tests
+# Order matters: the first test that takes ``chat_off`` stops the cache-on server, so every
+# test that talks to ``server_on`` stands above it (pytest runs a module's tests in file order).
 def test_models_and_health(server_on):
     assert server_on.get("/health")[0] == 200
     assert server_on.model_name() == str(server_on.model)
@@ -281,6 +283,21 @@ def test_chat_answers_text_and_audio(server_on, kind):
         assert mm.get("image", 0) > 0, resp["usage"]
     if kind == "text+audio":
         assert mm.get("audio", 0) > 0, resp["usage"]
+
+
+def _check_streamed(r: dict) -> None:
+    assert r["modalities"] == ["text", "audio"], r["modalities"]
+    assert r["text"].strip() and r["token_ids"], r["text"]
+    assert r["sample_rate"] == 24_000 and len(r["packets"]) >= 2, [p.shape for p in r["packets"]]
+    assert all(p.ndim == 1 and p.shape[0] > 0 for p in r["packets"])
+    # the initial codec chunk arrives as its own packet, before the rest of the waveform
+    assert r["packets"][0].shape[0] < sum(p.shape[0] for p in r["packets"])
+    assert r["t_first_text"] <= r["t_first_audio"] < r["t_end"]
+
+
+@pytest.mark.parametrize("kind", ["text", "text+image", "text+audio"])
+def test_streamed_chat_answers_text_deltas_and_audio_packets(server_on, kind):
+    _check_streamed(_chat_stream(server_on, _question(kind)))
 
 
 def test_two_turn_chat_hit_covers_first_answer(chat_on):
@@ -340,21 +357,6 @@ def test_cache_off_server_gives_identical_text_and_audio(chat_on, chat_off):
         assert sr_on == sr_off and a_on.shape == a_off.shape and np.array_equal(a_on, a_off), turn
     assert chat_off["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert chat_on["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-
-
-def _check_streamed(r: dict) -> None:
-    assert r["modalities"] == ["text", "audio"], r["modalities"]
-    assert r["text"].strip() and r["token_ids"], r["text"]
-    assert r["sample_rate"] == 24_000 and len(r["packets"]) >= 2, [p.shape for p in r["packets"]]
-    assert all(p.ndim == 1 and p.shape[0] > 0 for p in r["packets"])
-    # the initial codec chunk arrives as its own packet, before the rest of the waveform
-    assert r["packets"][0].shape[0] < sum(p.shape[0] for p in r["packets"])
-    assert r["t_first_text"] <= r["t_first_audio"] < r["t_end"]
-
-
-@pytest.mark.parametrize("kind", ["text", "text+image", "text+audio"])
-def test_streamed_chat_answers_text_deltas_and_audio_packets(server_on, kind):
-    _check_streamed(_chat_stream(server_on, _question(kind)))
 
 
 def test_streamed_two_turn_chat_hit_and_equal_to_cache_off(streamed_on, chat_off):
