@@ -127,6 +127,12 @@ CPU_PLATFORM = Setting(
     "OMNI_CACHE_CPU_PLATFORM", Kind.CHOICE, None, ReadBy.EVERY, True,
     "force the CPU OmniPlatform on (`1`) or off (`0`); unset: on when vLLM resolved to its CPU "
     "platform", choices=("0", "1"))
+CPU_IDLE_BACKOFF_MS = Setting(
+    "OMNI_CACHE_CPU_IDLE_BACKOFF_MS", Kind.INT, "8", ReadBy.ENGINE, True,
+    "CPU platform: a stage whose engine steps schedule no token (a streaming talker or code2wav "
+    "waiting for its next chunk) sleeps 1, 2, 4 … ms, at most this many, per empty step instead "
+    "of stepping every 1 ms and taking the cores from the stage that computes "
+    "(docs/cpu.md); `0` = vLLM's 1 ms cadence")
 CUDA_PLATFORM = Setting(
     "OMNI_CACHE_CUDA_PLATFORM", Kind.CHOICE, "0", ReadBy.EVERY, True,
     "`1`: the opt-in CUDA OmniPlatform whose AR worker runs omni-cache's runner",
@@ -157,8 +163,8 @@ VENV = Setting(
 #: name → setting, in documentation order.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
-    FUSED, TEST_FORGET_FIRST_N_REQUESTS, CPU_PLATFORM, CUDA_PLATFORM, ROUTING, ROUTING_LOAD_MARGIN,
-    ROUTING_CAPACITY_BLOCKS, HOME, LOG_LEVEL, VENV)}
+    FUSED, TEST_FORGET_FIRST_N_REQUESTS, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, ROUTING,
+    ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, HOME, LOG_LEVEL, VENV)}
 
 PREFIX = "OMNI_CACHE_"
 

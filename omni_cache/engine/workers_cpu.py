@@ -21,13 +21,15 @@ from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunne
 from vllm_omni.worker.mixins import OmniWorkerMixin
 
 from omni_cache import settings
+from omni_cache.engine.idle import IdleBackoff
 from omni_cache.engine.runner import OmniCacheRunnerMixin
 
 logger = init_logger(__name__)
 
 
 class _CPURunnerFixups:
-    """Settings vLLM-Omni's runners read that vLLM's CPU config leaves unset."""
+    """What vLLM-Omni's runners need on a CPU host: settings vLLM's CPU config leaves unset,
+    and a back-off for steps that schedule nothing (:mod:`omni_cache.engine.idle`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -35,6 +37,11 @@ class _CPURunnerFixups:
         # MTP; on CPU the latter is None (no CUDA graphs).
         if self.compilation_config.max_cudagraph_capture_size is None:
             self.compilation_config.max_cudagraph_capture_size = 0
+        self._idle_backoff = IdleBackoff(settings.CPU_IDLE_BACKOFF_MS.get_int() / 1000)
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self._idle_backoff.before_step(scheduler_output.total_num_scheduled_tokens)
+        return super().execute_model(scheduler_output, *args, **kwargs)
 
 
 class CPUARModelRunner(_CPURunnerFixups, GPUARModelRunner, CPUModelRunner):
