@@ -5,6 +5,9 @@ prefix caching off, and on with omni-cache. Every request's thinker→talker ten
 hidden + captured layers, recorded at the hand-off seam), sampled thinker tokens and
 code2wav audio must be bitwise equal; the hit requests must actually hit (otherwise the
 comparison would prove nothing), and omni-cache's own counters must show served rows.
+Capped hits (a request's rows declared lost) are tested on the streaming path only
+(``test_streaming_equality.py``): the cap is the scheduler's decision, the same whichever way
+the thinker hands off, and one pipeline start less keeps the suite inside its time budget.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def runs(tmp_path_factory, tiny_model_dir):
     from omni_cache.driver.pipeline import OmniPipeline
 
     out = {}
-    for variant in ("off", "omni_cache", "omni_cache_forget"):
+    for variant in ("off", "omni_cache"):
         d = tmp_path_factory.mktemp(variant)
         cfg = variant_stage_config(d, variant, thinker={"max_num_batched_tokens": STEP_BUDGET})
         with OmniPipeline(tiny_model_dir, cfg) as pipe:
@@ -57,23 +60,9 @@ def test_hits_happen_and_omni_cache_served_them(runs):
         hits, [(r.num_prompt_tokens, r.num_cached_tokens) for r in batch])
 
 
-def test_lost_rows_cap_the_hit_and_stay_exact(runs):
-    """The scheduler caps a hit whose hidden rows it cannot vouch for (here: the first
-    request's rows are declared lost); the engine keeps serving and nothing wrong is served."""
-    d, named, _, _ = runs["omni_cache_forget"]
-    normal = dict(runs["omni_cache"][1])
-    forgot = dict(named)
-    second_text = "text:And what comes second, please?"
-    assert normal[second_text].num_cached_tokens > 0
-    assert forgot[second_text].num_cached_tokens < normal[second_text].num_cached_tokens
-    m = json.loads(next((d / "metrics").glob("metrics-*.json")).read_text())
-    assert m["hits_refused"] == 0  # capped before the forward, never refused in the worker
-
-
-@pytest.mark.parametrize("variant", ["omni_cache", "omni_cache_forget"])
-def test_cache_on_equals_cache_off_bitwise(runs, variant):
+def test_cache_on_equals_cache_off_bitwise(runs):
     d_off, off, _, _ = runs["off"]
-    d_on, on, _, _ = runs[variant]
+    d_on, on, _, _ = runs["omni_cache"]
     assert [n for n, _ in off] == [n for n, _ in on]
     ho_off, ho_on = _handoffs(d_off)[: len(off)], _handoffs(d_on)[: len(on)]
     assert len(ho_off) == len(ho_on) == len(off)
