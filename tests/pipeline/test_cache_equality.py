@@ -24,6 +24,20 @@ from tests.util import assert_batch_rows, variant_stage_config
 pytestmark = pytest.mark.pipeline
 
 
+def _code2wav_rate(model_dir) -> int:
+    """code2wav's output rate from the model config: 12.5 Hz codec frames x prod(upsample
+    rates) x prod(upsampling ratios)."""
+    c2w = json.loads((model_dir / "config.json").read_text())["code2wav_config"]
+    return int(12.5 * np.prod(c2w["upsample_rates"]) * np.prod(c2w["upsampling_ratios"]))
+
+
+SAMPLE_RATE = 24_000
+
+
+def test_code2wav_rate_is_what_the_pipeline_reports(tiny_model_dir):
+    assert _code2wav_rate(tiny_model_dir) == SAMPLE_RATE
+
+
 def _handoffs(out_dir):
     """Recorded thinker→talker tensors in hand-off order (requests are sent one by one)."""
     return [torch.load(p) for p in sorted((out_dir / "handoff").glob("*.pt"))]
@@ -49,6 +63,8 @@ def test_hits_happen_and_omni_cache_served_them(runs):
     for n, r in named:
         if n.endswith("second, please?"):
             assert r.num_cached_tokens >= BLOCK, (n, hits)
+        # hits are whole KV blocks, and vLLM recomputes at least the last prompt token
+        assert r.num_cached_tokens % BLOCK == 0 and r.num_cached_tokens < r.num_prompt_tokens, (n, hits)
     # the second turn hits the first turn's answer tokens (block filled by decode)
     assert hits["chat:turn2"] > t1_len, (hits, t1_len)
     assert all(r.num_cached_tokens == 0 for _, r in runs["off"][1])
@@ -76,6 +92,8 @@ def test_cache_on_equals_cache_off_bitwise(runs):
             assert h_on[k].shape == h_off[k].shape, (name, k)
             assert torch.equal(h_on[k], h_off[k]), (name, k)
         assert r_off.audio is not None and r_on.audio is not None, name
+        assert np.isfinite(r_on.audio).all() and float(np.abs(r_on.audio).max()) > 0, name
+        assert r_on.sample_rate == r_off.sample_rate == SAMPLE_RATE, name
         assert np.array_equal(r_on.audio, r_off.audio), name
 
 
