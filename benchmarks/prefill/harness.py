@@ -489,8 +489,15 @@ def _machine() -> dict:
                 break
     except OSError:
         pass
+    try:  # the vector ISA torch's CPU kernels use (e.g. AVX2 vs AVX512: bf16 GEMMs differ a lot)
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - informational only
+        capability = None
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "cpu_model": cpu, "memory_bytes": psutil.virtual_memory().total, "hostname": platform.node()}
+            "cpu_model": cpu, "cpu_capability": capability, "memory_bytes": psutil.virtual_memory().total,
+            "hostname": platform.node()}
 
 
 def _versions() -> dict:
