@@ -8,7 +8,7 @@ there (``WAITING_FOR_CHUNK``) for the thinker's first chunk: two stages then ste
 times a second each, doing nothing. On a GPU host that is a spare core's worth of Python;
 on a 2-core CPU host it takes the cores the thinker's OpenMP threads compute on — measured
 here (bench model, 3,048-token uncached prompt, vLLM's own prefill time): 25.8 s streaming
-vs 14.0 s not (docs/benchmarks.md, "Streaming on a CPU host").
+vs 14.0 s not, 2 requests a run (docs/benchmarks.md, run T, "Reading").
 
 :class:`IdleBackoff` stretches the sleep of consecutive empty steps — 0, 1, 2, 4 … ms, at
 most ``OMNI_CACHE_CPU_IDLE_BACKOFF_MS`` — and resets on the first step that schedules a
