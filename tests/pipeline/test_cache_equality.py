@@ -34,7 +34,8 @@ def _code2wav_rate(model_dir) -> int:
 SAMPLE_RATE = 24_000
 
 
-def test_code2wav_rate_is_what_the_pipeline_reports(tiny_model_dir):
+def test_code2wav_rate_from_the_model_config(tiny_model_dir):
+    """The rate the bitwise test below expects the pipeline to report is the model's own."""
     assert _code2wav_rate(tiny_model_dir) == SAMPLE_RATE
 
 

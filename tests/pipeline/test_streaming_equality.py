@@ -126,3 +126,5 @@ def test_streaming_capped_hits_stay_exact(runs):
     d = runs["omni_cache_forget"][0]
     sched = json.loads(next((d / "metrics").glob("scheduler-*.json")).read_text())
     assert sched["capped_tokens"] > 0, sched
+    m = json.loads(next((d / "metrics").glob("metrics-*.json")).read_text())
+    assert m["hits_refused"] == 0, m  # capped before the forward, never refused in the worker
