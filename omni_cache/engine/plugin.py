@@ -12,6 +12,10 @@ vLLM-Omni process: registers omni-cache's pipeline variants (idempotent).
     from the model directory's ``thinker/``) feeding the Qwen3-Omni talker and code2wav
     through the stage-input adapter, with the capped scheduler on the thinker. The thinker
     architecture ``OmniCacheGemma3nThinker`` is registered with vLLM's ``ModelRegistry``.
+
+In all three the talker (stage 1) runs as ``OmniCacheQwen3OmniMoeForConditionalGeneration``
+(:mod:`omni_cache.engine.talker`): vLLM-Omni's Qwen3-Omni model whose residual-codebook
+sampling honours the runner's per-request generators (``tts_local_seed``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ RECORDER_ASYNC = "omni_cache.engine.handoff.record_thinker2talker_async_chunk"
 GEMMA_PIPELINE = "gemma3n_omni_cache"
 GEMMA_ARCH = "OmniCacheGemma3nThinker"
 GEMMA_ADAPTER = "omni_cache.engine.gemma_thinker.gemma_thinker2talker_full_payload"
+#: architecture name of the talker stage in omni-cache's pipelines
+TALKER_ARCH = "OmniCacheQwen3OmniMoeForConditionalGeneration"
+TALKER_CLASS = "omni_cache.engine.talker:OmniCacheQwen3OmniMoeForConditionalGeneration"
 #: pipeline → stage ids that run the capped scheduler (the omni_cache backend needs it there)
 CAPPED_STAGES = {CAPPED_PIPELINE: {0}, RECORDING_PIPELINE: {0}, GEMMA_PIPELINE: {0}}
 #: model subdirectory per stage of omni-cache's pipelines (read by the stage-config check)
@@ -36,9 +43,14 @@ STAGE_MODEL_SUBDIRS = {GEMMA_PIPELINE: {0: "thinker"}}
 def _variant(name: str, **stage0_changes):
     from vllm_omni.model_executor.models.qwen3_omni.pipeline import QWEN3_OMNI_PIPELINE
 
-    stages = tuple(dataclasses.replace(s, **stage0_changes) if s.stage_id == 0 else s
+    stages = tuple(dataclasses.replace(s, **stage0_changes) if s.stage_id == 0 else _talker(s)
                    for s in QWEN3_OMNI_PIPELINE.stages)
     return dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=name, stages=stages)
+
+
+def _talker(stage):
+    """Stage 1 (the talker) as :data:`TALKER_ARCH`; other stages unchanged."""
+    return dataclasses.replace(stage, model_arch=TALKER_ARCH) if stage.stage_id == 1 else stage
 
 
 def _gemma_pipeline():
@@ -46,7 +58,7 @@ def _gemma_pipeline():
 
     def stage(s):
         if s.stage_id != 0:
-            return s
+            return _talker(s)
         return dataclasses.replace(
             s, model_arch=GEMMA_ARCH, model_subdir="thinker", hf_config_name=None,
             requires_multimodal_data=False, scheduler_cls=SCHEDULER,
@@ -73,6 +85,8 @@ def register_models() -> None:
     for reg in registries:
         if GEMMA_ARCH not in reg.get_supported_archs():
             reg.register_model(GEMMA_ARCH, "omni_cache.engine.gemma_thinker:OmniCacheGemma3nThinker")
+        if TALKER_ARCH not in reg.get_supported_archs():
+            reg.register_model(TALKER_ARCH, TALKER_CLASS)
 
 
 def register() -> None:

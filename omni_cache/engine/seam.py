@@ -17,6 +17,13 @@ method                 arguments                                                
 ``shutdown``           —                                                           None
 =====================  ==========================================================  =============================
 
+The talker seam (:mod:`omni_cache.engine.talker`): the runner's ``_talker_mtp_forward`` makes
+a generator per request from ``extra_args["tts_local_seed"]`` and passes ``generator=`` /
+``generators=`` (the latter only to a model declaring
+``talker_mtp_accepts_per_row_generators``) to ``talker_mtp(input_ids, input_embeds,
+last_talker_hidden, text_step, ...)``; Qwen3-Omni's talker calls ``self.code_predictor(...)``,
+whose forward takes ``generator`` and ``generators``.
+
 omni-cache's :class:`~omni_cache.engine.stage_manager.OmniCacheStageManager` implements them;
 :class:`~omni_cache.engine.runner.OmniCacheRunnerMixin` overrides the runner hooks in
 :data:`RUNNER_HOOKS`. :func:`check_seam` compares all of it with the installed vLLM-Omni
@@ -109,4 +116,37 @@ def check_seam() -> list[str]:
     for hook in RUNNER_HOOKS:
         if not callable(getattr(runner_cls, hook, None)):
             problems.append(f"GPUARModelRunner has no {hook}() for OmniCacheRunnerMixin to override")
+    return problems + check_talker_seam()
+
+
+#: what vLLM-Omni's ``_talker_mtp_forward`` must still say for the talker's generators to arrive
+TALKER_RUNNER_NEEDS = ('"tts_local_seed"', '"talker_mtp_accepts_per_row_generators"',
+                       'talker_kwargs["generator"]', 'talker_kwargs["generators"]')
+
+
+def check_talker_seam() -> list[str]:
+    """Differences between the talker seam (module docstring) and the installed vLLM-Omni:
+    the runner's ``_talker_mtp_forward`` source names :data:`TALKER_RUNNER_NEEDS`;
+    Qwen3-Omni's ``talker_mtp`` takes the four inputs positionally; its talker's
+    ``code_predictor_forward`` calls ``self.code_predictor(``; the code predictor's forward
+    takes ``generator`` and ``generators``. Returns one line per difference."""
+    from vllm_omni.model_executor.models.common.qwen3_code_predictor import CodePredictorWrapper
+    from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni import Qwen3OmniMoeForConditionalGeneration
+    from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_moe_talker import (
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+    )
+    from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
+
+    problems = []
+    runner_src = inspect.getsource(OmniGPUModelRunner._talker_mtp_forward)
+    problems += [f"OmniGPUModelRunner._talker_mtp_forward no longer mentions {s}"
+                 for s in TALKER_RUNNER_NEEDS if s not in runner_src]
+    pos, _ = _params(Qwen3OmniMoeForConditionalGeneration.talker_mtp)
+    if pos[:4] != ("input_ids", "input_embeds", "last_talker_hidden", "text_step"):
+        problems.append(f"Qwen3OmniMoeForConditionalGeneration.talker_mtp{pos} changed")
+    if "self.code_predictor(" not in inspect.getsource(Qwen3OmniMoeTalkerForConditionalGeneration.code_predictor_forward):
+        problems.append("Qwen3-Omni's code_predictor_forward no longer calls self.code_predictor(")
+    params = inspect.signature(CodePredictorWrapper.forward).parameters
+    problems += [f"CodePredictorWrapper.forward has no {p!r} parameter"
+                 for p in ("generator", "generators") if p not in params]
     return problems

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.pipeline.workloads import BLOCK, STEP_BUDGET, run_workload
+from omni_cache.driver.inputs import build_request
+from tests.pipeline.workloads import BLOCK, FIRST, FIRST_PROMPT, REPEAT, STEP_BUDGET, run_workload
 from tests.util import assert_batch_rows, variant_stage_config
 
 pytestmark = pytest.mark.pipeline
@@ -54,6 +55,10 @@ def runs(tmp_path_factory, tiny_model_dir):
         cfg = variant_stage_config(d, variant, thinker={"max_num_batched_tokens": STEP_BUDGET})
         with OmniPipeline(tiny_model_dir, cfg) as pipe:
             named, t1_len, batch = run_workload(pipe, tiny_model_dir)
+            if variant == "off":  # the control: the same request twice without tts_local_seed
+                sp = pipe.default_sampling_params()
+                sp[1].extra_args = {}
+                out["unseeded"] = [pipe.generate([build_request(FIRST_PROMPT)], sp)[0] for _ in range(2)]
         out[variant] = (d, named, t1_len, batch)
     return out
 
@@ -96,6 +101,18 @@ def test_cache_on_equals_cache_off_bitwise(runs):
         assert np.isfinite(r_on.audio).all() and float(np.abs(r_on.audio).max()) > 0, name
         assert r_on.sample_rate == r_off.sample_rate == SAMPLE_RATE, name
         assert np.array_equal(r_on.audio, r_off.audio), name
+
+
+def test_a_request_sent_again_gets_the_same_audio(runs):
+    """Per-request talker generators (omni_cache.engine.talker): the first request sent again
+    after all the others gets the same waveform, with the cache on and off. The control shows
+    the comparison can fail: sent twice without ``tts_local_seed`` (the talker's residual
+    codebooks then come from its process's global RNG), the same request's waveforms differ."""
+    for variant in ("off", "omni_cache"):
+        named = dict(runs[variant][1])
+        assert np.array_equal(named[REPEAT].audio, named[FIRST].audio), variant
+    a, b = runs["unseeded"]
+    assert a.token_ids == b.token_ids and not np.array_equal(a.audio, b.audio)
 
 
 def test_same_step_hit_is_served_and_exact(runs):

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.pipeline.workloads import BLOCK, STEP_BUDGET, run_workload
+from tests.pipeline.workloads import BLOCK, FIRST, REPEAT, STEP_BUDGET, run_workload
 from tests.util import assert_batch_rows, variant_stage_config
 
 pytestmark = pytest.mark.pipeline
@@ -116,6 +116,19 @@ def test_streamed_talker_inputs_equal_cache_off_bitwise(runs, variant):
         assert_batch_rows(b_on[0][k], b_off[0][k], f"batch:B {k}", writer=a_on[0][k], hit=hit)
     for r_on, r_off in zip(batch_on, batch_off):
         assert r_on.token_ids == r_off.token_ids
+
+
+@pytest.mark.parametrize("variant", ["off", "omni_cache"])
+def test_a_request_sent_again_gets_the_same_audio(runs, variant):
+    """Per-request talker generators (``tts_local_seed``, omni_cache.engine.talker): the first
+    request sent again after all the others (a whole-prompt hit with the cache on) gets the
+    same codec frames, hence the same audio packet. With the talker's residual codebooks drawn
+    from its process's global RNG — vLLM-Omni's Qwen3-Omni — the repeat's audio differed
+    (docs/architecture.md, "What is bitwise under concurrency")."""
+    named = dict(runs[variant][1])
+    first, again = named[FIRST], named[REPEAT]
+    assert again.token_ids == first.token_ids
+    assert first.audio is not None and np.array_equal(again.audio, first.audio)
 
 
 def test_streaming_capped_hits_stay_exact(runs):

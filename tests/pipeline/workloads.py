@@ -15,6 +15,8 @@ LONG = SENTENCE * 5
 # with "CPU Generator does not use offset" — so both together stay under its budget of 4096.)
 STEP_BUDGET = 1024
 SAME_STEP_DOC = "Chapter two. " + SENTENCE * 17
+FIRST, REPEAT = "text:What is first?", "text:What is first? (again)"
+FIRST_PROMPT = LONG + "What is first?"
 
 
 def _two_turn_ids(tok, answer_ids: list[int] | None):
@@ -33,8 +35,8 @@ def _two_turn_ids(tok, answer_ids: list[int] | None):
 
 
 def run_workload(pipe, model_dir):
-    """Text, image, audio (each twice, the second hitting the first), a two-turn chat, a
-    batch of two with a same-step hit. Returns ``(named results, turn-1 prompt length, batch
+    """Text, image, audio (each twice, the second hitting the first), a two-turn chat, the
+    first request again (a whole-prompt hit; same audio), a batch of two with a same-step hit. Returns ``(named results, turn-1 prompt length, batch
     results sorted by prompt length)``."""
     from transformers import AutoTokenizer
 
@@ -51,6 +53,10 @@ def run_workload(pipe, model_dir):
     t2 = _two_turn_ids(tok, r1.token_ids)
     (r2,) = pipe.generate([{"prompt_token_ids": t2}])
     named.append(("chat:turn2", r2))
+    # the first request again, after every other one: its talker samples from its own seeded
+    # generators (omni_cache.engine.talker), so its audio must be the first one's
+    (r,) = pipe.generate([build_request(FIRST_PROMPT)])
+    named.append((REPEAT, r))
     batch = pipe.generate([build_request(SAME_STEP_DOC + "Why?"),
                            build_request(SAME_STEP_DOC + "And which of the details did you notice first, and why?")])
     return named, len(t1), sorted(batch, key=lambda r: r.num_prompt_tokens)

@@ -19,3 +19,14 @@ def test_seam_check_reports_a_moved_method(monkeypatch):
     monkeypatch.setattr(OmniCacheStageManager, "save_outputs", lambda self, hidden_states, mm_outputs: 0)
     problems = seam.check_seam()
     assert any("OmniCacheStageManager.save_outputs" in p for p in problems), problems
+
+
+def test_talker_seam_check_reports_a_predictor_without_generators(monkeypatch):
+    """The talker part can fail too: a code predictor whose forward no longer takes them."""
+    from vllm_omni.model_executor.models.common.qwen3_code_predictor import CodePredictorWrapper
+
+    from omni_cache.engine import seam
+
+    monkeypatch.setattr(CodePredictorWrapper, "forward", lambda self, layer0_code, layer0_embed, last_talker_hidden: None)
+    problems = seam.check_talker_seam()
+    assert any("'generators'" in p for p in problems), problems
