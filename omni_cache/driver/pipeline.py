@@ -16,7 +16,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from omni_cache import settings
 from omni_cache.driver.stage_config import load_stage_config
 from omni_cache.driver.inputs import OmniRequest
 
@@ -110,13 +109,9 @@ class OmniPipeline:
         )
         self.start_s = time.perf_counter() - t0
         logger.info("pipeline started in %.1f s", self.start_s)
-        self.router = None
-        thinker = self.stage_config.stage(0)
-        if settings.ROUTING.get({k: str(v) for k, v in (thinker.get("env") or {}).items()}) == "prefix":
-            from omni_cache.driver.routing import install_prefix_routing
+        from omni_cache.driver.routing import install_routing_from_stage_config
 
-            self.router = install_prefix_routing(self.omni, thinker.get("env"),
-                                                 block_size=int(thinker.get("block_size", 16)))
+        self.router = install_routing_from_stage_config(self.omni, self.stage_config)
 
     def generate(self, requests: Sequence[OmniRequest | dict], sampling_params_list: Sequence | None = None
                  ) -> list[RequestResult]:

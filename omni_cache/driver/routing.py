@@ -395,3 +395,14 @@ def install_prefix_routing(omni: Any, stage_env: Mapping[str, Any] | None, *, bl
     logger.info("prefix routing on the thinker: %d replicas, load margin %d, %d KV blocks each",
                 pool.live_num_replicas, cfg.load_margin, capacity)
     return router
+
+
+def install_routing_from_stage_config(omni: Any, stage_config: Any) -> ThinkerRouter | None:
+    """:func:`install_prefix_routing` with the thinker's ``env:`` and ``block_size`` (default
+    16, vLLM's) read from ``stage_config`` (:class:`omni_cache.driver.stage_config.StageConfig`).
+    Returns the router, or None (routing not asked for, or one thinker replica). Raises what
+    :func:`install_prefix_routing` raises."""
+    thinker = stage_config.stage(THINKER_STAGE_ID)
+    if routing_config(thinker.get("env")) is None:
+        return None
+    return install_prefix_routing(omni, thinker.get("env"), block_size=int(thinker.get("block_size", 16)))

@@ -13,14 +13,81 @@ there with ``KeyError: "Pipeline 'qwen3_omni_moe_omni_cache' from deploy config 
 registered to OMNI_PIPELINES"``. Registering the variants first is all this module adds; the
 stage processes load the entry point themselves. Nothing of vLLM / vLLM-Omni is patched.
 
+With ``OMNI_CACHE_ROUTING: prefix`` on the thinker of the ``--deploy-config`` (and more than
+one thinker replica), the server's engine gets omni-cache's prefix-aware router
+(docs/routing.md): :func:`route_thinker_on_cached_prefixes` wraps vLLM-Omni's
+``build_async_omni`` (``vllm_omni/entrypoints/openai/api_server.py``, the context manager
+that builds the server's ``AsyncOmni`` and yields it to the server worker) in this process so
+the router is installed on the ``AsyncOmni`` before the server takes requests. With
+``--api-server-count`` > 1 vLLM-Omni runs its API servers in processes of its own, which do
+not get it (a warning says so).
+
 Stage processes are started with ``spawn`` and re-import ``__main__``: the server only starts
 under the ``if __name__ == "__main__"`` guard below.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def _arg_value(argv: Sequence[str], flag: str) -> str | None:
+    """``--flag value`` or ``--flag=value`` in ``argv`` (the last one wins), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def route_thinker_on_cached_prefixes(argv: Sequence[str]) -> bool:
+    """Arrange for the server's ``AsyncOmni`` to get omni-cache's thinker router when the
+    ``--deploy-config`` asks for it (``OMNI_CACHE_ROUTING: prefix`` on stage 0).
+
+    Returns:
+        True if the hook was installed (the router itself is installed when the server
+        builds its engine, and only for more than one thinker replica).
+
+    Raises:
+        omni_cache.driver.stage_config.StageConfigError: the deploy config is invalid.
+    """
+    path = _arg_value(argv, "--deploy-config")
+    if path is None:
+        return False
+    from omni_cache.driver.routing import install_routing_from_stage_config, routing_config
+    from omni_cache.driver.stage_config import load_stage_config
+
+    cfg = load_stage_config(path)
+    if routing_config(cfg.stage(0).get("env")) is None:
+        return False
+    count = _arg_value(argv, "--api-server-count")
+    if count is not None and int(count) > 1:
+        logger.warning("--api-server-count %s: vLLM-Omni runs its API servers in processes of "
+                       "their own, which route the thinker with vLLM-Omni's policy, not "
+                       "omni-cache's prefix routing", count)
+    from vllm_omni.entrypoints.openai import api_server
+
+    original = api_server.build_async_omni
+    if getattr(original, "_omni_cache_routing", False):
+        return True
+
+    @contextlib.asynccontextmanager
+    async def build_async_omni(*args, **kwargs):
+        async with original(*args, **kwargs) as engine_client:
+            install_routing_from_stage_config(engine_client, cfg)
+            yield engine_client
+
+    build_async_omni._omni_cache_routing = True
+    api_server.build_async_omni = build_async_omni
+    return True
 
 
 def run_vllm_omni_serve(argv: list[str]) -> None:
@@ -36,6 +103,7 @@ def run_vllm_omni_serve(argv: list[str]) -> None:
     args = list(argv)
     if "--omni" not in args:
         args.append("--omni")
+    route_thinker_on_cached_prefixes(args)
     os.environ.setdefault("VLLM_LOGGING_COLOR", "0")  # vLLM-Omni forces colour unless told
 
     from vllm_omni.entrypoints.cli.main import main

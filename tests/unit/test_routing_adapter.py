@@ -271,3 +271,39 @@ def test_kv_events_with_vllms_own_classes():
     assert p.prefix_hits(request_block_hashes(toks, BS), ["r0"]) == {"r0": 2}
     p.apply_kv_events("r0", [kv.BlockRemoved(block_hashes=[11], medium="GPU")])
     assert p.prefix_hits(request_block_hashes(toks, BS), ["r0"]) == {"r0": 0}
+
+
+def test_serve_installs_the_router_on_the_servers_engine(tmp_path, monkeypatch):
+    """``omni-cache serve``: the server's ``AsyncOmni`` (yielded by vLLM-Omni's
+    ``build_async_omni``, here a stand-in yielding an engine over a real ``StagePool``) gets the
+    router when the deploy config asks for prefix routing, and not otherwise."""
+    import contextlib
+
+    from vllm_omni.entrypoints.openai import api_server
+
+    from omni_cache.driver.vllm_serve import route_thinker_on_cached_prefixes
+
+    engines = []
+
+    @contextlib.asynccontextmanager
+    async def stand_in(args, **kwargs):
+        engines.append(SimpleNamespace(engine=_Engine(_pool())))
+        yield engines[-1]
+
+    def serve(path):
+        monkeypatch.setattr(api_server, "build_async_omni", stand_in)
+        hooked = route_thinker_on_cached_prefixes(["model", "--deploy-config", str(path)])
+
+        async def worker():  # what omni_run_server_worker does with it
+            async with api_server.build_async_omni(None) as client:
+                return getattr(client.engine, "_omni_cache_router", None)
+
+        return hooked, asyncio.run(worker())
+
+    def on(r):
+        r["stages"][0]["num_replicas"] = 2
+        r["stages"][0]["env"]["OMNI_CACHE_ROUTING"] = "prefix"
+
+    hooked, router = serve(_write(tmp_path, on))
+    assert hooked and isinstance(router, ThinkerRouter) and router.block_size == 32
+    assert serve(CPU_STAGE_CONFIG) == (False, None)
