@@ -153,6 +153,8 @@ def _hashed_blocks(block_hashes: BlockHashes) -> tuple[np.ndarray, np.ndarray, b
         return idx, hashes, False
     first, hashes = block_hashes
     vals = block_hash_array(hashes, strict=True)[0]
+    if isinstance(hashes, (np.ndarray, torch.Tensor)):
+        vals = vals.copy()  # not a view of the caller's array: the ledger may keep it (deferred)
     return np.arange(int(first), int(first) + vals.size, dtype=np.int64), vals, True
 
 
@@ -391,11 +393,17 @@ class HiddenStateCache:
             except BaseException:
                 self.ledger.invalidate_blocks(ids)  # rows of unknown state: never served
                 raise
-            self.ledger.record_request_write(touched, start - b0 * bs, last_end, th, hashed,
-                                             self.ledger.key_mask(tensors), owner=req_id)
+            # (touched, th and hashed were made for this call: the ledger may keep them)
+            self.ledger.defer_request_write(touched, start - b0 * bs, last_end, th, hashed,
+                                            self.ledger.key_mask(tensors), owner=req_id)
         if len(other_ids):
             self.ledger.cache_full_blocks(other_ids, other_hashes, owner=req_id)
         self.metrics.seconds_write += time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """Apply the ledger updates that writes deferred (:meth:`BlockLedger.settle`), e.g.
+        while the host waits for the GPU anyway. Optional: every lookup applies them first."""
+        self.ledger.settle()
 
     def _write_fused(self, ids: np.ndarray, first_off: int, last_end: int, n: int,
                      tensors: Mapping[str, torch.Tensor]) -> bool:

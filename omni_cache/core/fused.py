@@ -35,6 +35,7 @@ CHUNK = 1024
 NUM_WARPS = 4
 
 _KERNEL: list = []  # [the JIT kernel or None], filled on first use
+_INTERPRET: list = []  # [whether TRITON_INTERPRET=1], read with the kernel (Triton reads it at import)
 
 
 def _build_kernel():
@@ -81,6 +82,7 @@ def kernel():
             except Exception as exc:  # ImportError, or a Triton too old for this kernel
                 log.info("omni-cache: fused step writes unavailable (%s); using index_copy_", exc)
         _KERNEL.append(k)
+        _INTERPRET.append(os.environ.get("TRITON_INTERPRET") == "1")
     return _KERNEL[0]
 
 
@@ -91,7 +93,7 @@ def launch(tab: int, ids: int, n_units: int, first_off: int, last_end: int, bloc
     under ``TRITON_INTERPRET=1`` with CPU addresses (tests)."""
     k = kernel()
     grid = (n_units, n_keys)
-    if stream is None or os.environ.get("TRITON_INTERPRET") == "1":
+    if stream is None or _INTERPRET[0]:
         k[grid](tab, ids, n_units, first_off, last_end, block_size, CHUNK=CHUNK, num_warps=NUM_WARPS)
         return
     _Launcher.get(k).launch(grid, stream, tab, ids, n_units, first_off, last_end, block_size)
@@ -208,5 +210,5 @@ class StepWriter:
         self.launches += 1
         if self.pinned:
             for key in tensors:
-                self.dst[key][4]._note_gpu(ids)
+                self.dst[key][4]._note_gpu(ids, owned=True)  # ids: the cache's, made for this call
         return True
