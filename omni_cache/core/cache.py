@@ -93,6 +93,43 @@ def _int64s(values) -> np.ndarray:
     return out
 
 
+def _step_arrays(block_ids: BlockIds, b0: int, b1: int, block_hashes: BlockHashes, limit: int
+                 ) -> tuple[np.ndarray, np.ndarray, bool, np.ndarray, bool]:
+    """``_hashed_blocks(block_hashes) + _table_part(block_ids, b0, b1, limit)``, for the
+    engine's usual arguments (a list block table and a ``{block index: hash}`` dict) with one
+    ``struct`` call into one buffer (block ids as unsigned, block indices, hashes as unsigned);
+    where that cannot pack, or a block id is out of range, the two calls (and their errors)."""
+    if type(block_hashes) is dict and type(block_ids) is list and b1 > b0:
+        u, m = b1 - b0, len(block_hashes)
+        buf = np.empty(u + 2 * m, dtype=np.uint64)
+        try:
+            struct.pack_into(f"{u}Q{m}q{m}Q", buf, 0, *block_ids[b0:b1], *block_hashes, *block_hashes.values())
+        except struct.error:
+            pass
+        else:
+            ids = buf[:u]
+            if ids.max() < limit:
+                return buf[u:u + m].view(np.int64), buf[u + m:], False, ids.view(np.int64), True
+    return (*_hashed_blocks(block_hashes), *_table_part(block_ids, b0, b1, limit))
+
+
+def _table_part(block_ids: BlockIds, b0: int, b1: int, limit: int) -> tuple[np.ndarray, bool]:
+    """``(entries [b0, b1) of a block table as int64, whether all are in [0, limit))``: for a
+    list, packed by ``struct`` as unsigned ints (a negative entry cannot pack) so that one
+    reduction checks the range; anything else, or out of range, the general conversion."""
+    if type(block_ids) is list:
+        out = np.empty(b1 - b0, dtype=np.uint64)
+        try:
+            struct.pack_into(f"{b1 - b0}Q", out, 0, *block_ids[b0:b1])
+        except struct.error:
+            pass
+        else:
+            if not out.size or out.max() < limit:
+                return out.view(np.int64), True
+    ids = _take(block_ids, slice(b0, b1))  # (and errors exactly as before)
+    return ids, in_range(ids, limit)
+
+
 def _take(block_ids: BlockIds, idx: slice | np.ndarray) -> np.ndarray:
     """Entries ``idx`` of a block table (list, numpy array or tensor) as int64 ``[k]``."""
     if isinstance(block_ids, torch.Tensor):
@@ -231,6 +268,9 @@ class HiddenStateCache:
                                             k.dtype, self.device, self.tier, self.zero_copy)
             self.specs[k.name] = k
             self.ledger.add_key(k.name)
+        #: key -> bytes of its row, and None -> of all keys' rows (the metrics' bytes_written)
+        self._row_bytes = {k: p.row_bytes for k, p in self.pools.items()}
+        self._row_bytes[None] = sum(p.row_bytes for p in self.pools.values())
         self._writer = None  # rebuilt over the new set of pools at the next CUDA write
         self._fused_maybe = self.fused and self.tier is not Tier.HOST and torch.cuda.is_available()
 
@@ -343,21 +383,19 @@ class HiddenStateCache:
             other_ids = [int(block_ids[b]) for b, _ in others]
             other_hashes = [h for _, h in others]
         else:
-            hk, hv, ordered = _hashed_blocks(block_hashes)
+            hk, hv, ordered, touched, ids_ok = _step_arrays(block_ids, b0, b1, block_hashes, self.num_blocks)
             m, u = hk.size, b1 - b0
-            touched = _take(block_ids, slice(b0, b1))
             # the hashed blocks are the touched ones (a prefill's)? Block indices are distinct
             # (dict keys, or first + range), so m of them in [b0, b1) are exactly [b0, b1)
             if ordered:
                 rel = None
                 prefill = m == u and m and hk.item(0) == b0
+            elif m == u and m and hk.tobytes() == _arange(b1)[b0:].tobytes():
+                rel = None  # in order: [b0, b1), the engine's usual mapping
+                prefill = True
             else:
                 rel = hk - b0
-                if m == u and m and not np.count_nonzero(rel != _arange(u)):
-                    rel = None  # in order: [b0, b1), the engine's usual mapping
-                    prefill = True
-                else:
-                    prefill = m == u and m and rel.view(np.uint64).max() < u  # (negative: huge)
+                prefill = m == u and m and rel.view(np.uint64).max() < u  # (negative: huge)
             if prefill:
                 if n and last_end != bs:
                     raise ValueError(f"request {req_id!r}: block {b1 - 1} is hashed but only "
@@ -383,8 +421,12 @@ class HiddenStateCache:
                 other_ids = _take(block_ids, hk[~inside])
                 other_hashes = hv[~inside]
         if n:
-            ids = np.asarray(touched, dtype=np.int64)
-            if not in_range(ids, self.num_blocks):
+            if type(touched) is list:
+                ids = np.asarray(touched, dtype=np.int64)
+                ids_ok = in_range(ids, self.num_blocks)
+            else:
+                ids = touched
+            if not ids_ok:
                 raise ValueError(f"request {req_id!r}: block ids outside [0, {self.num_blocks}) in "
                                  f"{ids.tolist()[:8]}")
             try:
@@ -419,7 +461,9 @@ class HiddenStateCache:
             self._fused_maybe = False
             return False
         if done:
-            self.metrics.bytes_written += n * sum(self.pools[k].row_bytes for k in tensors)
+            rb = self._row_bytes
+            self.metrics.bytes_written += n * (rb[None] if len(tensors) == len(rb) - 1 else
+                                               sum(rb[k] for k in tensors))
             self.metrics.rows_written += n * len(tensors)
         return done
 

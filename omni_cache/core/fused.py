@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -125,6 +126,13 @@ class _Launcher:
         if c is not None and self.direct:
             rt = self.knobs.runtime
             enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+            # Tritons whose hooks are chains (HookChain) pass them even when empty: the launch
+            # then builds launch metadata and calls both; an empty chain calls nothing, so
+            # passing None instead (what older Tritons pass without hooks) changes nothing
+            if enter is not None and getattr(enter, "calls", None) == []:
+                enter = None
+            if leave is not None and getattr(leave, "calls", None) == []:
+                leave = None
             try:
                 md = None if enter is None else c.launch_metadata(grid, stream, *args, CHUNK)
                 c.run(grid[0], grid[1], 1, stream, c.function, c.packed_metadata, md, enter, leave, *args, CHUNK)
@@ -188,7 +196,7 @@ class StepWriter:
         dev = self.device
         for key, rows in tensors.items():
             dtype, width, dst, rw, _ = self.dst[key]
-            if rows.device != dev:
+            if rows.get_device() != dev.index:  # (-1 on the CPU)
                 return False
             if rows.dtype != dtype or not rows.is_contiguous():
                 # (a temporary: the caching allocator hands its memory only to work enqueued
@@ -203,7 +211,7 @@ class StepWriter:
         tab = ring.device_address(a)
         if tab is None:
             return False
-        ring.np[a:a + 3 * k] = table
+        struct.pack_into(f"{3 * k}q", ring.np, 8 * a, *table)
         ring.np[a + 3 * k:a + 3 * k + u] = ids
         launch(tab, tab + 24 * k, u, first_off, last_end, self.block_size, k,
                torch._C._cuda_getCurrentRawStream(dev.index))

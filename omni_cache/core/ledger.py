@@ -132,6 +132,8 @@ class BlockLedger:
     owner_floor = 1024
     #: Whether :meth:`defer_request_write` may defer (see there); ``False``: it applies at once.
     defer = True
+    #: Deferred writes kept at most (then applied): bounds their memory where nothing looks up.
+    pending_max = 64
 
     def __init__(self, num_blocks: int, block_size: int, keys: Sequence[str]) -> None:
         self.num_blocks = num_blocks
@@ -496,6 +498,8 @@ class BlockLedger:
         if not (0 <= first_start < bs and 0 < last_end <= bs and (n > 1 or first_start < last_end)):
             raise ValueError(f"blocks {list(block_ids)[:8]}: bad in-block range [{first_start}, {last_end})")
         if self.defer and (n > self.scalar_max or self._pending):
+            if len(self._pending) >= self.pending_max:
+                self.settle()
             self._pending.append((block_ids, first_start, last_end, block_hashes, hashed, key_mask, owner))
             return
         self._apply_request_write(block_ids, first_start, last_end, block_hashes, hashed, key_mask, owner)
