@@ -343,19 +343,15 @@ class HiddenStateCache:
                 a block hash that is not an unsigned 64-bit int.
         """
         t0 = time.perf_counter()
-        lengths = {t.shape[0] for t in tensors.values()}
-        if len(lengths) > 1:
-            raise ValueError(f"request {req_id!r}: keys carry different row counts {lengths}")
-        n = lengths.pop() if lengths else num_tokens or 0
-        if num_tokens is not None and n != num_tokens:
-            raise ValueError(f"request {req_id!r}: {n} rows but num_tokens={num_tokens}")
-        for key, rows in tensors.items():
-            spec = self.specs.get(key)
-            if spec is None:
-                raise ValueError(f"request {req_id!r}: unknown keys {sorted(set(tensors) - self.specs.keys())}")
-            if rows.dim() != 2 or rows.shape[1] != spec.width:
-                raise ValueError(f"key {key!r}: rows of shape {tuple(rows.shape)} do not match "
-                                 f"[{n}, {spec.width}]")
+        specs, n = self.specs, -1
+        for key, rows in tensors.items():  # the usual case in one pass; anything else below
+            spec, sh = specs.get(key), rows.shape
+            if spec is None or len(sh) != 2 or sh[1] != spec.width or (n >= 0 and sh[0] != n):
+                n = -2
+                break
+            n = sh[0]
+        if n < 0 or (num_tokens is not None and n != num_tokens):  # no rows, or some error
+            n = self._check_rows(req_id, tensors, num_tokens)
         bs, nblk = self.block_size, len(block_ids)
         if start < 0 or (n and (start + n - 1) // bs >= nblk):
             raise ValueError(f"request {req_id!r}: positions [{start}, {start + n}) fall outside a "
@@ -446,6 +442,24 @@ class HiddenStateCache:
         """Apply the ledger updates that writes deferred (:meth:`BlockLedger.settle`), e.g.
         while the host waits for the GPU anyway. Optional: every lookup applies them first."""
         self.ledger.settle()
+
+    def _check_rows(self, req_id: str, tensors: Mapping[str, torch.Tensor], num_tokens: int | None) -> int:
+        """The rows' length (``num_tokens`` or 0 without rows), else the error
+        :meth:`write_request_rows` raises."""
+        lengths = {t.shape[0] for t in tensors.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"request {req_id!r}: keys carry different row counts {lengths}")
+        n = lengths.pop() if lengths else num_tokens or 0
+        if num_tokens is not None and n != num_tokens:
+            raise ValueError(f"request {req_id!r}: {n} rows but num_tokens={num_tokens}")
+        for key, rows in tensors.items():
+            spec = self.specs.get(key)
+            if spec is None:
+                raise ValueError(f"request {req_id!r}: unknown keys {sorted(set(tensors) - self.specs.keys())}")
+            if rows.dim() != 2 or rows.shape[1] != spec.width:
+                raise ValueError(f"key {key!r}: rows of shape {tuple(rows.shape)} do not match "
+                                 f"[{n}, {spec.width}]")
+        return n
 
     def _write_fused(self, ids: np.ndarray, first_off: int, last_end: int, n: int,
                      tensors: Mapping[str, torch.Tensor]) -> bool:
