@@ -214,9 +214,12 @@ class HiddenStateCache:
 
     Cost per call: one vectorised ledger update or check over the call's blocks (numpy), one
     host -> device copy of the call's indices shared by all keys, and one or two index
-    kernels per key (``index_copy_`` / ``index_select`` through int64 words); no host
+    kernels per key (``index_copy_`` / ``index_select`` through int64 words), or, for a write
+    on a CUDA device, one kernel launch for all keys (:mod:`omni_cache.core.fused`); no host
     synchronisation on ``DEVICE`` and zero-copy ``PINNED_HOST`` pools
-    (``benchmarks/pool_gpu_bench.py``, ``docs/pool-gpu.md``).
+    (``benchmarks/pool_gpu_bench.py``, ``docs/pool-gpu.md``). The ledger update of a write of
+    more than a few blocks is deferred to the next ledger access (lookups see exactly the same
+    state; :meth:`settle` applies it earlier, e.g. while the host waits for the GPU).
     """
 
     def __init__(
