@@ -93,6 +93,43 @@ def _int64s(values) -> np.ndarray:
     return out
 
 
+def _step_arrays(block_ids: BlockIds, b0: int, b1: int, block_hashes: BlockHashes, limit: int
+                 ) -> tuple[np.ndarray, np.ndarray, bool, np.ndarray, bool]:
+    """``_hashed_blocks(block_hashes) + _table_part(block_ids, b0, b1, limit)``, for the
+    engine's usual arguments (a list block table and a ``{block index: hash}`` dict) with one
+    ``struct`` call into one buffer (block ids as unsigned, block indices, hashes as unsigned);
+    where that cannot pack, or a block id is out of range, the two calls (and their errors)."""
+    if type(block_hashes) is dict and type(block_ids) is list and b1 > b0:
+        u, m = b1 - b0, len(block_hashes)
+        buf = np.empty(u + 2 * m, dtype=np.uint64)
+        try:
+            struct.pack_into(f"{u}Q{m}q{m}Q", buf, 0, *block_ids[b0:b1], *block_hashes, *block_hashes.values())
+        except struct.error:
+            pass
+        else:
+            ids = buf[:u]
+            if ids.max() < limit:
+                return buf[u:u + m].view(np.int64), buf[u + m:], False, ids.view(np.int64), True
+    return (*_hashed_blocks(block_hashes), *_table_part(block_ids, b0, b1, limit))
+
+
+def _table_part(block_ids: BlockIds, b0: int, b1: int, limit: int) -> tuple[np.ndarray, bool]:
+    """``(entries [b0, b1) of a block table as int64, whether all are in [0, limit))``: for a
+    list, packed by ``struct`` as unsigned ints (a negative entry cannot pack) so that one
+    reduction checks the range; anything else, or out of range, the general conversion."""
+    if type(block_ids) is list:
+        out = np.empty(b1 - b0, dtype=np.uint64)
+        try:
+            struct.pack_into(f"{b1 - b0}Q", out, 0, *block_ids[b0:b1])
+        except struct.error:
+            pass
+        else:
+            if not out.size or out.max() < limit:
+                return out.view(np.int64), True
+    ids = _take(block_ids, slice(b0, b1))  # (and errors exactly as before)
+    return ids, in_range(ids, limit)
+
+
 def _take(block_ids: BlockIds, idx: slice | np.ndarray) -> np.ndarray:
     """Entries ``idx`` of a block table (list, numpy array or tensor) as int64 ``[k]``."""
     if isinstance(block_ids, torch.Tensor):
@@ -153,6 +190,8 @@ def _hashed_blocks(block_hashes: BlockHashes) -> tuple[np.ndarray, np.ndarray, b
         return idx, hashes, False
     first, hashes = block_hashes
     vals = block_hash_array(hashes, strict=True)[0]
+    if isinstance(hashes, (np.ndarray, torch.Tensor)):
+        vals = vals.copy()  # not a view of the caller's array: the ledger may keep it (deferred)
     return np.arange(int(first), int(first) + vals.size, dtype=np.int64), vals, True
 
 
@@ -175,9 +214,12 @@ class HiddenStateCache:
 
     Cost per call: one vectorised ledger update or check over the call's blocks (numpy), one
     host -> device copy of the call's indices shared by all keys, and one or two index
-    kernels per key (``index_copy_`` / ``index_select`` through int64 words); no host
+    kernels per key (``index_copy_`` / ``index_select`` through int64 words), or, for a write
+    on a CUDA device, one kernel launch for all keys (:mod:`omni_cache.core.fused`); no host
     synchronisation on ``DEVICE`` and zero-copy ``PINNED_HOST`` pools
-    (``benchmarks/pool_gpu_bench.py``, ``docs/pool-gpu.md``).
+    (``benchmarks/pool_gpu_bench.py``, ``docs/pool-gpu.md``). The ledger update of a write of
+    more than a few blocks is deferred to the next ledger access (lookups see exactly the same
+    state; :meth:`settle` applies it earlier, e.g. while the host waits for the GPU).
     """
 
     def __init__(
@@ -229,6 +271,9 @@ class HiddenStateCache:
                                             k.dtype, self.device, self.tier, self.zero_copy)
             self.specs[k.name] = k
             self.ledger.add_key(k.name)
+        #: key -> bytes of its row, and None -> of all keys' rows (the metrics' bytes_written)
+        self._row_bytes = {k: p.row_bytes for k, p in self.pools.items()}
+        self._row_bytes[None] = sum(p.row_bytes for p in self.pools.values())
         self._writer = None  # rebuilt over the new set of pools at the next CUDA write
         self._fused_maybe = self.fused and self.tier is not Tier.HOST and torch.cuda.is_available()
 
@@ -301,19 +346,15 @@ class HiddenStateCache:
                 a block hash that is not an unsigned 64-bit int.
         """
         t0 = time.perf_counter()
-        lengths = {t.shape[0] for t in tensors.values()}
-        if len(lengths) > 1:
-            raise ValueError(f"request {req_id!r}: keys carry different row counts {lengths}")
-        n = lengths.pop() if lengths else num_tokens or 0
-        if num_tokens is not None and n != num_tokens:
-            raise ValueError(f"request {req_id!r}: {n} rows but num_tokens={num_tokens}")
-        for key, rows in tensors.items():
-            spec = self.specs.get(key)
-            if spec is None:
-                raise ValueError(f"request {req_id!r}: unknown keys {sorted(set(tensors) - self.specs.keys())}")
-            if rows.dim() != 2 or rows.shape[1] != spec.width:
-                raise ValueError(f"key {key!r}: rows of shape {tuple(rows.shape)} do not match "
-                                 f"[{n}, {spec.width}]")
+        specs, n = self.specs, -1
+        for key, rows in tensors.items():  # the usual case in one pass; anything else below
+            spec, sh = specs.get(key), rows.shape
+            if spec is None or len(sh) != 2 or sh[1] != spec.width or (n >= 0 and sh[0] != n):
+                n = -2
+                break
+            n = sh[0]
+        if n < 0 or (num_tokens is not None and n != num_tokens):  # no rows, or some error
+            n = self._check_rows(req_id, tensors, num_tokens)
         bs, nblk = self.block_size, len(block_ids)
         if start < 0 or (n and (start + n - 1) // bs >= nblk):
             raise ValueError(f"request {req_id!r}: positions [{start}, {start + n}) fall outside a "
@@ -341,21 +382,19 @@ class HiddenStateCache:
             other_ids = [int(block_ids[b]) for b, _ in others]
             other_hashes = [h for _, h in others]
         else:
-            hk, hv, ordered = _hashed_blocks(block_hashes)
+            hk, hv, ordered, touched, ids_ok = _step_arrays(block_ids, b0, b1, block_hashes, self.num_blocks)
             m, u = hk.size, b1 - b0
-            touched = _take(block_ids, slice(b0, b1))
             # the hashed blocks are the touched ones (a prefill's)? Block indices are distinct
             # (dict keys, or first + range), so m of them in [b0, b1) are exactly [b0, b1)
             if ordered:
                 rel = None
                 prefill = m == u and m and hk.item(0) == b0
+            elif m == u and m and hk.tobytes() == _arange(b1)[b0:].tobytes():
+                rel = None  # in order: [b0, b1), the engine's usual mapping
+                prefill = True
             else:
                 rel = hk - b0
-                if m == u and m and not np.count_nonzero(rel != _arange(u)):
-                    rel = None  # in order: [b0, b1), the engine's usual mapping
-                    prefill = True
-                else:
-                    prefill = m == u and m and rel.view(np.uint64).max() < u  # (negative: huge)
+                prefill = m == u and m and rel.view(np.uint64).max() < u  # (negative: huge)
             if prefill:
                 if n and last_end != bs:
                     raise ValueError(f"request {req_id!r}: block {b1 - 1} is hashed but only "
@@ -381,8 +420,12 @@ class HiddenStateCache:
                 other_ids = _take(block_ids, hk[~inside])
                 other_hashes = hv[~inside]
         if n:
-            ids = np.asarray(touched, dtype=np.int64)
-            if not in_range(ids, self.num_blocks):
+            if type(touched) is list:
+                ids = np.asarray(touched, dtype=np.int64)
+                ids_ok = in_range(ids, self.num_blocks)
+            else:
+                ids = touched
+            if not ids_ok:
                 raise ValueError(f"request {req_id!r}: block ids outside [0, {self.num_blocks}) in "
                                  f"{ids.tolist()[:8]}")
             try:
@@ -391,11 +434,35 @@ class HiddenStateCache:
             except BaseException:
                 self.ledger.invalidate_blocks(ids)  # rows of unknown state: never served
                 raise
-            self.ledger.record_request_write(touched, start - b0 * bs, last_end, th, hashed,
-                                             self.ledger.key_mask(tensors), owner=req_id)
+            # (touched, th and hashed were made for this call: the ledger may keep them)
+            self.ledger.defer_request_write(touched, start - b0 * bs, last_end, th, hashed,
+                                            self.ledger.key_mask(tensors), owner=req_id)
         if len(other_ids):
             self.ledger.cache_full_blocks(other_ids, other_hashes, owner=req_id)
         self.metrics.seconds_write += time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """Apply the ledger updates that writes deferred (:meth:`BlockLedger.settle`), e.g.
+        while the host waits for the GPU anyway. Optional: every lookup applies them first."""
+        self.ledger.settle()
+
+    def _check_rows(self, req_id: str, tensors: Mapping[str, torch.Tensor], num_tokens: int | None) -> int:
+        """The rows' length (``num_tokens`` or 0 without rows), else the error
+        :meth:`write_request_rows` raises."""
+        lengths = {t.shape[0] for t in tensors.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"request {req_id!r}: keys carry different row counts {lengths}")
+        n = lengths.pop() if lengths else num_tokens or 0
+        if num_tokens is not None and n != num_tokens:
+            raise ValueError(f"request {req_id!r}: {n} rows but num_tokens={num_tokens}")
+        for key, rows in tensors.items():
+            spec = self.specs.get(key)
+            if spec is None:
+                raise ValueError(f"request {req_id!r}: unknown keys {sorted(set(tensors) - self.specs.keys())}")
+            if rows.dim() != 2 or rows.shape[1] != spec.width:
+                raise ValueError(f"key {key!r}: rows of shape {tuple(rows.shape)} do not match "
+                                 f"[{n}, {spec.width}]")
+        return n
 
     def _write_fused(self, ids: np.ndarray, first_off: int, last_end: int, n: int,
                      tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -411,7 +478,9 @@ class HiddenStateCache:
             self._fused_maybe = False
             return False
         if done:
-            self.metrics.bytes_written += n * sum(self.pools[k].row_bytes for k in tensors)
+            rb = self._row_bytes
+            self.metrics.bytes_written += n * (rb[None] if len(tensors) == len(rb) - 1 else
+                                               sum(rb[k] for k in tensors))
             self.metrics.rows_written += n * len(tensors)
         return done
 

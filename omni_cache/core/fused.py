@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ CHUNK = 1024
 NUM_WARPS = 4
 
 _KERNEL: list = []  # [the JIT kernel or None], filled on first use
+_INTERPRET: list = []  # [whether TRITON_INTERPRET=1], read with the kernel (Triton reads it at import)
 
 
 def _build_kernel():
@@ -81,6 +83,7 @@ def kernel():
             except Exception as exc:  # ImportError, or a Triton too old for this kernel
                 log.info("omni-cache: fused step writes unavailable (%s); using index_copy_", exc)
         _KERNEL.append(k)
+        _INTERPRET.append(os.environ.get("TRITON_INTERPRET") == "1")
     return _KERNEL[0]
 
 
@@ -91,7 +94,7 @@ def launch(tab: int, ids: int, n_units: int, first_off: int, last_end: int, bloc
     under ``TRITON_INTERPRET=1`` with CPU addresses (tests)."""
     k = kernel()
     grid = (n_units, n_keys)
-    if stream is None or os.environ.get("TRITON_INTERPRET") == "1":
+    if stream is None or _INTERPRET[0]:
         k[grid](tab, ids, n_units, first_off, last_end, block_size, CHUNK=CHUNK, num_warps=NUM_WARPS)
         return
     _Launcher.get(k).launch(grid, stream, tab, ids, n_units, first_off, last_end, block_size)
@@ -123,6 +126,13 @@ class _Launcher:
         if c is not None and self.direct:
             rt = self.knobs.runtime
             enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+            # Tritons whose hooks are chains (HookChain) pass them even when empty: the launch
+            # then builds launch metadata and calls both; an empty chain calls nothing, so
+            # passing None instead (what older Tritons pass without hooks) changes nothing
+            if enter is not None and getattr(enter, "calls", None) == []:
+                enter = None
+            if leave is not None and getattr(leave, "calls", None) == []:
+                leave = None
             try:
                 md = None if enter is None else c.launch_metadata(grid, stream, *args, CHUNK)
                 c.run(grid[0], grid[1], 1, stream, c.function, c.packed_metadata, md, enter, leave, *args, CHUNK)
@@ -186,7 +196,7 @@ class StepWriter:
         dev = self.device
         for key, rows in tensors.items():
             dtype, width, dst, rw, _ = self.dst[key]
-            if rows.device != dev:
+            if rows.get_device() != dev.index:  # (-1 on the CPU)
                 return False
             if rows.dtype != dtype or not rows.is_contiguous():
                 # (a temporary: the caching allocator hands its memory only to work enqueued
@@ -201,12 +211,12 @@ class StepWriter:
         tab = ring.device_address(a)
         if tab is None:
             return False
-        ring.np[a:a + 3 * k] = table
+        struct.pack_into(f"{3 * k}q", ring.np, 8 * a, *table)
         ring.np[a + 3 * k:a + 3 * k + u] = ids
         launch(tab, tab + 24 * k, u, first_off, last_end, self.block_size, k,
                torch._C._cuda_getCurrentRawStream(dev.index))
         self.launches += 1
         if self.pinned:
             for key in tensors:
-                self.dst[key][4]._note_gpu(ids)
+                self.dst[key][4]._note_gpu(ids, owned=True)  # ids: the cache's, made for this call
         return True

@@ -8,6 +8,7 @@ array operations rather than a Python loop per block.
 from __future__ import annotations
 
 import array
+from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
@@ -129,6 +130,10 @@ class BlockLedger:
     #: Interned owners are pruned (those owning no block dropped) when their number reaches
     #: ``max(owner_floor, 2 x the owners kept at the last pruning)``: amortised O(1) per owner.
     owner_floor = 1024
+    #: Whether :meth:`defer_request_write` may defer (see there); ``False``: it applies at once.
+    defer = True
+    #: Deferred writes kept at most (then applied): bounds their memory where nothing looks up.
+    pending_max = 64
 
     def __init__(self, num_blocks: int, block_size: int, keys: Sequence[str]) -> None:
         self.num_blocks = num_blocks
@@ -137,23 +142,86 @@ class BlockLedger:
         self._key_index = {k: i for i, k in enumerate(self.keys)}
         self._masks: dict[tuple[str, ...], np.ndarray] = {}  # key_mask's memo
         self._needs: dict[bytes, list[int]] = {}  # _need's memo
-        self._hash = np.zeros(num_blocks, dtype=np.uint64)
-        self._cached = np.zeros(num_blocks, dtype=bool)
-        self._owner = np.full(num_blocks, _NO_OWNER, dtype=np.int64)
-        self._generation = np.zeros(num_blocks, dtype=np.int64)
-        self._filled = np.zeros((len(self.keys), num_blocks), dtype=np.int64)  # key-major
+        self._bh = np.zeros(num_blocks, dtype=np.uint64)
+        self._bc = np.zeros(num_blocks, dtype=bool)
+        self._bo = np.full(num_blocks, _NO_OWNER, dtype=np.int64)
+        self._bg = np.zeros(num_blocks, dtype=np.int64)
+        self._bf = np.zeros((len(self.keys), num_blocks), dtype=np.int64)  # key-major
         self._mark = np.zeros(num_blocks, dtype=np.int64)  # scratch of the distinct-blocks check
         self._order = np.arange(num_blocks, dtype=np.int64)
         self._owner_ids: dict[Hashable, int] = {}
         self._owner_names: dict[int, Hashable] = {}
         self._next_owner = 0
         self._owner_limit = self.owner_floor
+        #: deferred :meth:`defer_request_write` calls (their arguments), oldest first
+        self._pending: deque[tuple] = deque()
         #: ``block_hash[b]``: the block's hash (int) while cached, else ``None``.
-        self.block_hash = _PerBlock(lambda b: int(self._hash[b]) if self._cached[b] else None, num_blocks)
+        self.block_hash = _PerBlock(self._block_hash_of, num_blocks)
         #: ``owner[b]``: the owner whose fill the block holds, ``None`` if nobody's.
-        self.owner = _PerBlock(lambda b: self._owner_names.get(int(self._owner[b])), num_blocks)
+        self.owner = _PerBlock(self._owner_of, num_blocks)
         #: ``generation[b]``: how many times the block's fill was reset.
-        self.generation = _PerBlock(lambda b: int(self._generation[b]), num_blocks)
+        self.generation = _PerBlock(self._generation_of, num_blocks)
+
+    # -- deferred writes -------------------------------------------------------
+    # State: _bh (block hash, uint64), _bc (cached, bool), _bo (owner id, int64), _bg
+    # (generation, int64), _bf (fill, int64 [keys, num_blocks]), plus the deferred writes of
+    # _pending, applied in order by settle() before anything reads or changes the state: every
+    # public method but defer_request_write and key_mask settles first, so each sees exactly
+    # the state of applying every write at its call. The _hash, _cached, _owner, _generation and
+    # _filled properties are that state, settled.
+
+    def settle(self) -> None:
+        """Apply the deferred writes (:meth:`defer_request_write`), in order. Called by every
+        method that reads or changes the state; also callable when the host has time to spare
+        (e.g. while it waits for the GPU), so that the next lookup finds nothing to apply."""
+        pending = self._pending
+        while pending:
+            self._apply_request_write(*pending.popleft())
+
+    @property
+    def pending_writes(self) -> int:
+        """Deferred writes not applied yet."""
+        return len(self._pending)
+
+    @property
+    def _hash(self) -> np.ndarray:
+        self.settle()
+        return self._bh
+
+    @property
+    def _cached(self) -> np.ndarray:
+        self.settle()
+        return self._bc
+
+    @property
+    def _owner(self) -> np.ndarray:
+        self.settle()
+        return self._bo
+
+    @property
+    def _generation(self) -> np.ndarray:
+        self.settle()
+        return self._bg
+
+    @property
+    def _filled(self) -> np.ndarray:
+        self.settle()
+        return self._bf
+
+    def _block_hash_of(self, b: int) -> int | None:
+        if self._pending:
+            self.settle()
+        return int(self._bh[b]) if self._bc[b] else None
+
+    def _owner_of(self, b: int) -> Hashable | None:
+        if self._pending:
+            self.settle()
+        return self._owner_names.get(int(self._bo[b]))
+
+    def _generation_of(self, b: int) -> int:
+        if self._pending:
+            self.settle()
+        return int(self._bg[b])
 
     def add_key(self, key: str) -> None:
         """Track a new key. No block is filled for it yet, so no block is covered for it
@@ -164,9 +232,10 @@ class BlockLedger:
         """
         if key in self._key_index:
             raise ValueError(f"key {key!r} is already tracked")
+        self.settle()
         self._key_index[key] = len(self.keys)
         self.keys = (*self.keys, key)
-        self._filled = np.concatenate([self._filled, np.zeros((1, self.num_blocks), dtype=np.int64)])
+        self._bf = np.concatenate([self._bf, np.zeros((1, self.num_blocks), dtype=np.int64)])
         self._masks.clear()  # masks are over the keys
         self._needs.clear()
 
@@ -209,7 +278,7 @@ class BlockLedger:
     def _forget_idle_owners(self) -> None:
         """Drop interned owners that own no block (ids are never reused, so an owner that
         comes back gets a new id, which, like the old one, owns no block)."""
-        live = set(np.unique(self._owner[self._owner >= 0]).tolist())
+        live = set(np.unique(self._bo[self._bo >= 0]).tolist())
         self._owner_ids = {o: i for o, i in self._owner_ids.items() if i in live}
         self._owner_names = {i: o for o, i in self._owner_ids.items()}
         self._owner_limit = max(self.owner_floor, 2 * len(self._owner_ids))
@@ -230,22 +299,24 @@ class BlockLedger:
         return not np.count_nonzero(self._mark.take(ids) != order)
 
     def _reset(self, ids: np.ndarray, oid: int) -> None:
-        self._cached[ids] = False
-        self._owner[ids] = oid
-        for row in self._filled:
+        self._bc[ids] = False
+        self._bo[ids] = oid
+        for row in self._bf:
             row[ids] = 0
-        self._generation[ids] += 1
+        self._bg[ids] += 1
 
     def _reset_one(self, b: int, oid: int) -> None:
-        self._cached[b] = False
-        self._owner[b] = oid
-        self._filled[:, b] = 0
-        self._generation[b] += 1
+        self._bc[b] = False
+        self._bo[b] = oid
+        self._bf[:, b] = 0
+        self._bg[b] += 1
 
     # -- one block -------------------------------------------------------------
     def filled(self, block_id: int, key: str) -> int:
         """Rows of ``key`` written contiguously from offset 0 in the block's current fill."""
-        return int(self._filled[self._key_index[key], block_id])
+        if self._pending:
+            self.settle()
+        return int(self._bf[self._key_index[key], block_id])
 
     def invalidate(self, block_id: int) -> None:
         """Forget the block's contents: nothing in it is served until refilled and cached."""
@@ -257,6 +328,8 @@ class BlockLedger:
         Raises:
             ValueError: a block id outside ``[0, num_blocks)``.
         """
+        if self._pending:
+            self.settle()
         self._reset(np.unique(self._block_ids(block_ids)), _NO_OWNER)
 
     def record_write(
@@ -284,13 +357,15 @@ class BlockLedger:
         h = None if block_hash is None else _hash_value(block_hash)
         if block_hash is not None and h is None:
             raise ValueError(f"block hashes are ints in [0, 2**64); got {block_hash!r}")
+        if self._pending:
+            self.settle()
         self._write_one(b, start, end, h, self.key_mask(keys).tolist(), self._owner_id(owner, create=True))
 
     def _write_one(self, b: int, start: int, end: int, h: int | None, key_mask: list[bool], oid: int) -> None:
         """:meth:`record_write` on checked scalars (``h``: block hash or ``None``)."""
-        if self._owner.item(b) != oid or (self._cached.item(b) and self._hash.item(b) != h):
+        if self._bo.item(b) != oid or (self._bc.item(b) and self._bh.item(b) != h):
             self._reset_one(b, oid)
-        filled = self._filled
+        filled = self._bf
         for i, written in enumerate(key_mask):
             v = filled.item(i, b)
             if written and v >= start:  # rows at >= start are being redefined, then extended
@@ -298,8 +373,8 @@ class BlockLedger:
             elif v > start:
                 filled[i, b] = start
         if h is not None:
-            self._hash[b] = h
-            self._cached[b] = True
+            self._bh[b] = h
+            self._bc[b] = True
 
     def cache_full_block(self, block_id: int, block_hash: int, *, owner: Hashable) -> None:
         """Mark the block full with ``block_hash`` (its chained hash) on behalf of ``owner``.
@@ -315,12 +390,12 @@ class BlockLedger:
         self.cache_full_blocks([block_id], block_hash_array([block_hash], strict=True)[0], owner=owner)
 
     def _cache_one(self, b: int, h: int, oid: int) -> None:
-        if self._owner.item(b) != oid or (self._cached.item(b) and self._hash.item(b) == h):
+        if self._bo.item(b) != oid or (self._bc.item(b) and self._bh.item(b) == h):
             return
-        if self._cached.item(b):
+        if self._bc.item(b):
             self._reset_one(b, oid)
-        self._hash[b] = h
-        self._cached[b] = True
+        self._bh[b] = h
+        self._bc[b] = True
 
     def uncovered_key(self, block_id: int, block_hash: object, keys: Iterable[str]) -> str | None:
         """``None`` if the block may be served for ``block_hash`` and all ``keys``; else the reason:
@@ -330,9 +405,11 @@ class BlockLedger:
     def uncovered_reason(self, block_id: int, block_hash: int | None, key_mask: np.ndarray) -> str | None:
         """:meth:`uncovered_key` for a block hash already converted (``None``: not a block
         hash) and keys as a :meth:`key_mask`."""
-        if block_hash is None or not self._cached[block_id] or self._hash.item(block_id) != block_hash:
+        if self._pending:
+            self.settle()
+        if block_hash is None or not self._bc[block_id] or self._bh.item(block_id) != block_hash:
             return BLOCK_HASH_MISMATCH
-        short = key_mask & (self._filled[:, block_id] != self.block_size)
+        short = key_mask & (self._bf[:, block_id] != self.block_size)
         return self.keys[int(np.argmax(short))] if short.any() else None
 
     # -- many blocks -----------------------------------------------------------
@@ -374,6 +451,8 @@ class BlockLedger:
         if np.count_nonzero(bad):
             j = int(np.argmax(bad))
             raise ValueError(f"block {int(ids[j])}: bad in-block range [{int(starts[j])}, {int(ends[j])})")
+        if self._pending:
+            self.settle()
         self._write_many(ids, starts, ends, np.broadcast_to(np.asarray(block_hashes, dtype=np.uint64), (n,)),
                          np.broadcast_to(np.asarray(hashed, dtype=bool), (n,)), key_mask,
                          self._owner_id(owner, create=True))
@@ -396,6 +475,39 @@ class BlockLedger:
             return
         if not (0 <= first_start < bs and 0 < last_end <= bs and (n > 1 or first_start < last_end)):
             raise ValueError(f"blocks {list(block_ids)[:8]}: bad in-block range [{first_start}, {last_end})")
+        if self._pending:
+            self.settle()
+        self._apply_request_write(block_ids, first_start, last_end, block_hashes, hashed, key_mask, owner)
+
+    def defer_request_write(self, block_ids, first_start: int, last_end: int, block_hashes, hashed,
+                            key_mask: np.ndarray, *, owner: Hashable) -> None:
+        """:meth:`record_request_write`, whose update may be deferred: calls over more than
+        :attr:`scalar_max` blocks (or made while others are deferred) are queued and applied in
+        call order by :meth:`settle`, which every method that reads or changes the state calls
+        first, so no lookup can tell the difference; the write's caller saves the update's host
+        time (it is spent at the next lookup or :meth:`settle` instead). The arguments are
+        handed over: the caller must not modify them afterwards (the cache passes arrays it
+        made for the call).
+
+        Raises:
+            ValueError: bad offsets (at once, whether deferred or not).
+        """
+        n, bs = len(block_ids), self.block_size
+        if not n:
+            return
+        if not (0 <= first_start < bs and 0 < last_end <= bs and (n > 1 or first_start < last_end)):
+            raise ValueError(f"blocks {list(block_ids)[:8]}: bad in-block range [{first_start}, {last_end})")
+        if self.defer and (n > self.scalar_max or self._pending):
+            if len(self._pending) >= self.pending_max:
+                self.settle()
+            self._pending.append((block_ids, first_start, last_end, block_hashes, hashed, key_mask, owner))
+            return
+        self._apply_request_write(block_ids, first_start, last_end, block_hashes, hashed, key_mask, owner)
+
+    def _apply_request_write(self, block_ids, first_start: int, last_end: int, block_hashes, hashed,
+                             key_mask: np.ndarray, owner: Hashable) -> None:
+        """:meth:`record_request_write` on checked arguments, nothing deferred."""
+        n, bs = len(block_ids), self.block_size
         oid = self._owner_id(owner, create=True)
         if n <= self.scalar_max:
             mask = key_mask.tolist()
@@ -420,34 +532,34 @@ class BlockLedger:
         # the written keys and 0 for the others, whatever they held; the last block to
         # last_end; only a first block written from first_start > 0 depends on its old fill.
         all_hashed = hashed is True or np.count_nonzero(hashed) == n
-        cur = self._hash.take(ids)
-        cached = self._cached.take(ids)
+        cur = self._bh.take(ids)
+        cached = self._bc.take(ids)
         if all_hashed:  # a cached block under another hash starts a new fill
             cached_other = cached & (cur != hs)
         else:
             cached_other = cached & ~(np.asarray(hashed, dtype=bool) & (cur == hs))
-        reset = (self._owner.take(ids) != oid) | cached_other
+        reset = (self._bo.take(ids) != oid) | cached_other
         last = ids.item(-1)
         old_first = 0 if reset.item(0) else None  # the first block's fill before this write
         if first_start and old_first is None:
-            old_first = self._filled[:, ids.item(0)].tolist()
-        self._owner[ids] = oid
-        self._generation[ids] += reset
+            old_first = self._bf[:, ids.item(0)].tolist()
+        self._bo[ids] = oid
+        self._bg[ids] += reset
         end0 = last_end if n == 1 else bs
         for i, written in enumerate(key_mask.tolist()):
-            row = self._filled[i]
+            row = self._bf[i]
             row[ids] = bs if written else 0
             row[last] = last_end if written else 0
             if first_start:
                 f = min(0 if old_first == 0 else old_first[i], first_start)
                 row[ids.item(0)] = end0 if written and f == first_start else f
         if all_hashed:
-            self._hash[ids] = hs
-            self._cached[ids] = True
+            self._bh[ids] = hs
+            self._bc[ids] = True
         else:
             hashed = np.asarray(hashed, dtype=bool)
-            self._hash[ids] = np.where(hashed, hs, cur)
-            self._cached[ids] = hashed | (cached & ~reset)
+            self._bh[ids] = np.where(hashed, hs, cur)
+            self._bc[ids] = hashed | (cached & ~reset)
 
     def _write_many(self, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_hashes: np.ndarray,
                     hashed: np.ndarray, key_mask: np.ndarray, oid: int) -> None:
@@ -459,18 +571,18 @@ class BlockLedger:
                 self._write_one(b, s, e, h if c else None, mask, oid)
             return
         # a write by another owner, or under another block hash than the cached one, starts a new fill
-        reset = (self._owner.take(ids) != oid) | (
-            self._cached.take(ids) & ~(hashed & (self._hash.take(ids) == block_hashes)))
+        reset = (self._bo.take(ids) != oid) | (
+            self._bc.take(ids) & ~(hashed & (self._bh.take(ids) == block_hashes)))
         if np.count_nonzero(reset):
             self._reset(ids[reset], oid)
         s = starts[:, None]
         for i, written in enumerate(key_mask.tolist()):
-            f = np.minimum(self._filled[i].take(ids), starts)  # rows at >= start are being redefined
-            self._filled[i][ids] = np.where(f == starts, ends, f) if written else f
+            f = np.minimum(self._bf[i].take(ids), starts)  # rows at >= start are being redefined
+            self._bf[i][ids] = np.where(f == starts, ends, f) if written else f
         if np.count_nonzero(hashed):
             h = ids[hashed]
-            self._hash[h] = block_hashes[hashed]
-            self._cached[h] = True
+            self._bh[h] = block_hashes[hashed]
+            self._bc[h] = True
 
     def cache_full_blocks(self, block_ids, block_hashes, *, owner: Hashable) -> None:
         """:meth:`cache_full_block` for every block of ``block_ids`` (int ``[n]``) with
@@ -480,6 +592,8 @@ class BlockLedger:
         Raises:
             ValueError: bad block ids.
         """
+        if self._pending:
+            self.settle()
         oid = self._owner_id(owner, create=False)
         if isinstance(block_ids, list) and isinstance(block_hashes, list) and len(block_ids) <= self.scalar_max:
             if len(block_hashes) != len(block_ids) or any(
@@ -495,15 +609,15 @@ class BlockLedger:
             for b, h in zip(ids.tolist(), hs.tolist()):
                 self._cache_one(b, h, oid)
             return
-        act = (self._owner.take(ids) == oid) & ~(self._cached.take(ids) & (self._hash.take(ids) == hs))
+        act = (self._bo.take(ids) == oid) & ~(self._bc.take(ids) & (self._bh.take(ids) == hs))
         if not np.count_nonzero(act):
             return
         a = ids[act]
-        was_cached = self._cached.take(a)
+        was_cached = self._bc.take(a)
         if np.count_nonzero(was_cached):
             self._reset(a[was_cached], oid)
-        self._hash[a] = hs[act]
-        self._cached[a] = True
+        self._bh[a] = hs[act]
+        self._bc[a] = True
 
     def first_uncovered(self, block_ids, block_hashes, key_mask: np.ndarray) -> int:
         """Index of the first block of ``block_ids`` (int ``[n]``: list, numpy array or CPU
@@ -511,13 +625,15 @@ class BlockLedger:
         :func:`block_hash_array`; entries that are not block hashes match nothing) or not
         fully filled for some key of ``key_mask`` (:meth:`key_mask`); ``n`` if all are
         covered. Reads only; no check of the block ids beyond numpy indexing."""
+        if self._pending:
+            self.settle()
         n = len(block_ids)
         if n <= self.scalar_max_read:  # a few blocks: cheaper one by one
             ids = block_ids if isinstance(block_ids, list) else np.asarray(block_ids).reshape(-1).tolist()
             hashes = hash_list(block_hashes)
-            need, bs, filled = self._need(key_mask), self.block_size, self._filled
+            need, bs, filled = self._need(key_mask), self.block_size, self._bf
             for j, b in enumerate(ids):
-                if not self._cached.item(b) or self._hash.item(b) != hashes[j]:
+                if not self._bc.item(b) or self._bh.item(b) != hashes[j]:
                     return j
                 for i in need:
                     if filled.item(i, b) != bs:
@@ -525,11 +641,11 @@ class BlockLedger:
             return n
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         hs, valid = block_hash_array(block_hashes, strict=False)
-        ok = self._cached.take(ids) & (self._hash.take(ids) == hs)
+        ok = self._bc.take(ids) & (self._bh.take(ids) == hs)
         if valid is not None:
             ok &= valid
         for i in self._need(key_mask):
-            ok &= self._filled[i].take(ids) == self.block_size
+            ok &= self._bf[i].take(ids) == self.block_size
         i = int(ok.argmin())
         return i if not ok[i] else n
 

@@ -340,6 +340,9 @@ class HiddenPool:
         # kernel / copy touching each block, and the last number known complete on the host
         self._gpu_seq = np.zeros(num_blocks, dtype=np.int64) if pin else None
         self._seq = self._synced = 0
+        #: ``(sequence number, block ids)`` of GPU work noted but not yet in ``_gpu_seq``
+        #: (:meth:`_note_gpu` with ``owned``), oldest first
+        self._gpu_notes: list[tuple[int, np.ndarray]] = []
 
     @property
     def zero_copy(self) -> bool:
@@ -434,9 +437,30 @@ class HiddenPool:
         return True
 
     # -- GPU work in flight on pinned storage ------------------------------------
-    def _note_gpu(self, blocks: np.ndarray) -> None:
+    #: Owned notes kept before they are applied to ``_gpu_seq`` at once (bounds their memory).
+    notes_max = 32
+
+    def _note_gpu(self, blocks: np.ndarray, owned: bool = False) -> None:
+        """GPU work on ``blocks`` (block ids) was just enqueued. ``owned``: ``blocks`` is an
+        array the caller will not modify, kept as it is and applied to ``_gpu_seq`` only when
+        :meth:`wait_pending` needs it (a list append instead of a scatter on the write's
+        path); notes are applied in order, so ``_gpu_seq`` ends up the same."""
         self._seq += 1
+        if owned and len(self._gpu_notes) < self.notes_max:
+            self._gpu_notes.append((self._seq, blocks))
+            return
+        self._apply_notes()
         self._gpu_seq[blocks] = self._seq
+
+    def _apply_notes(self) -> None:
+        notes = self._gpu_notes
+        if notes:
+            if self._synced == self._seq:  # all of it complete: entries <= _synced never wait
+                notes.clear()
+                return
+            for seq, blocks in notes:
+                self._gpu_seq[blocks] = seq
+            notes.clear()
 
     def wait_pending(self, block_ids=None) -> None:
         """Block until GPU work on this pool's pinned storage (zero-copy writes and reads,
@@ -448,13 +472,16 @@ class HiddenPool:
         if self._committer is not None:
             self._committer.wait(None if block_ids is None else np.asarray(block_ids).tolist())
         if self._seq == self._synced:
+            self._gpu_notes.clear()
             return
         if block_ids is not None:
+            self._apply_notes()
             blocks = np.asarray(block_ids, dtype=np.int64)
             if not blocks.size or self._gpu_seq[blocks].max() <= self._synced:
                 return
         torch.cuda.synchronize(self.gpu_device)
         self._synced = self._seq
+        self._gpu_notes.clear()
 
     # -- reads -----------------------------------------------------------------
     def gather_blocks(self, block_ids, out_device: torch.device | str | None = None) -> torch.Tensor:

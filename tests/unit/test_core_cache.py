@@ -462,3 +462,38 @@ def test_added_key_is_uncovered_until_written_on_both_ledger_paths():
                                  dict(enumerate(chained_block_hashes(list(range(50, 58)), BS))))
         got = cache.read_prefix("D", [4, 5], 8, chained_block_hashes(list(range(50, 58)), BS), ["late"])
         assert torch.equal(got["late"], late)
+
+
+def test_deferred_ledger_updates_apply_in_order_before_any_lookup():
+    """A big step's ledger update is deferred (defer_request_write) and applied, in call order,
+    before anything reads or changes the ledger: every lookup and the ledger's state equal
+    those of a cache that applies each write at once (defer off), pending writes stay bounded."""
+    rng = np.random.default_rng(0)
+    a, b = make_cache(64), make_cache(64)
+    b.ledger.defer = False
+    a.ledger.pending_max = 3
+    for step in range(40):
+        nblk = int(rng.integers(1, 12))
+        table = rng.choice(64, nblk, replace=False).tolist()
+        start = int(rng.integers(0, (nblk - 1) * BS + 1))
+        n = int(rng.integers(1, nblk * BS - start + 1))
+        tokens = rng.integers(0, 4, nblk * BS).tolist()
+        hashes = chained_block_hashes(tokens, BS)
+        bh = {j: hashes[j] for j in range(start // BS, (start + n) // BS)}
+        keys = KEYS if step % 5 else KEYS[:1]
+        data = {k: rows(n, seed=step) for k in keys}
+        for c in (a, b):
+            c.write_request_rows(f"r{step % 7}", table, start, data, bh)
+        assert a.ledger.pending_writes <= 3 and b.ledger.pending_writes == 0
+        if step % 3 == 0:
+            nb = (start + n) // BS
+            assert a.covered_prefix_tokens(table, hashes, KEYS) == b.covered_prefix_tokens(table, hashes, KEYS)
+            assert a.ledger.pending_writes == 0
+            if nb and b.covered_prefix_tokens(table[:nb], hashes[:nb], KEYS) == nb * BS:
+                got = a.read_prefix("q", table, nb * BS, hashes, KEYS)
+                want = b.read_prefix("q", table, nb * BS, hashes, KEYS)
+                assert all(torch.equal(got[k], want[k]) for k in KEYS)
+    for f in ("_hash", "_cached", "_owner", "_generation", "_filled"):
+        assert np.array_equal(getattr(a.ledger, f), getattr(b.ledger, f)), f
+    assert a.ledger.pending_writes == 0
+    assert [a.ledger.owner[i] for i in range(64)] == [b.ledger.owner[i] for i in range(64)]
