@@ -59,13 +59,27 @@ class OmniCacheRunnerMixin:
         self._restart_resumed_payloads(scheduler_output)
         cc = self.cache_config
         if not (cc.kv_sharing_fast_prefill and _batch_has_prompt_logprobs(self, scheduler_output)):
-            return super().execute_model(scheduler_output, *args, **kwargs)
-        logger.info("omni-cache: step without KV-sharing fast prefill (a request needs prompt logprobs)")
-        cc.kv_sharing_fast_prefill = False
-        try:
-            return super().execute_model(scheduler_output, *args, **kwargs)
-        finally:
-            cc.kv_sharing_fast_prefill = True
+            out = super().execute_model(scheduler_output, *args, **kwargs)
+        else:
+            logger.info("omni-cache: step without KV-sharing fast prefill (a request needs prompt logprobs)")
+            cc.kv_sharing_fast_prefill = False
+            try:
+                out = super().execute_model(scheduler_output, *args, **kwargs)
+            finally:
+                cc.kv_sharing_fast_prefill = True
+        self._settle_ledger()
+        return out
+
+    def _settle_ledger(self) -> None:
+        """Apply the ledger updates the step's writes deferred (``HiddenStateCache.settle``,
+        docs/pool-gpu.md) now that the step's forward and writes are enqueued: on a GPU whose
+        runner returns from ``execute_model`` before sampling waits for the device, this host
+        work overlaps the forward instead of delaying the step's launch; elsewhere it is the
+        same work the next lookup would do first."""
+        mgr = getattr(self, "omni_prefix_cache", None)
+        cache = getattr(mgr, "cache", None) if isinstance(mgr, OmniCacheStageManager) else None
+        if cache is not None:
+            cache.settle()
 
     def shutdown(self) -> None:
         mgr = getattr(self, "omni_prefix_cache", None)
