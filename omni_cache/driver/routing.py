@@ -278,8 +278,21 @@ class ThinkerRouter:
 
         engine.add_request = add_request
         engine._omni_cache_router = self
+        self._original_add_request = original
         if self.pool.is_distributed:
+            self._previous_balancer = getattr(self.pool, "_lb", None)
             self.pool.attach_load_balancer(PrefixRoutingBalancer(self))
+
+    def uninstall(self, engine: Any) -> None:
+        """Undo :meth:`install`: the engine's own ``add_request`` again (and, distributed, the
+        balancer the pool had), so vLLM-Omni routes; bindings of requests in flight stay. The
+        router keeps what it learned (install it again to resume). No-op if not installed."""
+        if getattr(engine, "_omni_cache_router", None) is not self:
+            return
+        engine.add_request = self._original_add_request
+        engine._omni_cache_router = None
+        if self.pool.is_distributed and getattr(self, "_previous_balancer", None) is not None:
+            self.pool.attach_load_balancer(self._previous_balancer)
 
 
 def _tie(request_id: str, key: Sequence[int]) -> int:

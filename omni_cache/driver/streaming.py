@@ -73,6 +73,10 @@ class StreamingPipeline:
         self.omni = self._loop.run_until_complete(self._start(stage_init_timeout))
         self.start_s = time.perf_counter() - t0
         self._seq = 0
+        from omni_cache.driver.routing import install_routing_from_stage_config
+
+        #: omni-cache's thinker router (``OMNI_CACHE_ROUTING: prefix``, > 1 thinker replica), else None
+        self.router = install_routing_from_stage_config(self.omni, self.stage_config)
 
     async def _start(self, stage_init_timeout: int):
         from vllm_omni.entrypoints.async_omni import AsyncOmni
@@ -80,18 +84,20 @@ class StreamingPipeline:
         return AsyncOmni(model=str(self.model_dir), deploy_config=str(self.stage_config.path),
                          stage_init_timeout=stage_init_timeout, init_timeout=stage_init_timeout + 300)
 
-    def run(self, request: OmniRequest, on_audio: Callable[[np.ndarray, int], None] | None = None
+    def run(self, request: OmniRequest | dict, on_audio: Callable[[np.ndarray, int], None] | None = None
             ) -> StreamedResult:
         """Send one request and wait for it; ``on_audio(packet, sample_rate)`` is called with
-        each new audio packet (float32 ``[num_samples]``) as it arrives."""
+        each new audio packet (float32 ``[num_samples]``) as it arrives. A ``dict`` is passed
+        to vLLM-Omni as is (e.g. ``{"prompt_token_ids": [...]}``)."""
         self._seq += 1
         return self._loop.run_until_complete(self._run(request, f"run-{self._seq}", on_audio))
 
-    async def _run(self, request: OmniRequest, request_id: str, on_audio) -> StreamedResult:
+    async def _run(self, request: OmniRequest | dict, request_id: str, on_audio) -> StreamedResult:
         res = StreamedResult(request_id=request_id)
         t0 = time.perf_counter()
         audio = np.zeros(0, dtype=np.float32)
-        async for o in self.omni.generate(request.to_engine_prompt(), request_id=request_id):
+        prompt = request.to_engine_prompt() if isinstance(request, OmniRequest) else request
+        async for o in self.omni.generate(prompt, request_id=request_id):
             now = time.perf_counter() - t0
             if o.error:
                 res.error = str(o.error)

@@ -282,3 +282,20 @@ def test_serve_bench_command_and_summary(tmp_path):
     assert summ["on"]["thinker_hit_ratio"] == pytest.approx(0.9) and summ["off"]["thinker_hit_ratio"] == 0.0
     assert "p99_ttft_ms" not in summ["off_over_on"]  # not measured: no ratio
     assert SB.plot(summ, tmp_path / "s.png", "t").stat().st_size > 10_000
+
+
+def test_routing_bench_summary():
+    """benchmarks/routing_bench.py's summary: hit ratio over turns >= 2, percentiles, ratios, bars."""
+    from benchmarks.routing_bench import summarize
+
+    def rec(policy, rnd, turn, ttft, hit):
+        return dict(policy=policy, round=rnd, conversation=0, turn=turn, ttft_s=ttft, ttfp_s=2 * ttft, hit=hit)
+
+    records = [rec("prefix", 0, 0, 4.0, False), rec("prefix", 0, 1, 1.0, True), rec("prefix", 0, 2, 1.0, True),
+               rec("vllm_omni", 1, 0, 4.0, False), rec("vllm_omni", 1, 1, 4.0, False), rec("vllm_omni", 1, 2, 2.0, True)]
+    s = summarize(records)
+    assert s["prefix"]["hit_ratio_turn2plus"] == 1.0 and s["vllm_omni"]["hit_ratio_turn2plus"] == 0.5
+    assert s["prefix"]["ttft_s_p50_all"] == 1.0 and s["vllm_omni"]["ttft_s_p50_all"] == 4.0
+    assert s["ratios"]["ttft_s_p50_all_vllm_omni_over_prefix"] == 4.0
+    assert s["prefix"]["ttfp_s_round_medians"] == [2.0]
+    assert all(s["bars"].values())

@@ -307,3 +307,18 @@ def test_serve_installs_the_router_on_the_servers_engine(tmp_path, monkeypatch):
     hooked, router = serve(_write(tmp_path, on))
     assert hooked and isinstance(router, ThinkerRouter) and router.block_size == 32
     assert serve(CPU_STAGE_CONFIG) == (False, None)
+
+
+def test_uninstall_gives_routing_back_to_vllm_omni():
+    pool = _pool()
+    router, engine = _router(pool)
+    conv = _turns(7, 4)
+    engine.add_request("a0", conv[0])
+    first = pool.get_bound_replica_id("a0")
+    router.uninstall(engine)
+    assert engine._omni_cache_router is None
+    engine.add_request("a1", conv[1])  # the engine's own add_request: nothing bound by the router
+    assert pool.get_bound_replica_id("a1") is None and engine.admitted == ["a0", "a1"]
+    router.install(engine)
+    engine.add_request("a2", conv[2])
+    assert pool.get_bound_replica_id("a2") == first  # it kept what it learned

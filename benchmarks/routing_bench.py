@@ -1,0 +1,199 @@
+"""Prefix-aware routing vs vLLM-Omni's own routing over two real thinker replicas: hit ratio,
+TTFT and TTFP per policy (issue 17; docs/routing.md).
+
+One streaming CPU pipeline (``stage_configs/qwen3_omni_cpu.yaml`` with ``num_replicas: 2`` on
+the thinker, omni-cache on) runs both policies, alternated by round: in a ``prefix`` round
+omni-cache's router is installed on the engine (``ThinkerRouter.install``), in a ``vllm_omni``
+round it is taken off (``uninstall``) and vLLM-Omni's in-process round-robin routes. Each round
+sends its own ``--conversations`` conversations (fresh system prompts of ``--system-tokens``
+tokens, so nothing is shared with other rounds) for ``--turns`` turns, interleaved and one
+request at a time (an odd number of conversations makes round-robin send consecutive turns of
+a conversation to different replicas); turn t+1's prompt is turn t's prompt, its answer and
+a new question. Same process, same caches, same prompts' shape: only the routing differs.
+
+A turn >= 2 *hits* when its cached prefix covers the previous prompt's whole blocks.
+``result.json``: every request (round, policy, conversation, turn, TTFT, TTFP, prompt and cached
+tokens); per policy the hit ratio and TTFT / TTFP p50 / p95 over all requests and over turns
+>= 2, per-round medians (spread), and the round-robin / prefix ratios. ``routing_bench.png``:
+TTFT and TTFP per policy, every request.
+
+    .venv/bin/python -m benchmarks.routing_bench --model-size bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+POLICIES = ("prefix", "vllm_omni")
+WORDS = ("river harbour bridge lantern garden meadow castle forest market window silver copper "
+         "morning evening winter summer painter sailor teacher doctor village station library "
+         "careful quiet bright gentle ancient distant golden narrow patient curious").split()
+QUESTIONS = ["Tell me a story about it.", "And then what happened?", "Why did that happen?",
+             "What comes next?", "How does it end?", "Tell me one more detail."]
+
+
+def _system(rng: random.Random, tokens: int, tok) -> str:
+    """A system prompt of about ``tokens`` tokens of random sentences (seeded)."""
+    text = ""
+    while len(tok.encode(text)) < tokens:
+        text += " ".join(rng.choice(WORDS) for _ in range(10)).capitalize() + ". "
+    return text
+
+
+def _first_prompt(tok, system: str) -> list[int]:
+    return tok.encode(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{QUESTIONS[0]}"
+                      "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _next_prompt(tok, prev: list[int], answer: list[int], turn: int) -> list[int]:
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    tail = tok.encode(f"\n<|im_start|>user\n{QUESTIONS[turn % len(QUESTIONS)]}<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+    return prev + [t for t in answer if t != im_end] + [im_end] + tail
+
+
+def _pct(xs: list[float | None], q: float) -> float | None:
+    """Percentile ``q`` (0-100) of the non-None ``xs`` (numpy's linear interpolation)."""
+    import numpy as np
+
+    xs = [x for x in xs if x is not None]
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per policy: hit ratio (turns >= 2), TTFT / TTFP p50 / p95 (all requests and turns >= 2,
+    seconds), per-round medians; plus round-robin / prefix ratios of the p50s."""
+    out: dict = {}
+    for policy in POLICIES:
+        rs = [r for r in records if r["policy"] == policy]
+        later = [r for r in rs if r["turn"] >= 1]
+        s = {"requests": len(rs), "hit_ratio_turn2plus": (sum(r["hit"] for r in later) / len(later)) if later else None}
+        for metric in ("ttft_s", "ttfp_s"):
+            for name, group in (("all", rs), ("turn2plus", later)):
+                xs = [r[metric] for r in group]
+                s[f"{metric}_p50_{name}"] = _pct(xs, 50)
+                s[f"{metric}_p95_{name}"] = _pct(xs, 95)
+            s[f"{metric}_round_medians"] = [_pct([r[metric] for r in rs if r["round"] == k], 50)
+                                            for k in sorted({r["round"] for r in rs})]
+        out[policy] = s
+    ratios = {}
+    for key in ("ttft_s_p50_all", "ttft_s_p95_all", "ttfp_s_p50_all", "ttfp_s_p95_all",
+                "ttft_s_p50_turn2plus", "ttfp_s_p50_turn2plus"):
+        a, b = out["vllm_omni"].get(key), out["prefix"].get(key)
+        ratios[f"{key}_vllm_omni_over_prefix"] = (a / b) if a and b else None
+    out["ratios"] = ratios
+    out["bars"] = {
+        "hit_ratio_turn2plus_prefix >= 0.95": (out["prefix"]["hit_ratio_turn2plus"] or 0) >= 0.95,
+        "ttft_p50 vllm_omni / prefix >= 1.8": (ratios["ttft_s_p50_all_vllm_omni_over_prefix"] or 0) >= 1.8,
+    }
+    return out
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP, first audio packet (s)")):
+        data = [[r[metric] for r in records if r["policy"] == p and r[metric] is not None] for p in POLICIES]
+        ax.boxplot(data, tick_labels=["prefix routing", "vLLM-Omni round-robin"], showfliers=True)
+        for i, p in enumerate(POLICIES, 1):
+            later = [r[metric] for r in records if r["policy"] == p and r["turn"] >= 1 and r[metric] is not None]
+            first = [r[metric] for r in records if r["policy"] == p and r["turn"] == 0 and r[metric] is not None]
+            ax.scatter([i - 0.15] * len(first), first, s=10, c="tab:gray", label="turn 1" if i == 1 else None)
+            ax.scatter([i + 0.15] * len(later), later, s=10, c="tab:blue", label="turn >= 2" if i == 1 else None)
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.suptitle("Two thinker replicas, interleaved conversations: prefix routing vs round-robin")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-size", choices=("tiny", "bench"), default="bench")
+    ap.add_argument("--conversations", type=int, default=3, help="per round (odd: see the module docstring)")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=4, help="policies alternate by round")
+    ap.add_argument("--system-tokens", type=int, default=1536, help="each conversation's system prompt (tokens)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/routing-bench-<time>")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from omni_cache import settings
+    from omni_cache.driver.streaming import StreamingPipeline
+    from omni_cache.driver.variants import derive_stage_config
+    from omni_cache.models import build_qwen3_omni, default_model_dir
+
+    out = args.out or REPO / "benchmarks" / "results" / f"routing-bench-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
+    tok = AutoTokenizer.from_pretrained(model)
+    base = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
+    cfg = derive_stage_config(base, out / "stage_config.yaml", stages={0: {"num_replicas": 2}},
+                              env={0: {settings.ROUTING.name: "prefix"}})
+    import yaml
+
+    block = int(next(s for s in yaml.safe_load(cfg.read_text())["stages"] if s["stage_id"] == 0)["block_size"])
+    records: list[dict] = []
+    t_start = time.perf_counter()
+    print(f"starting the pipeline ({args.model_size} model, 2 thinker replicas) ...", flush=True)
+    with StreamingPipeline(model, cfg) as pipe:
+        router, engine = pipe.router, pipe.omni.engine
+        if router is None:
+            raise SystemExit("prefix routing was not installed (one thinker replica?)")
+        print(f"started in {pipe.start_s:.0f} s", flush=True)
+        pipe.run({"prompt_token_ids": _first_prompt(tok, "Warm-up.")})  # not recorded
+        for rnd in range(args.rounds):
+            policy = POLICIES[rnd % 2]
+            (router.install if policy == "prefix" else router.uninstall)(engine)
+            rng = random.Random(f"{args.seed}-{rnd}")
+            prompts = {c: _first_prompt(tok, f"Session {rnd}.{c}. " + _system(rng, args.system_tokens, tok))
+                       for c in range(args.conversations)}
+            prev: dict[int, int] = {}
+            for turn in range(args.turns):
+                for c in range(args.conversations):
+                    if turn:
+                        prompts[c] = _next_prompt(tok, prompts[c], records[prev[c]]["answer"], turn)
+                    r = pipe.run({"prompt_token_ids": prompts[c]})
+                    if r.error:
+                        raise SystemExit(f"round {rnd} conversation {c} turn {turn}: {r.error}")
+                    hit = bool(turn) and r.num_cached_tokens >= records[prev[c]]["prompt_tokens"] // block * block
+                    prev[c] = len(records)
+                    records.append(dict(round=rnd, policy=policy, conversation=c, turn=turn, ttft_s=r.ttft_s,
+                                        ttfp_s=r.ttfp_s, prompt_tokens=r.num_prompt_tokens,
+                                        cached_tokens=r.num_cached_tokens, hit=hit, answer=r.token_ids))
+                    print(f"round {rnd + 1}/{args.rounds} {policy:9s} conv {c} turn {turn + 1}: "
+                          f"{r.num_prompt_tokens} tokens, {r.num_cached_tokens} cached, "
+                          f"TTFT {r.ttft_s:.2f} s, TTFP {r.ttfp_s:.2f} s", flush=True)
+    summary = summarize(records)
+    result = {
+        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.routing_bench", *(argv or sys.argv[1:])]),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "wall_s": time.perf_counter() - t_start,
+        "summary": summary,
+        "requests": [{k: v for k, v in r.items() if k != "answer"} for r in records],
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    plot(records, out / "routing_bench.png")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out / 'result.json'} and {out / 'routing_bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
