@@ -40,8 +40,8 @@ QUESTIONS = ["Tell me a story about it.", "And then what happened?", "Why did th
              "What comes next?", "How does it end?", "Tell me one more detail."]
 
 
-def _system(rng: random.Random, tokens: int, tok) -> str:
-    """A system prompt of about ``tokens`` tokens of random sentences (seeded)."""
+def random_text(rng: random.Random, tokens: int, tok) -> str:
+    """About ``tokens`` tokens (by ``tok``) of random sentences drawn with ``rng``."""
     text = ""
     while len(tok.encode(text)) < tokens:
         text += " ".join(rng.choice(WORDS) for _ in range(10)).capitalize() + ". "
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             policy = POLICIES[rnd % 2]
             (router.install if policy == "prefix" else router.uninstall)(engine)
             rng = random.Random(f"{args.seed}-{rnd}")
-            prompts = {c: _first_prompt(tok, f"Session {rnd}.{c}. " + _system(rng, args.system_tokens, tok))
+            prompts = {c: _first_prompt(tok, f"Session {rnd}.{c}. " + random_text(rng, args.system_tokens, tok))
                        for c in range(args.conversations)}
             prev: dict[int, int] = {}
             for turn in range(args.turns):
