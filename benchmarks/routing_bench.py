@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
     tok = AutoTokenizer.from_pretrained(model)
     base = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
-    cfg = derive_stage_config(base, out / "stage_config.yaml", stages={0: {"num_replicas": 2}},
+    cfg = derive_stage_config(base, out / "stage_config_routing.yaml", stages={0: {"num_replicas": 2}},
                               env={0: {settings.ROUTING.name: "prefix"}})
     import yaml
 
