@@ -10,8 +10,9 @@ CPU_STAGE_CONFIG = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
 
 def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = None, *,
                          streaming: bool = False) -> Path:
-    """The CPU stage config with the thinker's prefix cache ``off`` / ``builtin`` /
-    ``omni_cache`` (``omni_cache_forget``: omni-cache with the first request's rows "lost",
+    """The CPU stage config with the thinker's prefix cache ``off`` (the talker's too) /
+    ``builtin`` / ``omni_cache`` (the talker's on, as the bundled config has it;
+    ``omni_cache_forget``: omni-cache with the first request's rows "lost",
     fault injection), hand-off recording into ``out_dir/handoff`` and cache metrics into
     ``out_dir/metrics``; ``thinker``: stage-0 keys to override (e.g.
     ``max_num_batched_tokens``); ``streaming``: ``async_chunk`` (the bundled config streams;
@@ -24,8 +25,10 @@ def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = Non
     env = {settings.HANDOFF_DUMP.name: str(out_dir / "handoff"),
            settings.METRICS_DIR.name: str(out_dir / "metrics")}
     stage = dict(thinker or {})
-    if variant == "off":
+    stages = {0: stage}
+    if variant == "off":  # the thinker's and the talker's prefix caches off
         stage["enable_prefix_caching"] = False
+        stages[1] = {"enable_prefix_caching": False}
     elif variant == "omni_cache_forget":
         env[settings.PREFIX_CACHE_BACKEND.name] = "omni_cache"
         env[settings.TEST_FORGET_FIRST_N_REQUESTS.name] = "1"
@@ -33,7 +36,7 @@ def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = Non
         env[settings.PREFIX_CACHE_BACKEND.name] = variant
     return derive_stage_config(CPU_STAGE_CONFIG, out_dir / f"stage_config_{variant}.yaml",
                                pipeline=RECORDING_PIPELINE, top={"async_chunk": streaming},
-                               stages={0: stage}, env={0: env})
+                               stages=stages, env={0: env})
 
 
 def assert_handoff_equal(got: dict, ref: dict, name: str) -> None:

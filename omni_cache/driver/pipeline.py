@@ -109,9 +109,11 @@ class OmniPipeline:
         )
         self.start_s = time.perf_counter() - t0
         logger.info("pipeline started in %.1f s", self.start_s)
-        from omni_cache.driver.routing import install_routing_from_stage_config
+        from omni_cache.driver.engine_hooks import install_engine_hooks
 
-        self.router = install_routing_from_stage_config(self.omni, self.stage_config)
+        #: omni-cache's hooks on the engine (thinker router, talker identity)
+        self.hooks = install_engine_hooks(self.omni, self.stage_config)
+        self.router = self.hooks.router
 
     def generate(self, requests: Sequence[OmniRequest | dict], sampling_params_list: Sequence | None = None
                  ) -> list[RequestResult]:

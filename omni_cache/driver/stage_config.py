@@ -69,12 +69,19 @@ class StageConfig:
                 return s
         raise KeyError(stage_id)
 
+    def prefix_caching(self, stage_id: int) -> bool:
+        """Whether ``stage_id`` runs with ``enable_prefix_caching`` (its own, else the top level)."""
+        return bool(self.stage(stage_id).get("enable_prefix_caching", self.raw.get("enable_prefix_caching")))
+
     def prefix_cache_backend(self, stage_id: int = 0) -> str | None:
-        """``omni_cache`` / ``builtin`` for a stage with prefix caching on, else None."""
-        s = self.stage(stage_id)
-        enabled = s.get("enable_prefix_caching", self.raw.get("enable_prefix_caching"))
-        if not enabled:
+        """``omni_cache`` / ``builtin`` for a thinker (stage 0) with prefix caching on,
+        ``talker`` for a later stage with prefix caching on (KV only, content-keyed blocks:
+        :mod:`omni_cache.engine.talker_scheduler`), else None."""
+        if not self.prefix_caching(stage_id):
             return None
+        if stage_id != 0:
+            return "talker"
+        s = self.stage(stage_id)
         return settings.PREFIX_CACHE_BACKEND.get({k: str(v) for k, v in (s.get("env") or {}).items()})
 
 
@@ -204,6 +211,7 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
             _check_keys(p, {k: v for k, v in s.items()}, schema, sid)
     cfg = StageConfig(path=p, raw=raw, stage_ids=seen)
     _check_capped_scheduler(cfg)
+    _check_talker_identity(cfg)
     _check_routing(cfg)
     if model_dir is not None:
         md = Path(model_dir)
@@ -226,12 +234,30 @@ def _check_capped_scheduler(cfg: StageConfig) -> None:
     for sid in cfg.stage_ids:
         if cfg.prefix_cache_backend(sid) != "omni_cache" or sid in CAPPED_STAGES.get(str(pipeline), ()):
             continue
-        hint = (f"set `pipeline: {CAPPED_PIPELINE}` (Qwen3-Omni) or another omni-cache pipeline"
-                if sid == 0 else "omni-cache caps hits on the thinker (stage 0) only")
+        hint = f"set `pipeline: {CAPPED_PIPELINE}` (Qwen3-Omni) or another omni-cache pipeline"
         raise StageConfigError(
             cfg.path, f"prefix cache backend omni_cache needs omni-cache's capped scheduler, which pipeline "
             f"{pipeline!r} does not run on this stage; {hint}, or set "
             f"{settings.PREFIX_CACHE_BACKEND.name}: builtin", stage_id=sid, key="pipeline")
+
+
+def _check_talker_identity(cfg: StageConfig) -> None:
+    """Prefix caching on a stage after the thinker needs content identity for its blocks:
+    vLLM-Omni gives the talker placeholder prompt ids (``[0] * n``), so without omni-cache's
+    talker scheduler (:data:`omni_cache.engine.plugin.TALKER_IDENTITY_STAGES`) two
+    conversations of equal lengths would share talker KV."""
+    from omni_cache.engine.plugin import CAPPED_PIPELINE, TALKER_IDENTITY_STAGES
+
+    pipeline = cfg.raw.get("pipeline")
+    for sid in cfg.stage_ids:
+        if sid == 0 or not cfg.prefix_caching(sid) or sid in TALKER_IDENTITY_STAGES.get(str(pipeline), ()):
+            continue
+        raise StageConfigError(
+            cfg.path, f"prefix caching here needs content identity for the stage's blocks (vLLM-Omni hands "
+            f"the talker placeholder prompt ids: two conversations of equal lengths would share KV), and "
+            f"pipeline {pipeline!r} does not give it on this stage; omni-cache gives it on the talker "
+            f"(stage 1) of `pipeline: {CAPPED_PIPELINE}` (Qwen3-Omni) — or set enable_prefix_caching: false",
+            stage_id=sid, key="enable_prefix_caching")
 
 
 _ROUTING_KNOBS = (settings.ROUTING_LOAD_MARGIN, settings.ROUTING_CAPACITY_BLOCKS)

@@ -73,10 +73,12 @@ class StreamingPipeline:
         self.omni = self._loop.run_until_complete(self._start(stage_init_timeout))
         self.start_s = time.perf_counter() - t0
         self._seq = 0
-        from omni_cache.driver.routing import install_routing_from_stage_config
+        from omni_cache.driver.engine_hooks import install_engine_hooks
 
+        #: omni-cache's hooks on the engine (thinker router, talker identity)
+        self.hooks = install_engine_hooks(self.omni, self.stage_config)
         #: omni-cache's thinker router (``OMNI_CACHE_ROUTING: prefix``, > 1 thinker replica), else None
-        self.router = install_routing_from_stage_config(self.omni, self.stage_config)
+        self.router = self.hooks.router
 
     async def _start(self, stage_init_timeout: int):
         from vllm_omni.entrypoints.async_omni import AsyncOmni

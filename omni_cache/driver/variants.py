@@ -105,11 +105,14 @@ class MemorySettings:
 
 def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: MemorySettings,
                          thinker_max_tokens: int = 2, talker_max_tokens: int = 4,
-                         omp_bind: str = "0-1", async_chunk: bool | None = None) -> Path:
+                         omp_bind: str = "0-1", async_chunk: bool | None = None,
+                         talker_prefix_caching: bool = False) -> Path:
     """Write the stage config of ``variant`` (``off`` / ``builtin`` / ``omni_cache``) derived
     from ``base`` into ``out_dir`` and return its path.
 
     ``async_chunk``: set the streaming hand-off on (True) or off (False); None keeps ``base``'s.
+    ``talker_prefix_caching``: the talker's content-keyed prefix cache (off by default, so a
+    variant compares thinker caches alone; the voice-chat benchmark turns it on).
     ``talker_max_tokens`` = 4 is the first streamed codec chunk of the bundled configs
     (``initial_codec_chunk_frames: 4``), so a request's audio is exactly its first packet.
 
@@ -132,6 +135,7 @@ def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: Memory
               **({"max_num_batched_tokens": unchunked[sid]} if sid in unchunked else {})}
         for sid, kv in ((0, mem.thinker_kv_bytes), (1, mem.talker_kv_bytes), (2, mem.code2wav_kv_bytes))}
     stage_keys[0]["enable_prefix_caching"] = variant != "off"
+    stage_keys[1]["enable_prefix_caching"] = bool(talker_prefix_caching)
     env = {sid: {"VLLM_CPU_OMP_THREADS_BIND": omp_bind} for sid in (0, 1, 2)}
     env[0].update({
         settings.PREFIX_CACHE_BACKEND.name: None if variant == "off" else variant,

@@ -15,10 +15,12 @@ stage processes load the entry point themselves. Nothing of vLLM / vLLM-Omni is 
 
 With ``OMNI_CACHE_ROUTING: prefix`` on the thinker of the ``--deploy-config`` (and more than
 one thinker replica), the server's engine gets omni-cache's prefix-aware router
-(docs/routing.md): :func:`route_thinker_on_cached_prefixes` wraps vLLM-Omni's
+(docs/routing.md): :func:`hook_the_servers_engine` wraps vLLM-Omni's
 ``build_async_omni`` (``vllm_omni/entrypoints/openai/api_server.py``, the context manager
 that builds the server's ``AsyncOmni`` and yields it to the server worker) in this process so
-the router is installed on the ``AsyncOmni`` before the server takes requests. With
+the router is installed on the ``AsyncOmni`` before the server takes requests; the same
+wrapper installs talker content identity (:mod:`omni_cache.driver.talker_identity`) when the
+talker's prefix caching is on. With
 ``--api-server-count`` > 1 vLLM-Omni runs its API servers in processes of its own, which do
 not get it (a warning says so).
 
@@ -48,13 +50,16 @@ def _arg_value(argv: Sequence[str], flag: str) -> str | None:
     return value
 
 
-def route_thinker_on_cached_prefixes(argv: Sequence[str]) -> bool:
-    """Arrange for the server's ``AsyncOmni`` to get omni-cache's thinker router when the
-    ``--deploy-config`` asks for it (``OMNI_CACHE_ROUTING: prefix`` on stage 0).
+def hook_the_servers_engine(argv: Sequence[str]) -> bool:
+    """Arrange for the server's ``AsyncOmni`` to get omni-cache's engine hooks
+    (:func:`omni_cache.driver.engine_hooks.install_engine_hooks`) when the
+    ``--deploy-config`` asks for one (``OMNI_CACHE_ROUTING: prefix`` on stage 0, or
+    ``enable_prefix_caching`` on the talker).
 
     Returns:
         True if the hook was installed (the router itself is installed when the server
-        builds its engine, and only for more than one thinker replica).
+        builds its engine, and only for more than one thinker replica; talker identity when
+        the talker's prefix caching is on).
 
     Raises:
         omni_cache.driver.stage_config.StageConfigError: the deploy config is invalid.
@@ -62,17 +67,18 @@ def route_thinker_on_cached_prefixes(argv: Sequence[str]) -> bool:
     path = _arg_value(argv, "--deploy-config")
     if path is None:
         return False
-    from omni_cache.driver.routing import install_routing_from_stage_config, routing_config
+    from omni_cache.driver.engine_hooks import hooks_wanted, install_engine_hooks
     from omni_cache.driver.stage_config import load_stage_config
 
     cfg = load_stage_config(path)
-    if routing_config(cfg.stage(0).get("env")) is None:
+    if not hooks_wanted(cfg):
         return False
     count = _arg_value(argv, "--api-server-count")
     if count is not None and int(count) > 1:
         logger.warning("--api-server-count %s: vLLM-Omni runs its API servers in processes of "
                        "their own, which route the thinker with vLLM-Omni's policy, not "
-                       "omni-cache's prefix routing", count)
+                       "omni-cache's prefix routing or talker identity (its talker then "
+                       "shares no block)", count)
     from vllm_omni.entrypoints.openai import api_server
 
     original = api_server.build_async_omni
@@ -82,7 +88,7 @@ def route_thinker_on_cached_prefixes(argv: Sequence[str]) -> bool:
     @contextlib.asynccontextmanager
     async def build_async_omni(*args, **kwargs):
         async with original(*args, **kwargs) as engine_client:
-            install_routing_from_stage_config(engine_client, cfg)
+            install_engine_hooks(engine_client, cfg)
             yield engine_client
 
     build_async_omni._omni_cache_routing = True
@@ -103,7 +109,7 @@ def run_vllm_omni_serve(argv: list[str]) -> None:
     args = list(argv)
     if "--omni" not in args:
         args.append("--omni")
-    route_thinker_on_cached_prefixes(args)
+    hook_the_servers_engine(args)
     os.environ.setdefault("VLLM_LOGGING_COLOR", "0")  # vLLM-Omni forces colour unless told
 
     from vllm_omni.entrypoints.cli.main import main

@@ -15,7 +15,9 @@ vLLM-Omni process: registers omni-cache's pipeline variants (idempotent).
 
 In all three the talker (stage 1) runs as ``OmniCacheQwen3OmniMoeForConditionalGeneration``
 (:mod:`omni_cache.engine.talker`): vLLM-Omni's Qwen3-Omni model whose residual-codebook
-sampling honours the runner's per-request generators (``tts_local_seed``).
+sampling honours the runner's per-request generators (``tts_local_seed``), scheduled by
+:func:`~omni_cache.engine.talker_scheduler.talker_ar_scheduler` (talker blocks hashed from
+their content keys, so talker prefix caching is safe).
 """
 
 from __future__ import annotations
@@ -34,8 +36,14 @@ GEMMA_ADAPTER = "omni_cache.engine.gemma_thinker.gemma_thinker2talker_full_paylo
 #: architecture name of the talker stage in omni-cache's pipelines
 TALKER_ARCH = "OmniCacheQwen3OmniMoeForConditionalGeneration"
 TALKER_CLASS = "omni_cache.engine.talker:OmniCacheQwen3OmniMoeForConditionalGeneration"
+#: the talker stage's scheduler: block hashes from content keys (talker prefix caching)
+TALKER_SCHEDULER = "omni_cache.engine.talker_scheduler.talker_ar_scheduler"
 #: pipeline → stage ids that run the capped scheduler (the omni_cache backend needs it there)
 CAPPED_STAGES = {CAPPED_PIPELINE: {0}, RECORDING_PIPELINE: {0}, GEMMA_PIPELINE: {0}}
+#: pipeline → stage ids whose blocks omni-cache hashes from content keys (talker prefix caching,
+#: :mod:`omni_cache.engine.talker_scheduler`): the Qwen3-Omni talker, whose prompt layout the
+#: keys follow (:mod:`omni_cache.core.talker_keys`)
+TALKER_IDENTITY_STAGES = {CAPPED_PIPELINE: {1}, RECORDING_PIPELINE: {1}}
 #: model subdirectory per stage of omni-cache's pipelines (read by the stage-config check)
 STAGE_MODEL_SUBDIRS = {GEMMA_PIPELINE: {0: "thinker"}}
 
@@ -49,8 +57,11 @@ def _variant(name: str, **stage0_changes):
 
 
 def _talker(stage):
-    """Stage 1 (the talker) as :data:`TALKER_ARCH`; other stages unchanged."""
-    return dataclasses.replace(stage, model_arch=TALKER_ARCH) if stage.stage_id == 1 else stage
+    """Stage 1 (the talker) as :data:`TALKER_ARCH` with :data:`TALKER_SCHEDULER`; other stages
+    unchanged."""
+    if stage.stage_id != 1:
+        return stage
+    return dataclasses.replace(stage, model_arch=TALKER_ARCH, scheduler_cls=TALKER_SCHEDULER)
 
 
 def _gemma_pipeline():

@@ -118,6 +118,14 @@ class OmniCacheRunnerMixin:
         self._omni_prefix_cache_cfg = None
         if cfg is None or not get_pp_group().is_last_rank:
             return
+        if getattr(self.model_config, "model_stage", None) == "talker":
+            # The talker hands code2wav only its decode rows (talker2code2wav_* take the
+            # last len(output) rows): a prefix hit skips nothing a downstream stage reads,
+            # so its prefix caching is KV only (blocks keyed by content:
+            # omni_cache.engine.talker_scheduler) — no hidden-state tier, ours or vLLM-Omni's.
+            self.omni_prefix_cache = None
+            logger.info("omni-cache: talker prefix caching is KV only (no hidden-state tier)")
+            return
         group = full_attention_group(self.kv_cache_config)
         self.omni_prefix_cache = OmniCacheStageManager(
             self, block_size=cfg.block_size, num_blocks=self.kv_cache_config.num_blocks, group_id=group

@@ -317,11 +317,18 @@ class OmniCacheARAsyncScheduler(OmniCacheSchedulerMixin, OmniARAsyncScheduler):
     """vLLM-Omni's asynchronous AR scheduler (its default) with the hidden-tier hit cap."""
 
 
+def pick_ar_scheduler(sync_cls: type, async_cls: type, *args, vllm_config, **kwargs):
+    """Build ``async_cls`` when the stage schedules asynchronously
+    (``scheduler_config.async_scheduling``, vLLM-Omni's default for AR stages), else
+    ``sync_cls`` (vLLM calls a stage's ``scheduler_cls`` with the scheduler's arguments)."""
+    cls = async_cls if vllm_config.scheduler_config.async_scheduling else sync_cls
+    return cls(*args, vllm_config=vllm_config, **kwargs)
+
+
 def capped_ar_scheduler(*args, vllm_config, **kwargs):
     """The capped AR scheduler for this stage: :class:`OmniCacheARAsyncScheduler` when the
     stage schedules asynchronously (``scheduler_config.async_scheduling``, vLLM-Omni's
     default for AR stages), else :class:`OmniCacheARScheduler`. The pipelines name this
     factory as their ``scheduler_cls`` (vLLM only calls it: ``get_scheduler_cls()(...)``)."""
-    cls = (OmniCacheARAsyncScheduler if vllm_config.scheduler_config.async_scheduling
-           else OmniCacheARScheduler)
-    return cls(*args, vllm_config=vllm_config, **kwargs)
+    return pick_ar_scheduler(OmniCacheARScheduler, OmniCacheARAsyncScheduler, *args, vllm_config=vllm_config,
+                             **kwargs)

@@ -92,16 +92,35 @@ def test_engine_argument_vllm_omni_refuses_is_refused_early(tmp_path):
 
 
 def test_omni_cache_backend_without_the_capped_scheduler_is_refused(tmp_path):
-    p = _write(tmp_path, lambda r: r.pop("pipeline"))  # auto-detected Qwen3-Omni: no cap
+    def no_pipeline(r):  # auto-detected Qwen3-Omni: no cap, no talker identity
+        r.pop("pipeline")
+        r["stages"][1]["enable_prefix_caching"] = False
+
+    p = _write(tmp_path, no_pipeline)
     with pytest.raises(StageConfigError, match=r"stage 0: key 'pipeline': .*capped scheduler.*qwen3_omni_moe_omni_cache"):
         load_stage_config(p)
     # the built-in cache needs no cap; async scheduling is allowed with the capped pipeline
-    load_stage_config(_write(tmp_path, lambda r: (r.pop("pipeline"),
+    load_stage_config(_write(tmp_path, lambda r: (no_pipeline(r),
                                                   r["stages"][0]["env"].update(OMNI_CACHE_PREFIX_CACHE_BACKEND="builtin"))))
     load_stage_config(_write(tmp_path, lambda r: r["stages"][0].update(async_scheduling=True)))
-    talker = _write(tmp_path, lambda r: r["stages"][1].update(enable_prefix_caching=True))
-    with pytest.raises(StageConfigError, match=r"stage 1: key 'pipeline': .*thinker \(stage 0\) only"):
-        load_stage_config(talker)
+
+
+def test_talker_prefix_caching_without_content_identity_is_refused(tmp_path):
+    """The bundled CPU config caches the talker's KV (content-keyed); without omni-cache's
+    pipeline (vLLM-Omni's own talker scheduler: placeholder hashes) or on code2wav it is
+    refused, naming the stage and the key."""
+    assert load_stage_config(REPO / "stage_configs" / "qwen3_omni_cpu.yaml").prefix_cache_backend(1) == "talker"
+
+    def builtin_pipeline(r):
+        r.pop("pipeline")
+        r["stages"][0]["env"]["OMNI_CACHE_PREFIX_CACHE_BACKEND"] = "builtin"
+
+    with pytest.raises(StageConfigError, match=r"stage 1: key 'enable_prefix_caching': .*placeholder prompt ids"):
+        load_stage_config(_write(tmp_path, builtin_pipeline))
+    with pytest.raises(StageConfigError, match=r"stage 2: key 'enable_prefix_caching'"):
+        load_stage_config(_write(tmp_path, lambda r: r["stages"][2].update(enable_prefix_caching=True)))
+    with pytest.raises(StageConfigError, match=r"stage 1: key 'enable_prefix_caching'"):  # Gemma-3n thinker: not its layout
+        load_stage_config(_write(tmp_path, lambda r: r.update(pipeline="gemma3n_omni_cache")))
 
 
 def test_setting_values_and_scope_are_checked_against_the_registry(tmp_path):

@@ -281,7 +281,7 @@ def test_serve_installs_the_router_on_the_servers_engine(tmp_path, monkeypatch):
 
     from vllm_omni.entrypoints.openai import api_server
 
-    from omni_cache.driver.vllm_serve import route_thinker_on_cached_prefixes
+    from omni_cache.driver.vllm_serve import hook_the_servers_engine
 
     engines = []
 
@@ -292,7 +292,7 @@ def test_serve_installs_the_router_on_the_servers_engine(tmp_path, monkeypatch):
 
     def serve(path):
         monkeypatch.setattr(api_server, "build_async_omni", stand_in)
-        hooked = route_thinker_on_cached_prefixes(["model", "--deploy-config", str(path)])
+        hooked = hook_the_servers_engine(["model", "--deploy-config", str(path)])
 
         async def worker():  # what omni_run_server_worker does with it
             async with api_server.build_async_omni(None) as client:
@@ -306,7 +306,9 @@ def test_serve_installs_the_router_on_the_servers_engine(tmp_path, monkeypatch):
 
     hooked, router = serve(_write(tmp_path, on))
     assert hooked and isinstance(router, ThinkerRouter) and router.block_size == 32
-    assert serve(CPU_STAGE_CONFIG) == (False, None)
+    # the bundled config: no routing, but the talker's prefix cache wants talker identity
+    assert serve(CPU_STAGE_CONFIG) == (True, None)
+    assert serve(_write(tmp_path, lambda r: r["stages"][1].update(enable_prefix_caching=False))) == (False, None)
 
 
 def test_uninstall_gives_routing_back_to_vllm_omni():

@@ -1,0 +1,195 @@
+"""Talker prefix caching's content identity, engine-free: the row layout against vLLM-Omni's
+own talker prompt length, the keys (shared up to the first difference, never after), and
+omni-cache's talker scheduler on vLLM's real scheduler and KV cache manager (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_cache.core.talker_keys import (
+    ASSISTANT_TOKEN_ID,
+    IM_START_TOKEN_ID,
+    SYSTEM_TOKEN_ID,
+    TALKER_KEYS_ARG,
+    USER_TOKEN_ID,
+    MediaItem,
+    talker_block_keys,
+    talker_prompt_rows,
+)
+from tests.unit.sched_util import BS, scheduler_kwargs
+from tests.unit.sched_util import vllm_config as _vllm_config
+
+IM_END, NL, IMAGE = 151645, 198, 151655
+
+
+def seg(role: int, body: list[int]) -> list[int]:
+    return [IM_START_TOKEN_ID, role, NL, *body, IM_END, NL]
+
+
+def chat(system: list[int], users: list[list[int]], answers: list[list[int]]) -> list[int]:
+    """A chat-template prompt: system, then user/answer turns, ending with the generation
+    prompt ``<|im_start|>assistant\\n``."""
+    ids = seg(SYSTEM_TOKEN_ID, system)
+    for k, u in enumerate(users):
+        ids += seg(USER_TOKEN_ID, u)
+        if k < len(answers):
+            ids += seg(ASSISTANT_TOKEN_ID, answers[k])
+    return ids + [IM_START_TOKEN_ID, ASSISTANT_TOKEN_ID, NL]
+
+
+SYSTEM = list(range(1000, 1040))
+U1 = list(range(2000, 2070))
+U2 = list(range(3000, 3050))
+A1 = list(range(4000, 4020))
+
+
+def _talker_len(ids: list[int]) -> int:
+    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import _compute_talker_prompt_ids_length
+
+    return _compute_talker_prompt_ids_length({"ids": {"all": ids, "prompt": ids}}, device="cpu")
+
+
+def keys(ids, media=(), seed=()):
+    return talker_block_keys(ids, list(media), talker_prompt_len=_talker_len(ids), block_size=BS, seed=seed)
+
+
+def test_the_layout_gives_vllm_omnis_talker_prompt_length():
+    for ids in (chat(SYSTEM, [U1], []), chat(SYSTEM, [U1, U2], [A1]), chat([], [U1, U2, U1], [A1, A1])):
+        rows, assistant = talker_prompt_rows(ids)
+        assert len(rows) + assistant == _talker_len(ids)
+        assert assistant == 9
+        # user rows come from user segments only, in order
+        assert all(ids[s + 1] == USER_TOKEN_ID for s in (max(i for i in range(int(r) + 1) if ids[i] == IM_START_TOKEN_ID)
+                                                        for r in rows))
+
+
+def test_turn_two_shares_exactly_turn_ones_user_blocks():
+    t1, t2 = chat(SYSTEM, [U1], []), chat(SYSTEM, [U1, U2], [A1])
+    k1, k2 = keys(t1), keys(t2)
+    n_user1 = len(seg(USER_TOKEN_ID, U1))
+    assert len(k1) == n_user1 // BS and len(k1) >= 2
+    assert k2[:len(k1)] == k1  # turn 1's user rows are turn 2's first rows, same content
+    assert len(k2) == (n_user1 + len(seg(USER_TOKEN_ID, U2))) // BS
+    assert k1 == keys(t1)  # deterministic
+
+
+@pytest.mark.parametrize("what", ["system prompt", "words", "image", "speaker"])
+def test_no_shared_key_past_the_first_difference(what):
+    """Equal token lengths, one difference: no key at or after it is shared — and vLLM's own
+    hash of the placeholder prompt ``[0] * n`` (what vLLM-Omni gives the talker) cannot
+    tell the two apart."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+
+    u1_img = [*U1[:10], *[IMAGE] * 30, *U1[40:]]
+    img_at = len(seg(SYSTEM_TOKEN_ID, SYSTEM)) + 3 + 10  # thinker position of the first image token
+    a_ids = chat(SYSTEM, [u1_img, U2], [A1])
+    a_media = [MediaItem(img_at, 30, "image", "cat")]
+    b_ids, b_media, seed_b = list(a_ids), list(a_media), ()
+    if what == "system prompt":
+        b_ids[5] += 1
+        diff = 5
+    elif what == "words":  # turn 2's words
+        diff = a_ids.index(U2[7])
+        b_ids[diff] += 1
+    elif what == "image":
+        b_media = [MediaItem(img_at, 30, "image", "dog")]
+        diff = img_at
+    else:
+        seed_b = ("speaker b",)
+        diff = 0
+    ka, kb = keys(a_ids, a_media), keys(b_ids, b_media, seed_b)
+    rows, _ = talker_prompt_rows(a_ids)
+    assert len(ka) == len(kb) >= 3
+    for j in range(len(ka)):
+        last_row_pos = int(rows[(j + 1) * BS - 1])
+        assert (ka[j] == kb[j]) == (last_row_pos < diff), (what, j, last_row_pos, diff)
+    assert ka[-1] != kb[-1]
+    # the placeholder scheme: equal talker prompt lengths hash equal, whatever they said
+    init_none_hash(sha256)
+    n = _talker_len(a_ids)
+    assert n == _talker_len(b_ids)
+    assert hash_block_tokens(sha256, None, [0] * BS) == hash_block_tokens(sha256, None, [0] * BS)
+
+
+def test_a_layout_that_does_not_match_gets_no_keys():
+    ids = chat(SYSTEM, [U1], [])
+    assert talker_block_keys(ids, [], talker_prompt_len=_talker_len(ids) + 1, block_size=BS) == []
+    with pytest.raises(ValueError):
+        talker_block_keys(ids, [], talker_prompt_len=_talker_len(ids), block_size=0)
+
+
+# ---- the talker scheduler on vLLM's real scheduler ----
+
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    return _vllm_config(tmp_path_factory.mktemp("llama-config"), num_blocks=NUM_BLOCKS,
+                        max_num_batched_tokens=512, async_scheduling=False)
+
+
+def _talker_request(rid: str, thinker_ids: list[int], media=(), *, keyed: bool = True, block_size: int = BS):
+    """A talker request as vLLM-Omni builds it (placeholder prompt ``[0] * n``), with vLLM's
+    own block hasher, and the keys the orchestrator hook would attach."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    n = _talker_len(thinker_ids)
+    extra = {}
+    if keyed:
+        extra[TALKER_KEYS_ARG] = {"block_size": block_size, "keys": talker_block_keys(
+            thinker_ids, list(media), talker_prompt_len=n, block_size=block_size)}
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, extra_args=extra)
+    return Request(rid, [0] * n, sp, None, block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def _admit(s, req) -> int:
+    """Add ``req`` to the scheduler; tokens of its prefix hit on the KV cache manager."""
+    s.add_request(req)
+    return s.kv_cache_manager.get_computed_blocks(req)[1]
+
+
+def test_the_talker_scheduler_hits_on_content_only(vllm_config):
+    from omni_cache.engine.talker_scheduler import TalkerARScheduler
+
+    s = TalkerARScheduler(**scheduler_kwargs(vllm_config, NUM_BLOCKS))
+    t1, t2 = chat(SYSTEM, [U1], []), chat(SYSTEM, [U1, U2], [A1])
+    turn1 = _talker_request("turn1", t1)
+    placeholder_hashes = list(turn1.block_hashes)  # vLLM's own hash of [0] * n
+    assert _admit(s, turn1) == 0
+    assert set(s.schedule().num_scheduled_tokens) == {"turn1"}  # its blocks are in the prefix cache now
+    n_user1 = len(seg(USER_TOKEN_ID, U1))
+    # turn 2: its leading blocks are turn 1's user rows
+    assert _admit(s, _talker_request("turn2", t2)) == (n_user1 // BS) * BS
+    # the same lengths, another system prompt: nothing
+    other = list(t2)
+    other[5] += 1
+    other_req = _talker_request("other-system", other)
+    assert other_req.block_hashes[:2] == placeholder_hashes[:2]  # what the placeholder scheme would match
+    assert _admit(s, other_req) == 0
+    # without keys (the orchestrator hook not installed): nothing
+    assert _admit(s, _talker_request("unkeyed", t2, keyed=False)) == 0
+    # keys for another block size: nothing either
+    assert _admit(s, _talker_request("wrong-bs", t2, block_size=2 * BS)) == 0
+    c = s.talker_identity_counters
+    assert c["unkeyed"] == 2 and c["keyed"] == 3
+
+
+def test_a_keyed_turn_hashes_the_same_in_every_engine(vllm_config):
+    """Two schedulers (two talker replicas, or a restart) hash a keyed block the same; the
+    first unkeyed block (the assistant rows) and all after it differ per request."""
+    from omni_cache.engine.talker_scheduler import TalkerARScheduler
+
+    t1 = chat(SYSTEM, [U1], [])
+    a, b = _talker_request("a", t1), _talker_request("b", t1)
+    TalkerARScheduler(**scheduler_kwargs(vllm_config, NUM_BLOCKS)).add_request(a)
+    TalkerARScheduler(**scheduler_kwargs(vllm_config, NUM_BLOCKS)).add_request(b)
+    n_keyed = len(seg(USER_TOKEN_ID, U1)) // BS
+    assert a.block_hashes[:n_keyed] == b.block_hashes[:n_keyed]
+    assert len(a.block_hashes) > n_keyed
+    assert a.block_hashes[n_keyed] != b.block_hashes[n_keyed]
