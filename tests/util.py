@@ -13,7 +13,8 @@ def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = Non
     """The CPU stage config with the thinker's prefix cache ``off`` (the talker's too) /
     ``builtin`` / ``omni_cache`` (the talker's on, as the bundled config has it;
     ``omni_cache_forget``: omni-cache with the first request's rows "lost",
-    fault injection), hand-off recording into ``out_dir/handoff`` and cache metrics into
+    fault injection), hand-off recording into ``out_dir/handoff`` (thinker → talker) and
+    ``out_dir/codec`` (talker → code2wav) and cache metrics into
     ``out_dir/metrics``; ``thinker``: stage-0 keys to override (e.g.
     ``max_num_batched_tokens``); ``streaming``: ``async_chunk`` (the bundled config streams;
     the non-streaming tests turn it off). Returns the written YAML path."""
@@ -36,7 +37,7 @@ def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = Non
         env[settings.PREFIX_CACHE_BACKEND.name] = variant
     return derive_stage_config(CPU_STAGE_CONFIG, out_dir / f"stage_config_{variant}.yaml",
                                pipeline=RECORDING_PIPELINE, top={"async_chunk": streaming},
-                               stages=stages, env={0: env})
+                               stages=stages, env={0: env, 1: {settings.HANDOFF_DUMP.name: str(out_dir / "codec")}})
 
 
 def assert_handoff_equal(got: dict, ref: dict, name: str) -> None:

@@ -21,6 +21,12 @@ class EngineHooks:
     router: Any = None
     talker_identity: Any = None
 
+    def talker_hit(self, request_id: str) -> tuple[int, int]:
+        """``(talker prefix-hit tokens, talker prompt tokens)`` of a finished request; ``(0, 0)``
+        when talker identity is not installed or the talker produced nothing for it."""
+        hit = self.talker_identity.pop_hit(request_id) if self.talker_identity is not None else None
+        return hit or (0, 0)
+
 
 def hooks_wanted(stage_config: Any) -> bool:
     """Whether ``stage_config`` (:class:`omni_cache.driver.stage_config.StageConfig`) asks for

@@ -38,6 +38,9 @@ class RequestResult:
         error: vLLM-Omni's error text for a failed request, else None.
         prompt_logprobs: the thinker's prompt logprobs (vLLM's per-position list) when the
             request asked for them (``SamplingParams.prompt_logprobs``), else None.
+        talker_num_prompt_tokens: the talker's prompt length (tokens; 0: not recorded —
+            the talker's prefix caching is off).
+        talker_num_cached_tokens: the talker's prefix-hit length (tokens).
     """
 
     request_id: str
@@ -51,6 +54,8 @@ class RequestResult:
     stage_durations: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     prompt_logprobs: Any = None
+    talker_num_prompt_tokens: int = 0
+    talker_num_cached_tokens: int = 0
 
 
 def _audio_of(out: Any) -> tuple[np.ndarray | None, int]:
@@ -155,6 +160,8 @@ class OmniPipeline:
                 res.audio, res.sample_rate = _audio_of(o)
         # vLLM-Omni names the i-th prompt of a batch "{i}_{uuid}".
         results = sorted(by_id.values(), key=lambda r: _batch_index(r.request_id))
+        for res in results:
+            res.talker_num_cached_tokens, res.talker_num_prompt_tokens = self.hooks.talker_hit(res.request_id)
         for req, res in zip(requests, results):
             if isinstance(req, OmniRequest):
                 req.request_id = res.request_id

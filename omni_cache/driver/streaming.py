@@ -125,6 +125,7 @@ class StreamingPipeline:
                     on_audio(packet, res.sample_rate)
         res.wall_s = time.perf_counter() - t0
         res.audio = audio if audio.shape[0] else None
+        res.talker_num_cached_tokens, res.talker_num_prompt_tokens = self.hooks.talker_hit(request_id)
         return res
 
     def close(self) -> None:

@@ -61,6 +61,16 @@ class TalkerIdentity:
     Attributes:
         attached: talker requests given keys; ``unkeyed``: talker requests given none (no
             remembered thinker prompt, or a layout mismatch).
+        hits: request id → ``(talker prefix-hit tokens, talker prompt tokens)``, from the
+            talker's first output (vLLM's ``RequestOutput.num_cached_tokens``); read with
+            :meth:`pop_hit`.
+        keys: request id → the block keys given to its talker request (the last
+            ``4096``; for audits and tests: two requests can share exactly their common
+            leading keys).
+        scheme: ``"content"`` (the keys above). ``"placeholder"`` is for tests only: every
+            full talker block is keyed by its index alone — what vLLM's own hash of the
+            placeholder prompt ``[0] * n`` amounts to — to show that scheme sharing KV between
+            different conversations of equal lengths.
     """
 
     def __init__(self, thinker_pool: Any, talker_pool: Any, *, block_size: int) -> None:
@@ -68,7 +78,10 @@ class TalkerIdentity:
         self._thinker: OrderedDict[str, tuple[list[int], list[MediaItem], tuple]] = OrderedDict()
         self.attached = 0
         self.unkeyed = 0
-        self._originals: dict[int, Any] = {}
+        self.hits: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.scheme = "content"
+        self.keys: OrderedDict[str, list[str]] = OrderedDict()
+        self._originals: dict[str, Any] = {}
 
     def remember_thinker(self, request_id: str, request: Any) -> None:
         """Keep the thinker prompt of ``request`` (an ``EngineCoreRequest``) until its talker
@@ -91,6 +104,9 @@ class TalkerIdentity:
         if thinker is None or talker_ids is None:
             return None
         ids, media, (salt, lora) = thinker
+        if self.scheme == "placeholder":
+            return {"block_size": self.block_size,
+                    "keys": [f"placeholder/{j}" for j in range(len(talker_ids) // self.block_size)]}
         rows, assistant = talker_prompt_rows(ids)
         if len(rows) + assistant != len(talker_ids):
             logger.warning("talker identity: request %s: talker prompt of %d tokens, but the thinker prompt's "
@@ -113,14 +129,34 @@ class TalkerIdentity:
         sp.extra_args = {**(sp.extra_args or {}), TALKER_KEYS_ARG: entry}
         talker_request.sampling_params = sp
         self.attached += 1
+        self.keys[str(request_id)] = entry["keys"]
+        while len(self.keys) > _MAX_PENDING:
+            self.keys.popitem(last=False)
+
+    def record_outputs(self, request_outputs: Any) -> None:
+        """Keep the talker prefix hit of each request's first output."""
+        for o in request_outputs or ():
+            rid, n = getattr(o, "request_id", None), getattr(o, "num_cached_tokens", None)
+            if rid is None or n is None or rid in self.hits:
+                continue
+            self.hits[str(rid)] = (int(n), len(getattr(o, "prompt_token_ids", None) or ()))
+            while len(self.hits) > _MAX_PENDING:
+                self.hits.popitem(last=False)
+
+    def pop_hit(self, request_id: str) -> tuple[int, int] | None:
+        """``(talker prefix-hit tokens, talker prompt tokens)`` of a finished request (once),
+        or None if the talker produced no output for it."""
+        return self.hits.pop(str(request_id), None)
 
     # ---- installation ----
 
     def install(self) -> None:
-        """Wrap both pools' ``submit_initial`` (instance attributes). Idempotent."""
+        """Wrap both pools' ``submit_initial`` and the talker pool's
+        ``process_llm_raw_outputs`` (instance attributes). Idempotent."""
         if getattr(self.talker_pool, "_omni_cache_talker_identity", None) is self:
             return
         thinker_submit, talker_submit = self.thinker_pool.submit_initial, self.talker_pool.submit_initial
+        talker_outputs = self.talker_pool.process_llm_raw_outputs
 
         async def submit_thinker(request_id: str, req_state: Any, request: Any, *args: Any, **kwargs: Any):
             try:
@@ -136,9 +172,18 @@ class TalkerIdentity:
                 logger.exception("talker identity: no keys for %s; its talker blocks are not shared", request_id)
             return await talker_submit(request_id, req_state, request, *args, **kwargs)
 
-        self._originals = {id(self.thinker_pool): thinker_submit, id(self.talker_pool): talker_submit}
+        async def process_talker_outputs(*args: Any, **kwargs: Any):
+            outs = await talker_outputs(*args, **kwargs)
+            try:
+                self.record_outputs(outs)
+            except Exception:
+                logger.exception("talker identity: could not read the talker's outputs")
+            return outs
+
+        self._originals = {"thinker": thinker_submit, "talker": talker_submit, "outputs": talker_outputs}
         self.thinker_pool.submit_initial = submit_thinker
         self.talker_pool.submit_initial = submit_talker
+        self.talker_pool.process_llm_raw_outputs = process_talker_outputs
         self.talker_pool._omni_cache_talker_identity = self
 
     def uninstall(self) -> None:
@@ -146,8 +191,9 @@ class TalkerIdentity:
         nothing). No-op if not installed."""
         if getattr(self.talker_pool, "_omni_cache_talker_identity", None) is not self:
             return
-        self.thinker_pool.submit_initial = self._originals[id(self.thinker_pool)]
-        self.talker_pool.submit_initial = self._originals[id(self.talker_pool)]
+        self.thinker_pool.submit_initial = self._originals["thinker"]
+        self.talker_pool.submit_initial = self._originals["talker"]
+        self.talker_pool.process_llm_raw_outputs = self._originals["outputs"]
         self.talker_pool._omni_cache_talker_identity = None
 
 

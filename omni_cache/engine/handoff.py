@@ -13,6 +13,10 @@ process; ``torch.save``) before delegating to vLLM-Omni's own function:
   ``hidden_states.output``, ``embed.tts_*``, ``ids.*``) and each decode chunk
   (``embed.decode`` ``[1, hidden]``) — one file per chunk sent, ``None`` chunks (rows still
   accumulating) are not sent and not recorded.
+
+and two for the talker stage (the same pipeline sets them on stage 1; its own
+``OMNI_CACHE_HANDOFF_DUMP``): :func:`record_talker2code2wav_full_payload` and
+:func:`record_talker2code2wav_async_chunk` — the codec codes code2wav receives.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def record_payload(pooling_output: Any, request: Any) -> None:
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts → ``{"a.b": leaf}``; lists of ints become int64 tensors."""
+    """Nested dicts → ``{"a.b": leaf}``; lists of ints become int64 tensors; bools and ints
+    0-d tensors."""
     out: dict[str, Any] = {}
     for k, v in (obj or {}).items():
         name = f"{prefix}{k}"
@@ -51,6 +56,8 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
             out.update(_flatten(v, name + "."))
         elif isinstance(v, list) and v and all(isinstance(x, int) for x in v):
             out[name] = torch.tensor(v, dtype=torch.int64)
+        elif isinstance(v, (bool, int)):
+            out[name] = torch.tensor(v)
         else:
             out[name] = v
     return out
@@ -74,3 +81,30 @@ def record_thinker2talker_full_payload(transfer_manager: Any, pooling_output: di
 
     record_payload(pooling_output, request)
     return thinker2talker_full_payload(transfer_manager, pooling_output, request)
+
+
+# ---- talker → code2wav (the codec frames): recorded into $OMNI_CACHE_HANDOFF_DUMP of the talker stage ----
+
+
+def record_talker2code2wav_full_payload(transfer_manager: Any, pooling_output: dict, request: Any):
+    """vLLM-Omni's ``talker2code2wav_full_payload``, recording the codec codes it sends
+    (``codes.audio``, int64 ``[num_code_groups * num_frames]``). Returns its payload."""
+    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import talker2code2wav_full_payload
+
+    payload = talker2code2wav_full_payload(transfer_manager, pooling_output, request)
+    if payload is not None:
+        record_payload(_flatten(payload), request)
+    return payload
+
+
+def record_talker2code2wav_async_chunk(transfer_manager: Any, multimodal_output: Any, request: Any,
+                                       is_finished: bool = False):
+    """vLLM-Omni's ``talker2code2wav_async_chunk``, recording every codec chunk it sends
+    (``codes.audio``, ``meta.left_context_size``). Returns its payload unchanged."""
+    from vllm_omni.data_entry_keys import to_dict
+    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import talker2code2wav_async_chunk
+
+    payload = talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is_finished)
+    if payload is not None:
+        record_payload(_flatten(to_dict(payload)), request)
+    return payload

@@ -5,7 +5,7 @@ vLLM-Omni process: registers omni-cache's pipeline variants (idempotent).
     Qwen3-Omni-MoE with the capped scheduler
     (:func:`~omni_cache.engine.scheduler.capped_ar_scheduler`: sync or async) on the thinker (prefix hits capped to the hidden-state tier's coverage).
 ``qwen3_omni_moe_omni_cache_recorded``
-    the same, plus the thinker→talker hand-off recorded
+    the same, plus the thinker→talker and talker→code2wav hand-offs recorded
     (:mod:`omni_cache.engine.handoff`), for tests and audits.
 ``gemma3n_omni_cache``
     a KV-shared (YOCO) Gemma-3n thinker (:mod:`omni_cache.engine.gemma_thinker`, loaded
@@ -30,6 +30,8 @@ SCHEDULER = "omni_cache.engine.scheduler.capped_ar_scheduler"
 
 RECORDER = "omni_cache.engine.handoff.record_thinker2talker_full_payload"
 RECORDER_ASYNC = "omni_cache.engine.handoff.record_thinker2talker_async_chunk"
+TALKER_RECORDER = "omni_cache.engine.handoff.record_talker2code2wav_full_payload"
+TALKER_RECORDER_ASYNC = "omni_cache.engine.handoff.record_talker2code2wav_async_chunk"
 GEMMA_PIPELINE = "gemma3n_omni_cache"
 GEMMA_ARCH = "OmniCacheGemma3nThinker"
 GEMMA_ADAPTER = "omni_cache.engine.gemma_thinker.gemma_thinker2talker_full_payload"
@@ -48,10 +50,11 @@ TALKER_IDENTITY_STAGES = {CAPPED_PIPELINE: {1}, RECORDING_PIPELINE: {1}}
 STAGE_MODEL_SUBDIRS = {GEMMA_PIPELINE: {0: "thinker"}}
 
 
-def _variant(name: str, **stage0_changes):
+def _variant(name: str, talker_changes: dict | None = None, **stage0_changes):
     from vllm_omni.model_executor.models.qwen3_omni.pipeline import QWEN3_OMNI_PIPELINE
 
-    stages = tuple(dataclasses.replace(s, **stage0_changes) if s.stage_id == 0 else _talker(s)
+    stages = tuple(dataclasses.replace(s, **stage0_changes) if s.stage_id == 0
+                   else dataclasses.replace(_talker(s), **(talker_changes or {})) if s.stage_id == 1 else s
                    for s in QWEN3_OMNI_PIPELINE.stages)
     return dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=name, stages=stages)
 
@@ -112,6 +115,9 @@ def register() -> None:
     if CAPPED_PIPELINE not in OMNI_PIPELINES:
         register_pipeline(_variant(CAPPED_PIPELINE, scheduler_cls=SCHEDULER))
     if RECORDING_PIPELINE not in OMNI_PIPELINES:
-        register_pipeline(_variant(RECORDING_PIPELINE, scheduler_cls=SCHEDULER,
+        register_pipeline(_variant(RECORDING_PIPELINE,
+                                   {"custom_process_next_stage_input_func": TALKER_RECORDER,
+                                    "async_chunk_process_next_stage_input_func": TALKER_RECORDER_ASYNC},
+                                   scheduler_cls=SCHEDULER,
                                    custom_process_next_stage_input_func=RECORDER,
                                    async_chunk_process_next_stage_input_func=RECORDER_ASYNC))

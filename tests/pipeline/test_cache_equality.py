@@ -19,7 +19,17 @@ import pytest
 import torch
 
 from omni_cache.driver.inputs import build_request
-from tests.pipeline.workloads import BLOCK, FIRST, FIRST_PROMPT, REPEAT, STEP_BUDGET, run_workload
+from tests.pipeline.workloads import (
+    BLOCK,
+    FIRST,
+    FIRST_PROMPT,
+    REPEAT,
+    STEP_BUDGET,
+    assert_talker_workload,
+    recorded_by_request,
+    run_talker_workload,
+    run_workload,
+)
 from tests.util import assert_batch_rows, variant_stage_config
 
 pytestmark = pytest.mark.pipeline
@@ -55,6 +65,8 @@ def runs(tmp_path_factory, tiny_model_dir):
         cfg = variant_stage_config(d, variant, thinker={"max_num_batched_tokens": STEP_BUDGET})
         with OmniPipeline(tiny_model_dir, cfg) as pipe:
             named, t1_len, batch = run_workload(pipe, tiny_model_dir)
+            out[f"talker-{variant}"] = run_talker_workload(pipe, tiny_model_dir,
+                                                           placeholder_demo=variant == "omni_cache")
             if variant == "off":  # the control: the same request twice without tts_local_seed
                 sp = pipe.default_sampling_params()
                 sp[1].extra_args = {}
@@ -150,3 +162,21 @@ def test_same_step_hit_is_served_and_exact(runs):
             continue
         assert_batch_rows(a_on[k], a_off[k], f"batch:A {k}")
         assert_batch_rows(b_on[k], b_off[k], f"batch:B {k}", writer=a_on[k], hit=b.num_cached_tokens)
+
+
+def test_talker_prefix_cache_exact_and_content_keyed(runs):
+    """Talker prefix caching (content-keyed talker blocks, on in the omni_cache run, off in the
+    off run), not streaming: see :func:`tests.pipeline.workloads.assert_talker_workload`; and
+    the codec frames code2wav received equal cache off bitwise for every request sent alone."""
+    (on, keys), (off, _) = runs["talker-omni_cache"], runs["talker-off"]
+    on, off = dict(on), dict(off)
+    assert_talker_workload(on, off, keys)
+    n_main = len(runs["omni_cache"][1]) + 2  # the main workload's requests, then its batch of two
+    n_talker = sum(1 for n in on if not n.startswith("placeholder:"))
+    c_on, c_off = recorded_by_request(runs["omni_cache"][0]), recorded_by_request(runs["off"][0])
+    alone = list(range(len(runs["omni_cache"][1]))) + list(range(n_main, n_main + n_talker))
+    assert len(c_on) >= n_main + n_talker and len(c_off) >= n_main + n_talker
+    for i in alone:
+        assert len(c_on[i]) == len(c_off[i]) == 1, i
+        assert torch.equal(c_on[i][0]["codes.audio"], c_off[i][0]["codes.audio"]), i
+

@@ -60,3 +60,156 @@ def run_workload(pipe, model_dir):
     batch = pipe.generate([build_request(SAME_STEP_DOC + "Why?"),
                            build_request(SAME_STEP_DOC + "And which of the details did you notice first, and why?")])
     return named, len(t1), sorted(batch, key=lambda r: r.num_prompt_tokens)
+
+
+# ---- talker prefix caching (content-keyed talker blocks) ----
+
+TALKER_CHAT = [  # a voice chat: text, then a photo, then speech, each turn's history the turns before
+    (LONG + "Tell me what you notice first.", {}),
+    ("And what is in this picture?", {"image": "astronaut.jpg"}),
+    ("And what do you hear in this recording?", {"audio": "speech.wav"}),
+]
+NEGATIVE_QUESTION = "Which detail of the picture do you notice first and why?"
+
+
+def _same_length_swap(tok, text: str, pairs: list[tuple[str, str]]) -> str:
+    """``text`` with the first word swap of ``pairs`` that keeps its token count."""
+    n = len(tok.encode(text))
+    for a, b in pairs:
+        if a in text and len(tok.encode(text.replace(a, b, 1))) == n:
+            return text.replace(a, b, 1)
+    raise AssertionError(f"no same-length swap among {pairs} for {text!r}")
+
+
+def talker_negative_requests(tok):
+    """Conversation A (a long text turn, a short answer, then a photo with a question) and
+    three of the same token lengths that differ once: the system prompt, the photo (mirrored:
+    same size, other pixels), the question's words. Returns ``[(name, OmniRequest)]``."""
+    from PIL import Image
+
+    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, load_image
+
+    img = load_image(sample_path("astronaut.jpg"))
+    history = [Turn("user", LONG + "Remember these words."), Turn("assistant", "I will.")]
+
+    def conv(system=DEFAULT_SYSTEM_PROMPT, image=img, question=NEGATIVE_QUESTION):
+        from omni_cache.driver.inputs import OmniRequest
+
+        return OmniRequest(turns=[Turn("system", system), *history, Turn("user", question, image=image)])
+
+    swaps = [("virtual", "digital"), ("human", "person"), ("capable", "able"), ("detail", "object"),
+             ("first", "most"), ("notice", "see")]
+    return [("A", conv()),
+            ("B:system", conv(system=_same_length_swap(tok, DEFAULT_SYSTEM_PROMPT, swaps))),
+            ("B:image", conv(image=img.transpose(Image.Transpose.FLIP_LEFT_RIGHT))),
+            ("B:words", conv(question=_same_length_swap(tok, NEGATIVE_QUESTION, swaps[3:])))]
+
+
+def run_talker_workload(pipe, model_dir, *, placeholder_demo: bool = False):
+    """The voice chat (3 turns) and the negative conversations, one request at a time.
+    ``placeholder_demo``: then, with the talker identity hook keying blocks by index only
+    (vLLM's hash of placeholder prompts), A and the B's again. Returns ``(named results,
+    {name: talker block keys})``; the demo's results are named ``placeholder:<name>``."""
+    from transformers import AutoTokenizer
+
+    from omni_cache.driver.inputs import Turn
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hook = pipe.hooks.talker_identity
+    named, keys = [], {}
+
+    def send(name, req):
+        (r,) = pipe.generate([req])
+        named.append((name, r))
+        if hook is not None:
+            keys[name] = hook.keys.get(r.request_id)
+        return r
+
+    history: list = []
+    for k, (text, media) in enumerate(TALKER_CHAT):
+        req = build_request(text, history=history, **{m: sample_path(f) for m, f in media.items()})
+        r = send(f"talker-chat:turn{k + 1}", req)
+        history = req.turns[1:] + [Turn("assistant", r.text)]
+    negatives = talker_negative_requests(tok)
+    for name, req in negatives:
+        send(name, req)
+    if placeholder_demo and hook is not None:
+        hook.scheme = "placeholder"
+        try:
+            for name, req in negatives:
+                if name != "B:system":
+                    send(f"placeholder:{name}", req)
+        finally:
+            hook.scheme = "content"
+    return named, keys
+
+
+def recorded_by_request(out_dir, sub: str = "codec") -> list[list[dict]]:
+    """Hand-off records of ``out_dir/sub`` grouped per request (``[[record0, ...], ...]``),
+    requests in the order of their first record, records in the order sent."""
+    import re
+    from collections import defaultdict
+
+    import torch
+
+    by_req: dict[str, list] = defaultdict(list)
+    for p in (out_dir / sub).glob("*.pt"):
+        m = re.match(r"(\d+)-(.+)\.pt$", p.name)
+        by_req[m.group(2)].append((int(m.group(1)), torch.load(p)))
+    reqs = sorted(by_req.values(), key=lambda recs: min(s for s, _ in recs))
+    return [[r for _, r in sorted(recs, key=lambda x: x[0])] for recs in reqs]
+
+
+def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK) -> None:
+    """The talker-cache checks shared by the streaming and non-streaming equality tests.
+
+    ``on`` / ``off``: name → result of :func:`run_talker_workload` with the talker's prefix
+    cache on / off; ``keys``: name → the talker block keys of the on run.
+
+    - every request: thinker tokens and audio equal cache off bitwise;
+    - the voice chat from turn 2 on: the talker hits at least every full block of the earlier
+      turns' user rows and computes only the new user segment, the 9 assistant positions and
+      the rest of a partial block;
+    - the negatives: each B hits exactly the blocks whose keys it shares with A (none for
+      another system prompt; fewer for another photo than for other words), never a block
+      after its first difference — and under the placeholder scheme (index-only keys, what
+      vLLM's hash of ``[0] * n`` amounts to) the same B's hit past it and their audio differs
+      from cache off: the test can tell a wrong block from a right one.
+    """
+    import numpy as np
+
+    for name, r in on.items():
+        if name.startswith("placeholder:"):
+            continue
+        r_off = off[name]
+        assert r.error is None and r_off.error is None, name
+        assert r.token_ids == r_off.token_ids, name
+        assert r.audio is not None and np.array_equal(r.audio, r_off.audio), name
+        assert r_off.talker_num_cached_tokens == 0, name  # the off run caches nothing
+        assert r.talker_num_prompt_tokens > 0, name
+    for k in (2, 3):
+        prev, cur = on[f"talker-chat:turn{k - 1}"], on[f"talker-chat:turn{k}"]
+        user_prev, user_cur = prev.talker_num_prompt_tokens - 9, cur.talker_num_prompt_tokens - 9
+        assert cur.talker_num_cached_tokens >= user_prev // block * block > 0, (k, cur.talker_num_cached_tokens)
+        computed = cur.talker_num_prompt_tokens - cur.talker_num_cached_tokens
+        assert computed <= (user_cur - user_prev) + 9 + block - 1, (k, computed)
+
+    def common(a: str, b: str) -> int:
+        n = 0
+        for x, y in zip(keys[a], keys[b]):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    assert len(keys["A"]) >= 3, keys["A"]
+    shared = {b: common("A", b) for b in ("B:system", "B:image", "B:words")}
+    assert shared["B:system"] == 0 and 0 < shared["B:image"] < shared["B:words"] < len(keys["A"]), shared
+    for b, n in shared.items():
+        assert on[b].talker_num_prompt_tokens == on["A"].talker_num_prompt_tokens, b
+        assert on[b].talker_num_cached_tokens == n * block, (b, on[b].talker_num_cached_tokens, n)
+    for b in ("B:image", "B:words"):
+        demo = on[f"placeholder:{b}"]
+        assert demo.talker_num_cached_tokens > shared[b] * block, (b, demo.talker_num_cached_tokens)
+        assert demo.token_ids == off[b].token_ids  # the thinker is not affected
+        assert not np.array_equal(demo.audio, off[b].audio), b
