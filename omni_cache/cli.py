@@ -40,6 +40,9 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     if getattr(args, "family", "qwen3-omni") == "gemma3n":
         from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
 
+        if args.size not in ("tiny", "bench"):
+            print(f"error: --family gemma3n has sizes tiny and bench, not {args.size!r}", file=sys.stderr)
+            return 2
         out = Path(args.out) if args.out else default_gemma_dir(args.size)
         return _build(f"the embedded KV-shared Gemma-3n thinker + Qwen3-Omni talker ({args.size})", out,
                       lambda: build_gemma_omni(out, args.size, force=args.force))
@@ -115,7 +118,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             ms = lambda t: "-" if t is None else f"{1000 * t:.0f} ms"  # noqa: E731
             print(f"[request {i}] TTFT {ms(res.ttft_s)}, first audio packet (TTFP) {ms(res.ttfp_s)}, "
                   f"{res.wall_s:.2f} s wall; thinker prompt {res.num_prompt_tokens} tokens, "
-                  f"prefix hit {res.num_cached_tokens} tokens" + (f"; stages: {stages}" if stages else ""))
+                  f"prefix hit {res.num_cached_tokens} tokens; talker prompt {res.talker_num_prompt_tokens} "
+                  f"tokens, prefix hit {res.talker_num_cached_tokens}" + (f"; stages: {stages}" if stages else ""))
             print(f"  text: {res.text!r}")
             print(f"  audio: {'none' if res.audio is None else f'{res.audio.shape[0]} samples @ {res.sample_rate} Hz in {res.audio_packets} packets -> {wav}'}")
             if res.error:
@@ -124,6 +128,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 "request_id": res.request_id, "text": res.text, "wall_s": res.wall_s,
                 "ttft_s": res.ttft_s, "ttfp_s": res.ttfp_s, "audio_packets": res.audio_packets,
                 "num_prompt_tokens": res.num_prompt_tokens, "num_cached_tokens": res.num_cached_tokens,
+                "talker_num_prompt_tokens": res.talker_num_prompt_tokens,
+                "talker_num_cached_tokens": res.talker_num_cached_tokens,
                 "stage_durations": res.stage_durations, "wav": str(wav) if res.audio is not None else None,
                 "error": res.error,
             })
@@ -209,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     mm = sub.add_parser("make-model", help="build the embedded Qwen3-Omni model directory (no downloads)")
-    mm.add_argument("--size", default="tiny", choices=["tiny", "bench"])
+    mm.add_argument("--size", default="tiny", choices=["tiny", "bench", "bench-voice"],
+                    help="tiny (tests), bench (benchmarks), bench-voice (qwen3-omni only: the bench "
+                         "thinker with a talker proportioned like Qwen3-Omni's)")
     mm.add_argument("--family", default="qwen3-omni", choices=["qwen3-omni", "gemma3n"],
                     help="qwen3-omni (default) or gemma3n: a KV-shared (YOCO) thinker in thinker/ feeding "
                          "the Qwen3-Omni talker (stage_configs/gemma3n_yoco_cpu.yaml)")

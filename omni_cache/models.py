@@ -15,6 +15,10 @@ Sizes (parameters, fp32 bytes on disk):
 - ``bench`` (benchmarks): thinker hidden 768, 12 layers, 12 heads (head_dim 64, 4 KV heads),
   8 experts top-2 of width 768 (~0.42 B parameters) — an uncached prefill of ~2,900 tokens
   takes ~2 s on 2 CPU cores, so prefill dominates a request (the issue's target: ≥ 1 s).
+- ``bench-voice`` (the voice-chat benchmark): the ``bench`` thinker with a talker proportioned
+  like Qwen3-Omni-30B-A3B's (hidden 384, 6 layers, 4 experts of width 384; its code predictor
+  as wide) — the other sizes' talker is a stub (hidden 64, 2 layers) whose prefill costs
+  next to nothing.
 
 Sources: the sub-config fields and special-token ids follow the released
 ``Qwen/Qwen3-Omni-30B-A3B-Instruct`` ``config.json``; sizes from ``../shared/notes``.
@@ -91,15 +95,31 @@ class ModelSize:
     thinker_moe_intermediate: int
     mrope_section: tuple[int, int, int]
     accept_hidden_layer: int
+    # the talker (and its code predictor): a stub by default
+    talker_hidden: int = 64
+    talker_layers: int = 2
+    talker_heads: int = 2
+    talker_moe_intermediate: int = 64
+    talker_intermediate: int = 128
 
     @property
     def head_dim(self) -> int:
         return self.thinker_hidden // self.thinker_heads
 
+    @property
+    def talker_head_dim(self) -> int:
+        return self.talker_hidden // self.talker_heads
+
 
 SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize("tiny", 64, 2, 2, 2, 4, 64, (6, 5, 5), 1),
     "bench": ModelSize("bench", 768, 12, 12, 4, 8, 768, (16, 8, 8), 4),
+    # the bench thinker with a talker proportioned like Qwen3-Omni-30B-A3B's (talker compute
+    # per token ~1/8 of the thinker's; the released talker: hidden 1024, 20 layers, against
+    # the thinker's 2048 / 48 with ~10x the active parameters), for talker-side benchmarks
+    "bench-voice": ModelSize("bench-voice", 768, 12, 12, 4, 8, 768, (16, 8, 8), 4,
+                             talker_hidden=384, talker_layers=6, talker_heads=6,
+                             talker_moe_intermediate=384, talker_intermediate=768),
 }
 
 
@@ -198,26 +218,26 @@ def qwen3_omni_config_dict(size: ModelSize) -> dict:
             "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
             "text_config": {
                 "vocab_size": 3072,
-                "hidden_size": small,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 2,
-                "head_dim": 32,
-                "moe_intermediate_size": 64,
-                "shared_expert_intermediate_size": 64,
+                "hidden_size": size.talker_hidden,
+                "intermediate_size": size.talker_intermediate,
+                "num_hidden_layers": size.talker_layers,
+                "num_attention_heads": size.talker_heads,
+                "num_key_value_heads": size.talker_heads,
+                "head_dim": size.talker_head_dim,
+                "moe_intermediate_size": size.talker_moe_intermediate,
+                "shared_expert_intermediate_size": size.talker_moe_intermediate,
                 "num_experts": 4,
                 "num_experts_per_tok": 2,
                 "rope_parameters": _rope(1_000_000.0, (6, 5, 5)),
             },
             "code_predictor_config": {
                 "vocab_size": 2048,
-                "hidden_size": small,
-                "intermediate_size": 128,
+                "hidden_size": size.talker_hidden,
+                "intermediate_size": size.talker_intermediate,
                 "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 2,
-                "head_dim": 32,
+                "num_attention_heads": size.talker_heads,
+                "num_key_value_heads": size.talker_heads,
+                "head_dim": size.talker_head_dim,
                 "num_code_groups": 16,
                 "rope_parameters": _rope(1_000_000.0),
             },

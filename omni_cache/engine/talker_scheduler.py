@@ -26,6 +26,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +35,9 @@ from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
 
 from omni_cache.core.talker_keys import SCHEME, TALKER_KEYS_ARG
+from omni_cache.engine.metrics import MetricsFile
+
+_KEEP_REQUESTS = 256  # per-request prefill records kept in the metrics file
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +72,58 @@ def talker_block_hashes(request: Any, *, keys: Sequence[str], nonce: bytes,
 class TalkerIdentitySchedulerMixin:
     """Hashes every new talker request's blocks from its content keys (see the module
     docstring). Counters (``talker_identity_counters``): ``keyed`` requests with keys,
-    ``unkeyed`` without, ``keyed_blocks`` keyed blocks."""
+    ``unkeyed`` without, ``keyed_blocks`` keyed blocks, ``prompt_tokens`` and ``hit_tokens``
+    of admitted requests. With ``OMNI_CACHE_METRICS_DIR`` set they are published to
+    ``talker-<pid>.json`` with, per request (the last 256), ``prompt_tokens``,
+    ``cached_tokens`` and ``prefill_s`` — seconds from the ``schedule()`` that admitted it to
+    the ``update_from_output()`` that brought its first token (its prefill step's forward and
+    sampling; wall time, so a step shared with other requests counts whole)."""
+
+    def _talker_state(self) -> tuple[dict, OrderedDict, dict]:
+        st = self.__dict__.get("_talker_state_")
+        if st is None:
+            st = self.__dict__["_talker_state_"] = (
+                self.__dict__.setdefault("talker_identity_counters",
+                                         {"keyed": 0, "unkeyed": 0, "keyed_blocks": 0}),
+                OrderedDict(), {})
+            st[0].setdefault("prompt_tokens", 0)
+            st[0].setdefault("hit_tokens", 0)
+        return st
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        counters, _, started = self._talker_state()
+        now = time.perf_counter()
+        for new in out.scheduled_new_reqs:
+            req = self.requests.get(new.req_id)
+            if req is None:
+                continue
+            started[new.req_id] = (now, req.num_prompt_tokens, int(new.num_computed_tokens))
+            counters["prompt_tokens"] += req.num_prompt_tokens
+            counters["hit_tokens"] += int(new.num_computed_tokens)
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        counters, records, started = self._talker_state()
+        if started:
+            now = time.perf_counter()
+            for rid in list(getattr(model_runner_output, "req_ids", None) or ()):
+                s = started.pop(rid, None)
+                if s is not None:
+                    records[rid] = {"prompt_tokens": s[1], "cached_tokens": s[2], "prefill_s": now - s[0]}
+                    while len(records) > _KEEP_REQUESTS:
+                        records.popitem(last=False)
+            mf = self.__dict__.setdefault("_talker_metrics_file", MetricsFile("talker"))
+            mf.publish(lambda: {**counters, "requests": dict(records)}, force=True)
+        return result
 
     def _talker_identity_hasher(self, request: Any) -> Callable | None:
         if request.request_id in self.requests or getattr(request, "_block_hasher", None) is None:
             return None  # a streaming update of a known request, or prefix caching off
         from vllm.utils.hashing import get_hash_fn_by_name
 
-        counters = self.__dict__.setdefault("talker_identity_counters",
-                                            {"keyed": 0, "unkeyed": 0, "keyed_blocks": 0})
+        counters = self._talker_state()[0]
         entry = ((request.sampling_params.extra_args or {}).get(TALKER_KEYS_ARG)
                  if request.sampling_params is not None else None)
         keys: list[str] = []

@@ -90,8 +90,9 @@ def test_hits_happen_and_omni_cache_served_them(runs):
     assert metrics, "omni-cache wrote no metrics: its manager did not run"
     m = metrics[0]
     assert m["hits_served"] >= 4 and m["rows_read"] > 0 and m["hits_refused"] == 0
-    assert m["hit_tokens"] == sum(hits.values()) + sum(r.num_cached_tokens for r in batch), (
-        hits, [(r.num_prompt_tokens, r.num_cached_tokens) for r in batch])
+    talker_workload = sum(r.num_cached_tokens for _, r in runs["talker-omni_cache"][0])  # sent after the batch
+    assert m["hit_tokens"] == sum(hits.values()) + sum(r.num_cached_tokens for r in batch) + talker_workload, (
+        hits, [(r.num_prompt_tokens, r.num_cached_tokens) for r in batch], talker_workload)
 
 
 def test_cache_on_equals_cache_off_bitwise(runs):

@@ -36,3 +36,5 @@ def test_run_streams_ttft_ttfp_and_packets_then_stops_cleanly(tiny_model_dir, tm
         wave, sr = sf.read(r["wav"], dtype="float32")
         assert sr == 24_000 and wave.ndim == 1 and wave.shape[0] > 0 and np.isfinite(wave).all()
     assert summary[1]["num_cached_tokens"] > 0  # the repeated prompt hits the first one
+    # ... in the talker too (content-keyed talker blocks, on in the bundled config)
+    assert summary[1]["talker_num_cached_tokens"] > 0 and summary[0]["talker_num_prompt_tokens"] > 0, summary

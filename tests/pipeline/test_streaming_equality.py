@@ -29,7 +29,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.pipeline.workloads import BLOCK, FIRST, REPEAT, STEP_BUDGET, run_workload
+from tests.pipeline.workloads import (
+    BLOCK,
+    FIRST,
+    REPEAT,
+    STEP_BUDGET,
+    assert_talker_workload,
+    recorded_by_request,
+    run_talker_workload,
+    run_workload,
+)
 from tests.util import assert_batch_rows, variant_stage_config
 
 pytestmark = pytest.mark.pipeline
@@ -56,6 +65,9 @@ def runs(tmp_path_factory, tiny_model_dir):
         cfg = variant_stage_config(d, variant, thinker={"max_num_batched_tokens": STEP_BUDGET}, streaming=True)
         with OmniPipeline(tiny_model_dir, cfg) as pipe:
             named, t1_len, batch = run_workload(pipe, tiny_model_dir)
+            if variant != "omni_cache_forget":  # the talker cache: on in omni_cache, off in off
+                out[f"talker-{variant}"] = run_talker_workload(pipe, tiny_model_dir,
+                                                               placeholder_demo=variant == "omni_cache")
         out[variant] = (d, named, t1_len, batch)
     return out
 
@@ -97,7 +109,8 @@ def test_streamed_talker_inputs_equal_cache_off_bitwise(runs, variant):
     d_on, on, _, batch_on = runs[variant]
     ch_off, ch_on = _chunks(d_off), _chunks(d_on)
     n = len(off)
-    assert len(ch_off) == len(ch_on) == n + 2  # the sequential requests, then the batch of two
+    assert len(ch_off) >= n + 2 and len(ch_on) >= n + 2  # the sequential requests, the batch of two, ...
+    ch_off, ch_on = ch_off[:n + 2], ch_on[:n + 2]
     for (name, r_off), (_, r_on), c_off, c_on in zip(off, on, ch_off[:n], ch_on[:n]):
         assert r_off.error is None and r_on.error is None, name
         assert r_on.token_ids == r_off.token_ids, name
@@ -141,3 +154,27 @@ def test_streaming_capped_hits_stay_exact(runs):
     assert sched["capped_tokens"] > 0, sched
     m = json.loads(next((d / "metrics").glob("metrics-*.json")).read_text())
     assert m["hits_refused"] == 0, m  # capped before the forward, never refused in the worker
+
+
+def test_streamed_talker_prefix_cache_exact_and_content_keyed(runs):
+    """Talker prefix caching on the streaming path (the production one): the checks of
+    :func:`tests.pipeline.workloads.assert_talker_workload`, the thinker→talker chunks of
+    every talker-workload request equal cache off bitwise (what the talker received), and the
+    codec chunks code2wav received too (what the talker computed from it)."""
+    (on, keys), (off, _) = runs["talker-omni_cache"], runs["talker-off"]
+    on, off = dict(on), dict(off)
+    assert_talker_workload(on, off, keys)
+    n_main = len(runs["omni_cache"][1]) + 2
+    n_talker = sum(1 for n in on if not n.startswith("placeholder:"))
+    for sub in ("handoff", "codec"):
+        rec_on = recorded_by_request(runs["omni_cache"][0], sub)[n_main:n_main + n_talker]
+        rec_off = recorded_by_request(runs["off"][0], sub)[n_main:n_main + n_talker]
+        assert len(rec_on) == len(rec_off) == n_talker, sub
+        for i, (c_on, c_off) in enumerate(zip(rec_on, rec_off)):
+            assert len(c_on) == len(c_off) > 0, (sub, i)
+            for g, r in zip(c_on, c_off):
+                assert set(g) == set(r), (sub, i)
+                for k in r:
+                    if isinstance(r[k], torch.Tensor):
+                        assert torch.equal(g[k], r[k]), (sub, i, k)
+

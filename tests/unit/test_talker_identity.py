@@ -193,3 +193,57 @@ def test_a_keyed_turn_hashes_the_same_in_every_engine(vllm_config):
     assert a.block_hashes[:n_keyed] == b.block_hashes[:n_keyed]
     assert len(a.block_hashes) > n_keyed
     assert a.block_hashes[n_keyed] != b.block_hashes[n_keyed]
+
+
+# ---- the orchestrator hook on vLLM-Omni's real request objects ----
+
+
+def _engine_request(rid: str, ids: list[int], mm=None):
+    from vllm import SamplingParams
+    from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
+
+    req = build_engine_core_request_from_tokens(request_id=rid, prompt={"prompt_token_ids": ids},
+                                                params=SamplingParams(max_tokens=4, extra_args={"tts_local_seed": 7}),
+                                                mm_features=mm)
+    return req
+
+
+def test_the_hook_keys_talker_requests_from_the_thinker_prompt():
+    """``TalkerIdentity`` reads the thinker's ``OmniEngineCoreRequest`` (token ids, media
+    features) and gives the talker's (placeholder prompt) its keys in its own copy of the
+    sampling params; a talker request whose thinker prompt it never saw, or whose length the
+    layout does not give, gets none; the placeholder scheme keys by index only."""
+    from types import SimpleNamespace
+
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from omni_cache.driver.talker_identity import TalkerIdentity
+
+    ids = chat(SYSTEM, [[*U1[:10], *[IMAGE] * 30, *U1[40:]], U2], [A1])
+    at = ids.index(IMAGE)
+    mm = [MultiModalFeatureSpec(data=None, modality="image", identifier="cat", mm_position=PlaceholderRange(at, 30))]
+    hook = TalkerIdentity(None, None, block_size=BS)
+    hook.remember_thinker("r1", _engine_request("r1", ids, mm))
+    talker = _engine_request("r1", [0] * _talker_len(ids))
+    shared_params = talker.sampling_params
+    state = SimpleNamespace(prompt={"prompt": "…", "additional_information": {"speaker": ["ethan"]}})
+    hook.attach("r1", talker, state)
+    entry = talker.sampling_params.extra_args[TALKER_KEYS_ARG]
+    assert talker.sampling_params is not shared_params and TALKER_KEYS_ARG not in (shared_params.extra_args or {})
+    assert talker.sampling_params.extra_args["tts_local_seed"] == 7  # the request's other extra args stay
+    assert entry["block_size"] == BS
+    assert entry["keys"] == talker_block_keys(ids, [MediaItem(at, 30, "image", "cat")],
+                                              talker_prompt_len=_talker_len(ids), block_size=BS,
+                                              seed=(repr(["ethan"]), repr(None), None, None))
+    assert hook.keys["r1"] == entry["keys"] and hook.attached == 1
+    # no thinker prompt seen for it; a talker prompt of another length
+    hook.attach("r2", other := _engine_request("r2", [0] * 99), state)
+    assert TALKER_KEYS_ARG not in (other.sampling_params.extra_args or {})
+    hook.remember_thinker("r3", _engine_request("r3", ids, mm))
+    hook.attach("r3", wrong := _engine_request("r3", [0] * (_talker_len(ids) + 1)), state)
+    assert TALKER_KEYS_ARG not in (wrong.sampling_params.extra_args or {}) and hook.unkeyed == 2
+    # the placeholder scheme (tests only): index keys, whatever the content
+    hook.scheme = "placeholder"
+    hook.remember_thinker("r4", _engine_request("r4", ids, mm))
+    hook.attach("r4", ph := _engine_request("r4", [0] * _talker_len(ids)), state)
+    assert ph.sampling_params.extra_args[TALKER_KEYS_ARG]["keys"][:2] == ["placeholder/0", "placeholder/1"]

@@ -1,0 +1,175 @@
+"""Multi-turn voice chat: time to the first audio packet (TTFP) and the talker's prefill per
+turn, with no prefix cache, omni-cache on the thinker, and omni-cache on the thinker plus
+content-keyed talker prefix caching (issue 15).
+
+Three streaming CPU pipelines (``stage_configs/qwen3_omni_cpu.yaml`` as the variants of
+:func:`omni_cache.driver.variants.variant_stage_config`: first audio packet only, one request
+at a time) are up at once:
+
+- ``off``: prefix caching off on the thinker and the talker;
+- ``thinker``: omni-cache's hidden-state prefix cache on the thinker, talker caching off;
+- ``thinker+talker``: the same plus the talker's content-keyed prefix cache.
+
+Each round is one conversation per variant of ``--turns`` speech turns (the bundled speech
+recording and a short question each; every turn's history is the conversation so far with
+the variant's own answers); the variants alternate turn by turn, the first variant of each
+turn rotated. Rounds use different system prompts, so nothing is shared across rounds.
+Per request: TTFP (request sent → first audio packet), the talker's prompt and prefix-hit
+tokens, and its prefill time (``prefill_s`` from omni-cache's talker scheduler metrics:
+``schedule()`` that admitted the request → ``update_from_output()`` with its first token).
+``result.json``: every request, per variant and turn the median and spread (min-max) over
+rounds, the ratios, and the issue's bars (turns >= 3: talker prefill >= 4x lower with the
+talker cache; TTFP lower than the thinker-only cache's on every turn >= 2);
+``voice_chat.png``.
+
+    .venv/bin/python -m benchmarks.voice_chat_bench --model-size bench-voice --turns 6 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = ("off", "thinker", "thinker+talker")
+QUESTIONS = ["What do you hear?", "Say it again, slower.", "Which word was the longest?",
+             "And the shortest one?", "Repeat the first sentence.", "Summarise everything so far.",
+             "Anything else?", "Thank you, goodbye."]
+
+
+def _talker_records(metrics_dir: Path) -> dict:
+    recs: dict = {}
+    for p in metrics_dir.glob("talker-*.json"):
+        try:
+            recs.update(json.loads(p.read_text()).get("requests", {}))
+        except (OSError, ValueError):
+            pass
+    return recs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-size", choices=("tiny", "bench", "bench-voice"), default="bench-voice")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3, help="conversations per variant")
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/voice-chat-<time>")
+    args = ap.parse_args(argv)
+    if not 1 <= args.turns <= len(QUESTIONS):
+        ap.error(f"--turns must be 1..{len(QUESTIONS)}")
+
+    import numpy as np
+
+    from omni_cache import settings
+    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, build_request, sample_path
+    from omni_cache.driver.streaming import StreamingPipeline
+    from omni_cache.driver.variants import MemorySettings, derive_stage_config, variant_stage_config
+    from omni_cache.models import build_qwen3_omni, default_model_dir
+
+    out = args.out or REPO / "benchmarks" / "results" / f"voice-chat-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"model {args.model_size} (built on first use) ...", flush=True)
+    model = build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
+    base = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
+    mem = MemorySettings(thinker_kv_bytes=256 << 20, talker_kv_bytes=64 << 20)
+    pipes, metrics = {}, {}
+    records: list[dict] = []
+    t_start = time.perf_counter()
+    try:
+        for v in VARIANTS:
+            cfg = variant_stage_config(base, out, "off" if v == "off" else "omni_cache", mem=mem, async_chunk=True,
+                                       talker_prefix_caching=v == "thinker+talker")
+            metrics[v] = out / f"metrics_talker_{v.replace('+', '_')}"
+            cfg = derive_stage_config(cfg, out / f"stage_config_{v.replace('+', '_')}.yaml",
+                                      env={1: {settings.METRICS_DIR.name: str(metrics[v].resolve())}})
+            print(f"starting {v} ...", flush=True)
+            pipes[v] = StreamingPipeline(model, cfg)
+            pipes[v].run(build_request("Warm up.", system="Hello."))
+        speech = sample_path("speech.wav")
+        for rnd in range(args.rounds):
+            system = f"Conversation {rnd + 1}. {DEFAULT_SYSTEM_PROMPT}"
+            history = {v: [] for v in VARIANTS}
+            for turn in range(args.turns):
+                k = (rnd * args.turns + turn) % len(VARIANTS)
+                for v in VARIANTS[k:] + VARIANTS[:k]:
+                    req = build_request(QUESTIONS[turn], audio=speech, system=system, history=history[v])
+                    r = pipes[v].run(req)
+                    if r.error:
+                        raise SystemExit(f"{v} round {rnd} turn {turn + 1}: {r.error}")
+                    history[v] = req.turns[1:] + [Turn("assistant", r.text)]
+                    talker = _talker_records(metrics[v]).get(r.request_id, {})
+                    rec = dict(variant=v, round=rnd, turn=turn + 1, request_id=r.request_id,
+                               thinker_prompt_tokens=r.num_prompt_tokens, thinker_cached_tokens=r.num_cached_tokens,
+                               talker_prompt_tokens=talker.get("prompt_tokens"),
+                               talker_cached_tokens=talker.get("cached_tokens"),
+                               talker_prefill_s=talker.get("prefill_s"), ttft_s=r.ttft_s, ttfp_s=r.ttfp_s)
+                    records.append(rec)
+                    tp = rec["talker_prefill_s"]
+                    print(f"round {rnd + 1}/{args.rounds} turn {turn + 1} {v:>14}: thinker {r.num_prompt_tokens} tok "
+                          f"(hit {r.num_cached_tokens}), talker {rec['talker_prompt_tokens']} tok "
+                          f"(hit {rec['talker_cached_tokens']}), talker prefill "
+                          f"{'?' if tp is None else f'{tp * 1e3:.1f} ms'}, TTFP {r.ttfp_s:.2f} s", flush=True)
+    finally:
+        for p in pipes.values():
+            p.close()
+
+    def cell(v: str, turn: int, metric: str) -> dict | None:
+        xs = [r[metric] for r in records if r["variant"] == v and r["turn"] == turn and r[metric] is not None]
+        if not xs:
+            return None
+        return dict(median=float(np.median(xs)), min=float(min(xs)), max=float(max(xs)), n=len(xs))
+
+    turns = list(range(1, args.turns + 1))
+    summary = {v: {t: {m: cell(v, t, m) for m in ("ttfp_s", "talker_prefill_s", "talker_cached_tokens",
+                                                    "talker_prompt_tokens", "thinker_cached_tokens")}
+                   for t in turns} for v in VARIANTS}
+
+    def med(v, t, m):
+        c = summary[v][t][m]
+        return c["median"] if c else float("nan")
+
+    ratios = {t: {"talker_prefill_thinker_over_both": med("thinker", t, "talker_prefill_s") / med("thinker+talker", t, "talker_prefill_s"),
+                  "ttfp_thinker_over_both": med("thinker", t, "ttfp_s") / med("thinker+talker", t, "ttfp_s"),
+                  "ttfp_off_over_both": med("off", t, "ttfp_s") / med("thinker+talker", t, "ttfp_s")} for t in turns}
+    bars = {
+        "talker_prefill_4x_lower_on_turns_ge_3": all(ratios[t]["talker_prefill_thinker_over_both"] >= 4 for t in turns if t >= 3),
+        "ttfp_lower_than_thinker_only_on_turns_ge_2": all(ratios[t]["ttfp_thinker_over_both"] > 1 for t in turns if t >= 2),
+    }
+    result = {"command": " ".join([Path(sys.executable).name, "-m", "benchmarks.voice_chat_bench", *(argv or sys.argv[1:])]),
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "machine": {"platform": platform.platform(), "processor": platform.processor()},
+              "wall_s": time.perf_counter() - t_start, "summary": summary, "ratios": ratios, "bars": bars,
+              "requests": records}
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, label, scale in ((axes[0], "talker_prefill_s", "talker prefill (ms)", 1e3),
+                                     (axes[1], "ttfp_s", "TTFP (s)", 1.0)):
+        for v, marker in zip(VARIANTS, "osD"):
+            ys = [med(v, t, metric) * scale for t in turns]
+            lo = [ys[i] - summary[v][t][metric]["min"] * scale if summary[v][t][metric] else 0 for i, t in enumerate(turns)]
+            hi = [summary[v][t][metric]["max"] * scale - ys[i] if summary[v][t][metric] else 0 for i, t in enumerate(turns)]
+            ax.errorbar(turns, ys, yerr=[lo, hi], marker=marker, capsize=3, label=v)
+        ax.set_xlabel("turn")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.suptitle(f"Voice chat ({args.turns} speech turns, {args.rounds} rounds, {args.model_size} model): median, min-max")
+    fig.tight_layout()
+    fig.savefig(out / "voice_chat.png", dpi=120)
+    print(json.dumps({"ratios": ratios, "bars": bars}, indent=2))
+    print(f"wrote {out / 'result.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
