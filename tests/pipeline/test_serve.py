@@ -169,17 +169,21 @@ def _two_turn_chat(server: OmniServer, model_dir, stream: bool = False) -> dict:
     # 48 > BLOCK: turn 1's answer fills at least one block by decode.
     r1 = (_chat_stream if stream else _chat)(server, _turn1(stream), thinker_params=_digit_params(model_dir, 48))
     answer = r1["text"] if stream else r1["choices"][0]["message"]["content"]
-    before = _stage0_prefix_counters(server)
+    before, talker_before = _prefix_counters(server), _prefix_counters(server, stage="1")
     r2 = (_chat_stream if stream else _chat)(server, _turn1(stream) + [
         {"role": "assistant", "content": answer},
         {"role": "user", "content": "And what would you do next?"},
     ], thinker_params=_digit_params(model_dir, 16))
-    after = _stage0_prefix_counters(server, wait_for_change_from=before)
-    return {"r1": r1, "r2": r2, "metrics_before": before, "metrics_after": after}
+    after = _prefix_counters(server, wait_for_change_from=before)
+    talker_after = _prefix_counters(server, stage="1", wait_for_change_from=talker_before)
+    return {"r1": r1, "r2": r2, "metrics_before": before, "metrics_after": after,
+            "talker_metrics_before": talker_before, "talker_metrics_after": talker_after}
 
 
-def _stage0_prefix_counters(server: OmniServer, wait_for_change_from=None, timeout=20.0) -> tuple[float, float]:
-    """(queries, hits) of vLLM's prefix cache on stage 0 (the thinker) from ``/metrics``."""
+def _prefix_counters(server: OmniServer, stage: str = "0", wait_for_change_from=None,
+                     timeout=20.0) -> tuple[float, float]:
+    """(queries, hits) of vLLM's prefix cache on ``stage`` (0: the thinker, 1: the talker) from
+    ``/metrics``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     t0 = time.time()
@@ -190,7 +194,7 @@ def _stage0_prefix_counters(server: OmniServer, wait_for_change_from=None, timeo
         for fam in text_string_to_metric_families(body.decode()):
             if fam.name in vals:
                 vals[fam.name] = sum(s.value for s in fam.samples
-                                     if s.name.endswith("_total") and s.labels.get("stage") == "0")
+                                     if s.name.endswith("_total") and s.labels.get("stage") == stage)
         got = (vals["vllm:prefix_cache_queries"], vals["vllm:prefix_cache_hits"])
         if wait_for_change_from is None or got != wait_for_change_from or time.time() - t0 > timeout:
             return got
@@ -319,6 +323,10 @@ def test_metrics_endpoint_shows_the_hit(chat_on):
     r2 = chat_on["r2"]
     assert q1 - q0 == len(r2["prompt_token_ids"])
     assert h1 - h0 == r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # the talker's own prefix cache (stage 1, content-keyed, on in the bundled config): turn 2's
+    # talker prompt starts with turn 1's user rows (photo, speech, question)
+    (tq0, th0), (tq1, th1) = chat_on["talker_metrics_before"], chat_on["talker_metrics_after"]
+    assert tq1 > tq0 and th1 - th0 >= BLOCK, (chat_on["talker_metrics_before"], chat_on["talker_metrics_after"])
 
 
 BAD = {
