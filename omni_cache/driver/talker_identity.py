@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 from omni_cache.core.talker_keys import TALKER_KEYS_ARG, MediaItem, talker_block_keys, talker_prompt_rows
@@ -145,8 +146,11 @@ class TalkerIdentity:
 
     def pop_hit(self, request_id: str) -> tuple[int, int] | None:
         """``(talker prefix-hit tokens, talker prompt tokens)`` of a finished request (once),
-        or None if the talker produced no output for it."""
-        return self.hits.pop(str(request_id), None)
+        or None if the talker produced no output for it. ``request_id`` is the caller's:
+        ``AsyncOmni`` runs a request as ``<request_id>-<8 hex digits>`` in the engine, so
+        that form is matched too (the latest such request)."""
+        rid = _engine_request_id(self.hits, str(request_id))
+        return self.hits.pop(rid, None) if rid is not None else None
 
     # ---- installation ----
 
@@ -195,6 +199,18 @@ class TalkerIdentity:
         self.talker_pool.submit_initial = self._originals["talker"]
         self.talker_pool.process_llm_raw_outputs = self._originals["outputs"]
         self.talker_pool._omni_cache_talker_identity = None
+
+
+def _engine_request_id(table: Mapping[str, Any], request_id: str) -> str | None:
+    """The key of ``table`` for the caller's ``request_id``: itself, else the latest
+    ``<request_id>-<suffix>`` (``AsyncOmni``'s engine-side request id)."""
+    if request_id in table:
+        return request_id
+    prefix = request_id + "-"
+    for key in reversed(table):
+        if key.startswith(prefix) and "-" not in key[len(prefix):]:
+            return key
+    return None
 
 
 def _talker_pool(pools: Any) -> Any | None:

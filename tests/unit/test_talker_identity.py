@@ -247,3 +247,20 @@ def test_the_hook_keys_talker_requests_from_the_thinker_prompt():
     hook.remember_thinker("r4", _engine_request("r4", ids, mm))
     hook.attach("r4", ph := _engine_request("r4", [0] * _talker_len(ids)), state)
     assert ph.sampling_params.extra_args[TALKER_KEYS_ARG]["keys"][:2] == ["placeholder/0", "placeholder/1"]
+
+
+def test_hits_are_found_by_the_callers_request_id():
+    """``AsyncOmni`` runs ``run-1`` as ``run-1-<8 hex>`` in the engine; the result objects ask
+    with the caller's id."""
+    from types import SimpleNamespace
+
+    from omni_cache.driver.talker_identity import TalkerIdentity
+
+    hook = TalkerIdentity(None, None, block_size=BS)
+    hook.record_outputs([SimpleNamespace(request_id="run-1-8cec72b0", num_cached_tokens=0, prompt_token_ids=[0] * 40),
+                         SimpleNamespace(request_id="run-11-0a0b0c0d", num_cached_tokens=32, prompt_token_ids=[0] * 40),
+                         SimpleNamespace(request_id="0_abc", num_cached_tokens=64, prompt_token_ids=[0] * 70)])
+    hook.record_outputs([SimpleNamespace(request_id="0_abc", num_cached_tokens=0, prompt_token_ids=[0] * 70)])
+    assert hook.pop_hit("run-1") == (0, 40) and hook.pop_hit("run-1") is None
+    assert hook.pop_hit("run-11") == (32, 40)
+    assert hook.pop_hit("0_abc") == (64, 70)  # the first output's hit is kept
