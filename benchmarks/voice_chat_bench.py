@@ -42,14 +42,19 @@ QUESTIONS = ["What do you hear?", "Say it again, slower.", "Which word was the l
              "Anything else?", "Thank you, goodbye."]
 
 
-def _talker_records(metrics_dir: Path) -> dict:
+def _talker_record(metrics_dir: Path, request_id: str) -> dict:
+    """The talker scheduler's record of ``request_id`` (``AsyncOmni`` runs it as
+    ``<request_id>-<suffix>``), or ``{}``."""
+    from omni_cache.driver.talker_identity import _engine_request_id
+
     recs: dict = {}
     for p in metrics_dir.glob("talker-*.json"):
         try:
             recs.update(json.loads(p.read_text()).get("requests", {}))
         except (OSError, ValueError):
             pass
-    return recs
+    rid = _engine_request_id(recs, request_id)
+    return recs[rid] if rid is not None else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.turns <= len(QUESTIONS):
         ap.error(f"--turns must be 1..{len(QUESTIONS)}")
+
+    import os
 
     import numpy as np
 
@@ -76,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     model = build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
     base = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
     mem = MemorySettings(thinker_kv_bytes=256 << 20, talker_kv_bytes=64 << 20)
+    # three pipelines side by side: each stage's worker in its engine process (vLLM's CPU
+    # platform turns "uni" into "mp" unless engine multiprocessing is off) and fewer malloc
+    # arenas — as the prefill benchmark's harness runs them; the stage processes inherit these
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
     pipes, metrics = {}, {}
     records: list[dict] = []
     t_start = time.perf_counter()
@@ -101,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     if r.error:
                         raise SystemExit(f"{v} round {rnd} turn {turn + 1}: {r.error}")
                     history[v] = req.turns[1:] + [Turn("assistant", r.text)]
-                    talker = _talker_records(metrics[v]).get(r.request_id, {})
+                    talker = _talker_record(metrics[v], r.request_id)
                     rec = dict(variant=v, round=rnd, turn=turn + 1, request_id=r.request_id,
                                thinker_prompt_tokens=r.num_prompt_tokens, thinker_cached_tokens=r.num_cached_tokens,
                                talker_prompt_tokens=talker.get("prompt_tokens"),
