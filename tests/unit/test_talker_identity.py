@@ -264,3 +264,86 @@ def test_hits_are_found_by_the_callers_request_id():
     assert hook.pop_hit("run-1") == (0, 40) and hook.pop_hit("run-1") is None
     assert hook.pop_hit("run-11") == (32, 40)
     assert hook.pop_hit("0_abc") == (64, 70)  # the first output's hit is kept
+
+
+# ---- eviction and preemption of talker blocks (vLLM's real KV cache manager) ----
+
+
+def _step(s):
+    """One scheduler step answered with one sampled token per scheduled request."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                sampled_token_ids=[[7] for _ in ids]))
+    return out
+
+
+def _run_until_done(s, max_steps: int = 200) -> list:
+    outs = []
+    for _ in range(max_steps):
+        if not s.requests:
+            return outs
+        outs.append(_step(s))
+    raise AssertionError("requests did not finish")
+
+
+def _small(tmp_path, num_blocks: int):
+    from omni_cache.engine.talker_scheduler import TalkerARScheduler
+
+    cfg = _vllm_config(tmp_path, num_blocks=num_blocks, max_num_batched_tokens=512, async_scheduling=False)
+    return TalkerARScheduler(**scheduler_kwargs(cfg, num_blocks))
+
+
+def test_evicted_talker_blocks_are_recomputed_never_confused(tmp_path):
+    """Turn 1's talker blocks are evicted by another conversation whose placeholder prompt is
+    the same length and whose blocks reuse the same block ids: turn 2 then hits nothing
+    (vLLM would have matched the other conversation's placeholder blocks)."""
+    s = _small(tmp_path, 14)
+    t1, t2 = chat(SYSTEM, [U1], []), chat(SYSTEM, [U1, U2], [A1])
+    s.add_request(_talker_request("turn1", t1))
+    _run_until_done(s)
+    other = [*t1[:5], t1[5] + 1, *t1[6:]]  # another system prompt, same lengths
+    filler = chat(SYSTEM[:20], [list(range(5000, 5160))], [])  # needs every block: evicts turn 1's
+    for rid, ids in (("other", other), ("filler", filler)):
+        s.add_request(_talker_request(rid, ids))
+        _run_until_done(s)
+    turn2 = _talker_request("turn2", t2)
+    assert _admit(s, turn2) == 0
+    # without the filler, turn 2 would have hit turn 1's keyed blocks (test above)
+
+
+def test_a_preempted_talker_request_resumes_on_its_own_blocks(tmp_path):
+    """Two talker requests fill the KV cache; decode growth preempts the later one. Its block
+    hashes (keys, then its nonce) are kept across the preemption, and on resume it hits its
+    own blocks that were not evicted meanwhile — never the other request's."""
+    from vllm import SamplingParams
+
+    s = _small(tmp_path, 13)  # 12 usable (vLLM keeps a null block): 6 + 6 prompt blocks
+    t1 = chat(SYSTEM, [U1], [])
+    a = _talker_request("a", t1)
+    a.sampling_params = SamplingParams(max_tokens=40, ignore_eos=True, extra_args=a.sampling_params.extra_args)
+    a.max_tokens = 40
+    b = _talker_request("b", chat([*SYSTEM[:-1], 9], [U1], []))  # another conversation, same lengths
+    b.max_tokens = 30
+    s.add_request(a)
+    s.add_request(b)
+    hashes_b = None
+    resumed_at = None
+    for _ in range(200):
+        if not s.requests:
+            break
+        if hashes_b is None and b.num_computed_tokens > 0:
+            hashes_b = list(b.block_hashes)
+        out = _step(s)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid == "b" and rid in (cached.resumed_req_ids or ()):
+                resumed_at = cached.num_computed_tokens[i]
+    assert b.num_preemptions >= 1, "the KV cache did not force a preemption"
+    assert resumed_at is not None and resumed_at % BS == 0
+    n_keyed = len(seg(USER_TOKEN_ID, U1)) // BS
+    assert 0 < resumed_at <= len(hashes_b) * BS
+    assert b.block_hashes[:len(hashes_b)] == hashes_b  # the same hashes after the preemption
+    assert not set(b.block_hashes[:n_keyed]) & set(a.block_hashes)  # never a's blocks
