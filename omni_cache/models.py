@@ -101,6 +101,7 @@ class ModelSize:
     talker_heads: int = 2
     talker_moe_intermediate: int = 64
     talker_intermediate: int = 128
+    talker_mrope_section: tuple[int, int, int] = (6, 5, 5)  # sums to talker head_dim / 2
 
     @property
     def head_dim(self) -> int:
@@ -119,7 +120,8 @@ SIZES: dict[str, ModelSize] = {
     # the thinker's 2048 / 48 with ~10x the active parameters), for talker-side benchmarks
     "bench-voice": ModelSize("bench-voice", 768, 12, 12, 4, 8, 768, (16, 8, 8), 4,
                              talker_hidden=384, talker_layers=6, talker_heads=6,
-                             talker_moe_intermediate=384, talker_intermediate=768),
+                             talker_moe_intermediate=384, talker_intermediate=768,
+                             talker_mrope_section=(16, 8, 8)),
 }
 
 
@@ -228,7 +230,7 @@ def qwen3_omni_config_dict(size: ModelSize) -> dict:
                 "shared_expert_intermediate_size": size.talker_moe_intermediate,
                 "num_experts": 4,
                 "num_experts_per_tok": 2,
-                "rope_parameters": _rope(1_000_000.0, (6, 5, 5)),
+                "rope_parameters": _rope(1_000_000.0, size.talker_mrope_section),
             },
             "code_predictor_config": {
                 "vocab_size": 2048,
