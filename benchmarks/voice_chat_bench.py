@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model_size} (built on first use) ...", flush=True)
     model = build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
     base = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
-    mem = MemorySettings(thinker_kv_bytes=256 << 20, talker_kv_bytes=64 << 20)
+    mem = MemorySettings(thinker_kv_bytes=256 << 20, talker_kv_bytes=256 << 20)  # bench-voice talker: ~9 KiB a token
     # three pipelines side by side: each stage's worker in its engine process (vLLM's CPU
     # platform turns "uni" into "mp" unless engine multiprocessing is off) and fewer malloc
     # arenas — as the prefill benchmark's harness runs them; the stage processes inherit these
