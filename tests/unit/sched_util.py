@@ -52,3 +52,15 @@ def request(rid: str, prompt: list[int], max_tokens: int):
     init_none_hash(sha256)
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
                    block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def step(s):
+    """One scheduler step answered with one sampled token per scheduled request (as vLLM's
+    own scheduler tests do); returns the scheduler output."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                sampled_token_ids=[[7] for _ in ids]))
+    return out

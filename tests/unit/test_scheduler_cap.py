@@ -12,7 +12,7 @@ import pytest
 
 from omni_cache import settings
 
-from tests.unit.sched_util import request as _request, scheduler_kwargs
+from tests.unit.sched_util import request as _request, scheduler_kwargs, step as _step
 from tests.unit.sched_util import vllm_config as _vllm_config
 
 NUM_BLOCKS = 10  # A (80 prompt tokens + decode) holds 6 blocks; B (144 tokens) needs 9
@@ -28,17 +28,6 @@ def _scheduler(vllm_config):
     from omni_cache.engine.scheduler import OmniCacheARScheduler
 
     return OmniCacheARScheduler(**scheduler_kwargs(vllm_config, NUM_BLOCKS))
-
-
-def _step(s):
-    """One scheduler step answered with one sampled token per scheduled request."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    out = s.schedule()
-    ids = list(out.num_scheduled_tokens)
-    s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                                sampled_token_ids=[[7] for _ in ids]))
-    return out
 
 
 A_PROMPT = list(range(1, 81))  # 5 full blocks

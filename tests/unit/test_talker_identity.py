@@ -16,7 +16,7 @@ from omni_cache.core.talker_keys import (
     talker_block_keys,
     talker_prompt_rows,
 )
-from tests.unit.sched_util import BS, scheduler_kwargs
+from tests.unit.sched_util import BS, scheduler_kwargs, step as _step
 from tests.unit.sched_util import vllm_config as _vllm_config
 
 IM_END, NL, IMAGE = 151645, 198, 151655
@@ -267,17 +267,6 @@ def test_hits_are_found_by_the_callers_request_id():
 
 
 # ---- eviction and preemption of talker blocks (vLLM's real KV cache manager) ----
-
-
-def _step(s):
-    """One scheduler step answered with one sampled token per scheduled request."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    out = s.schedule()
-    ids = list(out.num_scheduled_tokens)
-    s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                                sampled_token_ids=[[7] for _ in ids]))
-    return out
 
 
 def _run_until_done(s, max_steps: int = 200) -> list:
