@@ -150,6 +150,11 @@ ROUTING_CAPACITY_BLOCKS = Setting(
     "OMNI_CACHE_ROUTING_CAPACITY_BLOCKS", Kind.INT, "0", ReadBy.ORCHESTRATOR, True,
     "prefix routing: KV blocks the router assumes per replica (its LRU record's bound); `0` = "
     "the replica's KV blocks as the engine reports them")
+TALKER_KEYS_SECRET = Setting(
+    "OMNI_CACHE_TALKER_KEYS_SECRET", Kind.TEXT, None, ReadBy.EVERY, False,
+    "talker prefix caching: the secret that signs the talker block keys the driver attaches "
+    "(set by omni-cache's driver before it starts the engine; stage processes inherit it); "
+    "keys without a valid signature — a client's, or with it unset — are not trusted")
 HOME = Setting(
     "OMNI_CACHE_HOME", Kind.PATH, None, ReadBy.DRIVER, False,
     "where `omni-cache make-model` puts the embedded models (default `~/.cache/omni-cache`)")
@@ -164,7 +169,7 @@ VENV = Setting(
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
     FUSED, TEST_FORGET_FIRST_N_REQUESTS, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, ROUTING,
-    ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, HOME, LOG_LEVEL, VENV)}
+    ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}
 
 PREFIX = "OMNI_CACHE_"
 

@@ -29,9 +29,12 @@ a talker prompt whose length differs from the layout computed here gets no keys.
 
 from __future__ import annotations
 
+import hmac
+import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from hashlib import blake2b
+from hashlib import blake2b, sha256
 
 import numpy as np
 
@@ -143,6 +146,42 @@ def talker_block_keys(prompt_token_ids: Sequence[int], media: Sequence[MediaItem
         _feed_tokens(h, ids[pos:t + 1])
         pos = max(pos, t + 1)
         keys.append(h.copy().hexdigest())
+    return keys
+
+
+def ensure_signing_secret() -> str:
+    """The talker keys' signing secret (``OMNI_CACHE_TALKER_KEYS_SECRET``), created in this
+    process's environment if unset — call it before starting the engine, so the stage
+    processes inherit it."""
+    from omni_cache import settings
+
+    name = settings.TALKER_KEYS_SECRET.name
+    if not os.environ.get(name):
+        os.environ[name] = secrets.token_hex(32)
+    return os.environ[name]
+
+
+def signature(block_size: int, keys: Sequence[str], secret: str) -> str:
+    """HMAC-SHA256 (hex) of a talker request's block keys under ``secret``.
+
+    Why: vLLM-Omni lets a client send per-stage sampling params, ``extra_args`` included; an
+    unsigned key list would let a client file its talker KV under another conversation's
+    keys (cache poisoning). Only the driver, which holds the secret, signs."""
+    msg = repr((SCHEME, int(block_size), list(keys))).encode()
+    return hmac.new(secret.encode(), msg, sha256).hexdigest()
+
+
+def verified_keys(entry: object, block_size: int, secret: str | None) -> list[str] | None:
+    """The keys of an ``extra_args[TALKER_KEYS_ARG]`` entry if it is well-formed, for
+    ``block_size`` and signed with ``secret``; else None (the request shares nothing)."""
+    if not secret or not isinstance(entry, dict) or entry.get("block_size") != block_size:
+        return None
+    keys = entry.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        return None
+    mac = entry.get("signature")
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, signature(block_size, keys, secret)):
+        return None
     return keys
 
 

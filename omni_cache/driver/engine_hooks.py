@@ -42,6 +42,14 @@ def hooks_wanted(stage_config: Any) -> bool:
     return bool(talker.get("enable_prefix_caching", stage_config.raw.get("enable_prefix_caching", False)))
 
 
+def prepare_environment() -> None:
+    """What the hooks need in the environment the stage processes inherit; call it before the
+    engine starts: the talker keys' signing secret (``OMNI_CACHE_TALKER_KEYS_SECRET``)."""
+    from omni_cache.core.talker_keys import ensure_signing_secret
+
+    ensure_signing_secret()
+
+
 def install_engine_hooks(omni: Any, stage_config: Any) -> EngineHooks:
     """Install every hook ``stage_config`` asks for on the running ``omni``.
 

@@ -105,6 +105,9 @@ class OmniPipeline:
         # plugins, so omni-cache's pipeline variants are registered here first.
         register()
 
+        from omni_cache.driver.engine_hooks import prepare_environment
+
+        prepare_environment()
         t0 = time.perf_counter()
         self.omni = Omni(
             model=str(self.model_dir),

@@ -68,6 +68,9 @@ class StreamingPipeline:
         self.stage_config = load_stage_config(stage_config, model_dir=model_dir)
         self.model_dir = Path(model_dir)
         register()  # vLLM-Omni resolves ``pipeline:`` in this process (see OmniPipeline)
+        from omni_cache.driver.engine_hooks import prepare_environment
+
+        prepare_environment()
         self._loop = asyncio.new_event_loop()
         t0 = time.perf_counter()
         self.omni = self._loop.run_until_complete(self._start(stage_init_timeout))

@@ -23,11 +23,19 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from omni_cache.core.talker_keys import TALKER_KEYS_ARG, MediaItem, talker_block_keys, talker_prompt_rows
+from omni_cache.core.talker_keys import (
+    TALKER_KEYS_ARG,
+    MediaItem,
+    ensure_signing_secret,
+    signature,
+    talker_block_keys,
+    talker_prompt_rows,
+)
 
 logger = logging.getLogger(__name__)
 
 _MAX_PENDING = 4096  # thinker prompts remembered until their talker request is submitted
+_MAX_KEYS = 256      # talker requests whose keys are kept for audits (TalkerIdentity.keys)
 
 
 def _media(mm_features: Any) -> list[MediaItem]:
@@ -66,7 +74,7 @@ class TalkerIdentity:
             talker's first output (vLLM's ``RequestOutput.num_cached_tokens``); read with
             :meth:`pop_hit`.
         keys: request id → the block keys given to its talker request (the last
-            ``4096``; for audits and tests: two requests can share exactly their common
+            256; for audits and tests: two requests can share exactly their common
             leading keys).
         scheme: ``"content"`` (the keys above). ``"placeholder"`` is for tests only: every
             full talker block is keyed by its index alone — what vLLM's own hash of the
@@ -106,8 +114,7 @@ class TalkerIdentity:
             return None
         ids, media, (salt, lora) = thinker
         if self.scheme == "placeholder":
-            return {"block_size": self.block_size,
-                    "keys": [f"placeholder/{j}" for j in range(len(talker_ids) // self.block_size)]}
+            return self._signed([f"placeholder/{j}" for j in range(len(talker_ids) // self.block_size)])
         rows, assistant = talker_prompt_rows(ids)
         if len(rows) + assistant != len(talker_ids):
             logger.warning("talker identity: request %s: talker prompt of %d tokens, but the thinker prompt's "
@@ -117,21 +124,33 @@ class TalkerIdentity:
         speaker, language = _speaker_language(getattr(req_state, "prompt", None))
         keys = talker_block_keys(ids, media, talker_prompt_len=len(talker_ids), block_size=self.block_size,
                                  seed=(repr(speaker), repr(language), salt, lora))
-        return {"block_size": self.block_size, "keys": keys}
+        return self._signed(keys)
+
+    def _signed(self, keys: list[str]) -> dict:
+        return {"block_size": self.block_size, "keys": keys,
+                "signature": signature(self.block_size, keys, ensure_signing_secret())}
 
     def attach(self, request_id: str, talker_request: Any, req_state: Any) -> None:
-        """Put the keys into the talker request's own copy of its sampling params."""
+        """Put the keys into the talker request's own copy of its sampling params (and drop
+        any a client sent: only the driver's signed keys are ever used)."""
         entry = self.keys_for(request_id, talker_request, req_state)
         sp = getattr(talker_request, "sampling_params", None)
-        if entry is None or sp is None:
+        if sp is None:
             self.unkeyed += 1
+            return
+        if entry is None:
+            self.unkeyed += 1
+            if TALKER_KEYS_ARG in (sp.extra_args or {}):
+                sp = sp.clone()
+                sp.extra_args = {k: v for k, v in sp.extra_args.items() if k != TALKER_KEYS_ARG}
+                talker_request.sampling_params = sp
             return
         sp = sp.clone()  # the orchestrator's per-stage params may be shared between requests
         sp.extra_args = {**(sp.extra_args or {}), TALKER_KEYS_ARG: entry}
         talker_request.sampling_params = sp
         self.attached += 1
         self.keys[str(request_id)] = entry["keys"]
-        while len(self.keys) > _MAX_PENDING:
+        while len(self.keys) > _MAX_KEYS:
             self.keys.popitem(last=False)
 
     def record_outputs(self, request_outputs: Any) -> None:

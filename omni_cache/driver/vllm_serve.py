@@ -106,6 +106,9 @@ def run_vllm_omni_serve(argv: list[str]) -> None:
     from omni_cache.engine.plugin import register
 
     register()
+    from omni_cache.driver.engine_hooks import prepare_environment
+
+    prepare_environment()  # before the server starts its engine: the stage processes inherit it
     args = list(argv)
     if "--omni" not in args:
         args.append("--omni")

@@ -34,7 +34,8 @@ from typing import Any
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
 
-from omni_cache.core.talker_keys import SCHEME, TALKER_KEYS_ARG
+from omni_cache import settings
+from omni_cache.core.talker_keys import SCHEME, TALKER_KEYS_ARG, verified_keys
 from omni_cache.engine.metrics import MetricsFile
 
 _KEEP_REQUESTS = 256  # per-request prefill records kept in the metrics file
@@ -126,16 +127,16 @@ class TalkerIdentitySchedulerMixin:
         counters = self._talker_state()[0]
         entry = ((request.sampling_params.extra_args or {}).get(TALKER_KEYS_ARG)
                  if request.sampling_params is not None else None)
-        keys: list[str] = []
-        if isinstance(entry, dict) and int(entry.get("block_size", -1)) == self.hash_block_size:
-            keys = [str(k) for k in entry.get("keys") or ()]
+        keys = verified_keys(entry, self.hash_block_size, settings.TALKER_KEYS_SECRET.get())
+        if keys is not None:
             counters["keyed"] += 1
             counters["keyed_blocks"] += len(keys)
         else:
+            keys = []
             if entry is not None:
-                logger.warning("talker request %s: content keys for block size %s, the talker hashes %d-token "
-                               "blocks; its blocks are not shared", request.request_id,
-                               entry.get("block_size") if isinstance(entry, dict) else "?", self.hash_block_size)
+                logger.warning("talker request %s: its content keys are not for %d-token blocks or not signed "
+                               "by this deployment's driver (%s); its blocks are not shared", request.request_id,
+                               self.hash_block_size, settings.TALKER_KEYS_SECRET.name)
             counters["unkeyed"] += 1
             if counters["unkeyed"] == 1:
                 logger.warning("talker prefix caching: request %s came without content keys (omni-cache's "

@@ -13,6 +13,8 @@ from omni_cache.core.talker_keys import (
     TALKER_KEYS_ARG,
     USER_TOKEN_ID,
     MediaItem,
+    ensure_signing_secret,
+    signature,
     talker_block_keys,
     talker_prompt_rows,
 )
@@ -142,8 +144,9 @@ def _talker_request(rid: str, thinker_ids: list[int], media=(), *, keyed: bool =
     n = _talker_len(thinker_ids)
     extra = {}
     if keyed:
-        extra[TALKER_KEYS_ARG] = {"block_size": block_size, "keys": talker_block_keys(
-            thinker_ids, list(media), talker_prompt_len=n, block_size=block_size)}
+        keys = talker_block_keys(thinker_ids, list(media), talker_prompt_len=n, block_size=block_size)
+        extra[TALKER_KEYS_ARG] = {"block_size": block_size, "keys": keys,
+                                  "signature": signature(block_size, keys, ensure_signing_secret())}
     sp = SamplingParams(max_tokens=4, ignore_eos=True, extra_args=extra)
     return Request(rid, [0] * n, sp, None, block_hasher=get_request_block_hasher(BS, sha256))
 
@@ -336,3 +339,37 @@ def test_a_preempted_talker_request_resumes_on_its_own_blocks(tmp_path):
     assert 0 < resumed_at <= len(hashes_b) * BS
     assert b.block_hashes[:len(hashes_b)] == hashes_b  # the same hashes after the preemption
     assert not set(b.block_hashes[:n_keyed]) & set(a.block_hashes)  # never a's blocks
+
+
+def test_client_sent_keys_are_never_trusted(vllm_config):
+    """vLLM-Omni lets a client send the talker's sampling params: keys a client put there —
+    unsigned, signed with another secret, or copied from a real request with other keys —
+    share nothing, and the orchestrator hook drops them where it has no keys of its own."""
+    from types import SimpleNamespace
+
+    from omni_cache.driver.talker_identity import TalkerIdentity
+    from omni_cache.engine.talker_scheduler import TalkerARScheduler
+
+    s = TalkerARScheduler(**scheduler_kwargs(vllm_config, NUM_BLOCKS))
+    t1 = chat(SYSTEM, [U1], [])
+    victim = _talker_request("victim", t1)
+    assert _admit(s, victim) == 0
+    s.schedule()
+    genuine = victim.sampling_params.extra_args[TALKER_KEYS_ARG]
+    other = chat([*SYSTEM[:-1], 7], [U1], [])  # the attacker's conversation, same lengths
+    forged = [
+        {"block_size": BS, "keys": genuine["keys"]},  # unsigned
+        {**genuine, "signature": signature(BS, genuine["keys"], "not the secret")},
+        {**genuine, "keys": genuine["keys"][:-1] + ["x"]},  # the signature of other keys
+    ]
+    for i, entry in enumerate(forged):
+        req = _talker_request(f"attacker{i}", other, keyed=False)
+        req.sampling_params.extra_args = {TALKER_KEYS_ARG: entry}
+        assert _admit(s, req) == 0, i
+    # the hook, with no thinker prompt for the request, strips what the client sent
+    hook = TalkerIdentity(None, None, block_size=BS)
+    req = _engine_request("attacker", [0] * _talker_len(other))
+    req.sampling_params.extra_args = {TALKER_KEYS_ARG: genuine, "tts_local_seed": 1}
+    hook.attach("attacker", req, SimpleNamespace(prompt=None))
+    assert req.sampling_params.extra_args == {"tts_local_seed": 1}
+
