@@ -1,4 +1,31 @@
-"""Embedded KV-shared (YOCO) thinker: a small Gemma-3n-style text model, built locally.
+"""Embedded KV-shared (YOCO) thinkers, built locally: a Gemma-4-style multimodal model
+(vision + audio towers) and a Gemma-3n-style text model.
+
+Gemma 4 (``--family gemma4``, the default YOCO thinker)
+-------------------------------------------------------
+``build_gemma4_thinker(out_dir, size)`` writes a directory vLLM loads as
+``Gemma4ForConditionalGeneration`` (vLLM's ``gemma4_mm.py``: the text model runs vLLM's
+``Gemma4Model`` with ``kv_sharing_fast_prefill``, the towers are transformers'
+``Gemma4VisionModel`` / ``Gemma4AudioModel``): transformers' ``Gemma4Config`` with text, vision
+and audio sub-configs, seeded-random weights (transformers' init, ``initializer_range`` 0.02)
+and **Gemma 4's real processor** (``Gemma4Processor``: ``Gemma4ImageProcessor`` — aspect-ratio
+preserving resize to at most ``max_soft_tokens x 9`` patches of 16 px, pooled 3x3 —,
+``Gemma4AudioFeatureExtractor`` — 128 mel bins, 25 soft tokens per second). The tokenizer is the
+embedded Qwen3-Omni one with Gemma 4's media-token roles mapped onto Qwen3-Omni's ids
+(``image_token`` = ``<|image_pad|>``, ``boi/eoi`` = ``<|vision_start|>/<|vision_end|>``,
+``audio_token`` = ``<|audio_pad|>``, ``boa/eoa`` = ``<|audio_start|>/<|audio_end|>``), and the
+config's ``image_token_id`` / ``audio_token_id`` / ``boi_token_id`` ... are those ids: the
+Qwen3-Omni talker finds the media rows of the thinker's prompt by these ids
+(``multimodal_mask`` in vLLM-Omni's ``_thinker_to_talker_prefill``) and its prompt layout by
+the chat markers, so it consumes the Gemma-4 thinker unchanged. A prompt carries one bare
+``<|image_pad|>`` / ``<|audio_pad|>`` per item; the processor expands it to
+``boi + N x token + eoi``. Layer types repeat ``sliding, sliding, full`` (last layer full, as
+Gemma 4 requires) and the last ~57 % of layers are KV-shared (Gemma 4 E2B: 20 of 35); the
+self-decoder ends with ``sliding, full``. ``use_bidirectional_attention`` is left off (causal
+attention over image tokens): see docs/yoco.md.
+
+Gemma 3n (``--family gemma3n``, text only)
+------------------------------------------
 
 ``build_gemma3n_thinker(out_dir, size)`` writes a model directory that vLLM loads as
 ``Gemma3nForCausalLM`` (``load_format: auto``): ``config.json`` (transformers'
@@ -18,16 +45,19 @@ Qwen3-Omni (talker + code2wav; its own thinker weights are unused) with this thi
 ``thinker/`` (stage 0 loads it through ``model_subdir``). The thinker's hidden size equals
 the Qwen3-Omni thinker's so the Qwen3-Omni talker consumes its captured layers unchanged.
 
-Sizes:
+Sizes (both families follow the paired Qwen3-Omni thinker's hidden size):
 
-- ``tiny`` (tests): hidden 64, 8 layers (4 KV-shared = 50 %), head_dim 32, window 64.
-- ``bench`` (benchmarks): hidden = the bench Qwen3-Omni thinker's (768 today), 16 layers
-  (8 KV-shared = 50 %), heads of 64, window 512 — prefill of a few thousand tokens
-  dominates on 2 CPU cores.
+- gemma3n ``tiny`` (tests): hidden 64, 8 layers (4 KV-shared = 50 %), head_dim 32, window 64;
+  ``bench``: hidden 768, 16 layers (8 KV-shared), heads of 64, window 512.
+- gemma4 ``tiny``: hidden 64, 7 layers (4 KV-shared = 57 %), head_dim 32, window 64; vision
+  tower hidden 64 x 2 layers, 70 soft tokens per image; audio tower hidden 64 x 2 layers.
+  ``bench``: hidden 768, 14 layers (8 KV-shared = 57 %), heads of 64, window 512; vision
+  384 x 4 layers, 280 soft tokens per image (Gemma 4's default); audio 384 x 4 layers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -120,15 +150,180 @@ def gemma3n_config_dict(size: GemmaSize) -> dict:
     }
 
 
-def gemma_fingerprint(size: str) -> str:
+@dataclass(frozen=True)
+class Gemma4Towers:
+    """Widths of the embedded Gemma-4 thinker's vision and audio towers (channels, layers,
+    soft tokens per image)."""
+
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    image_soft_tokens: int  # one of vLLM's supported 70 / 140 / 280 / 560 / 1120
+    audio_hidden: int
+    audio_layers: int
+    audio_heads: int
+
+
+#: family → size → text widths (Gemma-4 sizes also have :data:`GEMMA4_TOWERS`)
+GEMMA4_SIZES: dict[str, GemmaSize] = {
+    "tiny": GemmaSize("tiny", 64, 7, 4, 2, 1, 32, 128, 64, 16, 0, "tiny"),
+    "bench": dataclasses.replace(_bench_size(), layers=14),
+}
+GEMMA4_TOWERS: dict[str, Gemma4Towers] = {
+    "tiny": Gemma4Towers(64, 2, 2, 70, 64, 2, 2),
+    "bench": Gemma4Towers(384, 4, 6, 280, 384, 4, 6),
+}
+FAMILIES = ("gemma4", "gemma3n")
+
+
+def _gemma4_layer_types(n: int) -> list[str]:
+    types = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(n)]
+    types[-1] = "full_attention"  # Gemma 4 requires a full-attention last layer
+    return types
+
+
+def gemma4_config_dict(size: str) -> dict:
+    """``Gemma4Config`` keyword arguments for ``size`` (plain dict, JSON-able): text, vision
+    and audio sub-configs and the media token ids (Qwen3-Omni's, see the module docstring).
+
+    Raises:
+        KeyError: unknown ``size``.
+        ValueError: the self-decoder does not end with ``sliding, full`` layers.
+    """
+    from omni_cache.models import SPECIAL_TOKENS
+
+    t, tw = GEMMA4_SIZES[size], GEMMA4_TOWERS[size]
+    types = _gemma4_layer_types(t.layers)
+    first_shared = t.layers - t.kv_shared_layers
+    if types[first_shared - 1] != "full_attention" or types[first_shared - 2] != "sliding_attention":
+        raise ValueError(f"gemma4 {size}: layers {first_shared - 2}, {first_shared - 1} must be sliding, full")
+    text = {
+        "vocab_size": THINKER_VOCAB, "vocab_size_per_layer_input": THINKER_VOCAB,
+        "hidden_size": t.hidden, "hidden_size_per_layer_input": t.per_layer_hidden,
+        "intermediate_size": t.intermediate, "num_hidden_layers": t.layers,
+        "num_kv_shared_layers": t.kv_shared_layers, "num_attention_heads": t.heads,
+        "num_key_value_heads": t.kv_heads, "head_dim": t.head_dim, "global_head_dim": t.head_dim,
+        "layer_types": types, "sliding_window": t.sliding_window, "max_position_embeddings": 32768,
+        "final_logit_softcapping": 30.0, "initializer_range": 0.02,
+        "pad_token_id": SPECIAL_TOKENS["<|endoftext|>"], "eos_token_id": SPECIAL_TOKENS["<|im_end|>"],
+        "bos_token_id": SPECIAL_TOKENS["<|im_start|>"],
+    }
+    vision = {
+        "hidden_size": tw.vision_hidden, "intermediate_size": 2 * tw.vision_hidden,
+        "num_hidden_layers": tw.vision_layers, "num_attention_heads": tw.vision_heads,
+        "num_key_value_heads": tw.vision_heads, "head_dim": tw.vision_hidden // tw.vision_heads,
+        "pooling_kernel_size": 3, "patch_size": 16, "position_embedding_size": 1024,
+        "default_output_length": tw.image_soft_tokens,
+    }
+    audio = {
+        "hidden_size": tw.audio_hidden, "num_hidden_layers": tw.audio_layers,
+        "num_attention_heads": tw.audio_heads,
+        # the first conv's channels must equal the 128 mel bins (transformers' input projection
+        # reads (channels[0] // 4) * channels[1] features)
+        "subsampling_conv_channels": [128, 16], "output_proj_dims": tw.audio_hidden,
+    }
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": text, "vision_config": vision, "audio_config": audio,
+        "image_token_id": SPECIAL_TOKENS["<|image_pad|>"], "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
+        "audio_token_id": SPECIAL_TOKENS["<|audio_pad|>"],
+        "boi_token_id": SPECIAL_TOKENS["<|vision_start|>"], "eoi_token_id": SPECIAL_TOKENS["<|vision_end|>"],
+        "boa_token_id": SPECIAL_TOKENS["<|audio_start|>"], "eoa_token_index": SPECIAL_TOKENS["<|audio_end|>"],
+        "initializer_range": 0.02,
+    }
+
+
+#: Gemma 4's media-token roles (``Gemma4Processor`` reads them off the tokenizer) → the
+#: embedded Qwen3-Omni tokenizer's tokens
+GEMMA4_MEDIA_TOKENS = {
+    "image_token": "<|image_pad|>", "boi_token": "<|vision_start|>", "eoi_token": "<|vision_end|>",
+    "audio_token": "<|audio_pad|>", "boa_token": "<|audio_start|>", "eoa_token": "<|audio_end|>",
+}
+
+
+def _thinker_config(family: str, size: str) -> dict:
+    if family == "gemma4":
+        return gemma4_config_dict(size)
+    if family == "gemma3n":
+        return gemma3n_config_dict(GEMMA_SIZES[size])
+    raise KeyError(f"unknown YOCO thinker family {family!r}; choose one of {FAMILIES}")
+
+
+def _sizes(family: str) -> dict[str, GemmaSize]:
+    return GEMMA4_SIZES if family == "gemma4" else GEMMA_SIZES
+
+
+def gemma_fingerprint(size: str, family: str = "gemma3n") -> str:
     """A short digest of everything that determines the built thinker (and, for the pipeline
     directory, the Qwen3-Omni it is paired with)."""
     from omni_cache.models import model_fingerprint
 
-    payload = json.dumps({"cfg": gemma3n_config_dict(GEMMA_SIZES[size]), "seed": SEED,
-                          "v": GEMMA_FORMAT_VERSION,
-                          "qwen": model_fingerprint(GEMMA_SIZES[size].qwen_size)}, sort_keys=True)
+    cfg = {"cfg": _thinker_config(family, size), "seed": SEED, "v": GEMMA_FORMAT_VERSION,
+           "qwen": model_fingerprint(_sizes(family)[size].qwen_size)}
+    if family == "gemma4":
+        cfg["towers"] = asdict(GEMMA4_TOWERS[size])
+        cfg["media"] = GEMMA4_MEDIA_TOKENS
+    payload = json.dumps(cfg, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def gemma4_tokenizer(qwen_tokenizer):
+    """The embedded Qwen3-Omni tokenizer with Gemma 4's media-token roles
+    (:data:`GEMMA4_MEDIA_TOKENS`) as its extra special tokens (same vocabulary and ids)."""
+    from transformers import Qwen2TokenizerFast
+
+    from omni_cache.models import CHAT_TEMPLATE
+
+    tok = Qwen2TokenizerFast(tokenizer_object=qwen_tokenizer.backend_tokenizer, eos_token="<|im_end|>",
+                             pad_token="<|endoftext|>", unk_token=None, bos_token=None, model_max_length=32768,
+                             extra_special_tokens=dict(GEMMA4_MEDIA_TOKENS))
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
+    """Build the Gemma-4-style multimodal thinker directory: ``config.json``, seeded weights
+    (``model.safetensors``), tokenizer and Gemma 4's processor (``processor_config.json``).
+
+    Returns:
+        The model directory.
+
+    Raises:
+        KeyError: unknown ``size``.
+    """
+    import torch
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4Processor
+    from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
+    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
+
+    from omni_cache.models import CHAT_TEMPLATE
+
+    if size not in GEMMA4_SIZES:
+        raise KeyError(f"unknown gemma4 thinker size {size!r}; choose one of {sorted(GEMMA4_SIZES)}")
+    out = Path(out_dir)
+    stamp = out / "omni_cache_model.json"
+    fp = gemma_fingerprint(size, "gemma4")
+    if not force and is_up_to_date(stamp, fp):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = Gemma4Config(**gemma4_config_dict(size))
+    torch.manual_seed(SEED)
+    with torch.device("cpu"):
+        model = Gemma4ForConditionalGeneration(cfg)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    tok = gemma4_tokenizer(build_tokenizer(out))
+    soft = GEMMA4_TOWERS[size].image_soft_tokens
+    processor = Gemma4Processor(
+        feature_extractor=Gemma4AudioFeatureExtractor(),
+        image_processor=Gemma4ImageProcessor(max_soft_tokens=soft),
+        video_processor=Gemma4VideoProcessor(), tokenizer=tok, chat_template=CHAT_TEMPLATE,
+        image_seq_length=soft)
+    processor.save_pretrained(out)
+    stamp.write_text(json.dumps({"family": "gemma4", "size": size, "seed": SEED, "fingerprint": fp,
+                                 "widths": asdict(GEMMA4_SIZES[size]), "towers": asdict(GEMMA4_TOWERS[size])},
+                                indent=2))
+    return out
 
 
 def build_gemma3n_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
@@ -163,17 +358,22 @@ def build_gemma3n_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, for
     return out
 
 
-def build_gemma_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
+def build_gemma_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False,
+                     family: str = "gemma3n") -> Path:
     """Build the pipeline directory: the embedded Qwen3-Omni of the matching size (talker,
-    code2wav, tokenizer, processor files) with the KV-shared thinker in ``thinker/``.
+    code2wav, tokenizer, processor files) with the KV-shared thinker of ``family``
+    (``gemma4`` or ``gemma3n``) in ``thinker/``.
 
     Returns:
         The pipeline model directory.
+
+    Raises:
+        KeyError: unknown ``family`` or ``size``.
     """
     out = Path(out_dir)
-    spec = GEMMA_SIZES[size]
+    spec = _sizes(family)[size]
     stamp = out / "omni_cache_gemma_omni.json"
-    fp = gemma_fingerprint(size)
+    fp = gemma_fingerprint(size, family)
     if not force and is_up_to_date(stamp, fp) and (out / "config.json").exists():
         return out
     from omni_cache.models import default_model_dir
@@ -189,14 +389,15 @@ def build_gemma_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
                 os.symlink(f.resolve(), dst)  # large; read-only use
             else:
                 shutil.copy2(f, dst)
-    build_gemma3n_thinker(out / THINKER_SUBDIR, size, force=force)
-    stamp.write_text(json.dumps({"family": "gemma3n", "size": size, "fingerprint": fp}, indent=2))
+    build = build_gemma4_thinker if family == "gemma4" else build_gemma3n_thinker
+    build(out / THINKER_SUBDIR, size, force=force)
+    stamp.write_text(json.dumps({"family": family, "size": size, "fingerprint": fp}, indent=2))
     return out
 
 
-def default_gemma_dir(size: str = "tiny", *, omni: bool = True) -> Path:
-    """``$OMNI_CACHE_HOME/models/gemma3n-omni-<size>`` (pipeline directory) or
-    ``.../gemma3n-thinker-<size>`` (thinker only)."""
+def default_gemma_dir(size: str = "tiny", *, omni: bool = True, family: str = "gemma3n") -> Path:
+    """``$OMNI_CACHE_HOME/models/<family>-omni-<size>`` (pipeline directory) or
+    ``.../<family>-thinker-<size>`` (thinker only)."""
     from omni_cache.models import models_home
 
-    return models_home() / (f"gemma3n-omni-{size}" if omni else f"gemma3n-thinker-{size}")
+    return models_home() / (f"{family}-omni-{size}" if omni else f"{family}-thinker-{size}")

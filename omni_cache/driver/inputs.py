@@ -26,6 +26,12 @@ DEFAULT_TEXT = "Describe the picture and answer the spoken question."
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
+#: (image, audio) placeholders in the prompt text, per thinker family: Qwen3-Omni's processor
+#: expands the pad token inside its markers; Gemma 4's processor expands a bare token to
+#: ``marker + N x token + marker`` itself (the embedded Gemma-4 thinker's markers are
+#: Qwen3-Omni's tokens, :data:`omni_cache.models_gemma.GEMMA4_MEDIA_TOKENS`)
+PLACEHOLDERS = {"qwen3-omni": (IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER),
+                "gemma4": ("<|image_pad|>", "<|audio_pad|>")}
 
 
 class InputError(ValueError):
@@ -104,16 +110,22 @@ class OmniRequest:
     turns: list[Turn]
     request_id: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    family: str = "qwen3-omni"  # the thinker's: picks the media placeholders (PLACEHOLDERS)
 
     def prompt_text(self) -> str:
-        """The prompt in Qwen3-Omni's chat format, ending with the assistant header."""
+        """The prompt in Qwen3-Omni's chat format, ending with the assistant header.
+
+        Raises:
+            KeyError: unknown ``family``.
+        """
+        image_ph, audio_ph = PLACEHOLDERS[self.family]
         parts = []
         for t in self.turns:
             body = ""
             if t.image is not None:
-                body += IMAGE_PLACEHOLDER
+                body += image_ph
             if t.audio is not None:
-                body += AUDIO_PLACEHOLDER
+                body += audio_ph
             body += t.text
             parts.append(f"<|im_start|>{t.role}\n{body}<|im_end|>\n")
         return "".join(parts) + "<|im_start|>assistant\n"
@@ -141,6 +153,7 @@ def build_request(
     system: str = DEFAULT_SYSTEM_PROMPT,
     history: list[Turn] | None = None,
     request_id: str | None = None,
+    family: str = "qwen3-omni",
 ) -> OmniRequest:
     """A single-user-turn request (after optional ``history``) with optional media files.
 
@@ -156,4 +169,4 @@ def build_request(
             audio=load_audio(audio) if audio is not None else None,
         )
     )
-    return OmniRequest(turns=turns, request_id=request_id)
+    return OmniRequest(turns=turns, request_id=request_id, family=family)

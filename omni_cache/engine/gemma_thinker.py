@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from vllm.model_executor.models.gemma3n import Gemma3nForCausalLM
+from vllm.model_executor.models.gemma4_mm import Gemma4ForConditionalGeneration
 
 from omni_cache import settings
 from omni_cache.engine.metrics import MetricsFile
@@ -47,33 +48,34 @@ from omni_cache.yoco import FINAL, stage_plan
 logger = logging.getLogger(__name__)
 
 ARCH = "OmniCacheGemma3nThinker"
+GEMMA4_ARCH = "OmniCacheGemma4Thinker"
 
 
-class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
-    """vLLM's Gemma-3n text model as a vLLM-Omni thinker (captured layers + TTS embeddings).
+class _YocoThinkerMixin:
+    """What a KV-shared vLLM model needs to be a vLLM-Omni thinker: vLLM-Omni's runner flags,
+    the layer plan and its start-up check, captured layers (module hooks), the cross-decoder
+    counters and the ``OmniOutput`` with the TTS embeddings. Subclasses name their text config
+    (:meth:`_text_config`), decoder layers (:meth:`_decoder_layers`), the rows a layer's input /
+    output carry (:meth:`_rows`) and the embedding of text tokens (:meth:`_embed_text`)."""
 
-    Raises:
-        omni_cache.yoco.YocoConfigError: at construction, when the stage asks for rows
-            fast prefill truncates (a cross-decoder layer, or the final hidden states).
-    """
+    ARCH = "?"
 
-    def __init__(self, *, vllm_config, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+    def _init_thinker(self, vllm_config) -> None:
         # vLLM-Omni runner flags (see vllm_omni/worker/gpu_model_runner.py)
         self.have_multimodal_outputs = True
         self.has_preprocess = False
         self.has_postprocess = False
         self.use_async_omni_output = False
         self.omni_pooler_payload_include_hidden = False
-        cfg = self.config
+        cfg = self._text_config()
         fast = bool(vllm_config.cache_config.kv_sharing_fast_prefill)
         self.layer_plan, self.accept_layer = stage_plan(cfg, fast, os.environ)
-        self.layer_plan.check(where=f"thinker stage ({ARCH})")
+        self.layer_plan.check(where=f"thinker stage ({self.ARCH})")
         self.is_staged_run = getattr(vllm_config.model_config, "model_stage", None) is not None
-        self._active = int(cfg.altup_active_idx)
         self._captured: dict[int, torch.Tensor] = {}
         self.yoco_counters = {"forwards": 0, "truncated_forwards": 0, "full_forwards": 0,
-                              "fallback_forwards": 0, "rows_skipped_by_cross_decoder": 0}
+                              "fallback_forwards": 0, "rows_skipped_by_cross_decoder": 0,
+                              "encoder_items": 0, "encoder_tokens": 0}
         self._yoco_file = MetricsFile("yoco", min_interval_s=0.5)
         self.tts_tokens = torch.tensor(
             [[SPECIAL_TOKENS["<tts_text_bos>"], SPECIAL_TOKENS["<tts_text_eod>"], SPECIAL_TOKENS["<tts_pad>"]]],
@@ -81,14 +83,28 @@ class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
         )
         if self.is_staged_run:
             self._install_capture_hooks()
-        logger.info("omni-cache: %s\n%s", ARCH, self.layer_plan)
+        logger.info("omni-cache: %s\n%s", self.ARCH, self.layer_plan)
+
+    # ---- what differs between the model families ---------------------------------------
+    def _text_config(self):
+        return self.config
+
+    def _decoder_layers(self):
+        return self.model.layers
+
+    def _rows(self, hidden_states) -> torch.Tensor:
+        """``[num_tokens, hidden_size]`` rows of a decoder layer's input or output."""
+        return hidden_states
+
+    def _embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_input_ids(input_ids)
 
     # ---- capture ---------------------------------------------------------------------
     def _install_capture_hooks(self) -> None:
         # Hooks on the decoder layers (plain modules). Not on the self-/cross-decoder: their
         # class is wrapped by vLLM's ``support_torch_compile``, whose ``__call__`` calls
         # ``forward`` directly and so bypasses module hooks.
-        layers = self.model.layers
+        layers = self._decoder_layers()
         for i in self.layer_plan.captured_layers:
             if i == 0:
                 layers[0].register_forward_pre_hook(self._capture_layer_input(0), with_kwargs=True)
@@ -96,14 +112,14 @@ class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
                 layers[i - 1].register_forward_hook(self._capture_layer_output(i))
 
     def _capture_layer_input(self, index: int):
-        def hook(_module, args, kwargs):
+        def hook(_module, args, kwargs):  # decoder layer (positions, hidden_states, ...)
             hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
-            self._captured[index] = hs[self._active].clone()  # [num_tokens, hidden]
+            self._captured[index] = self._rows(hs).clone()  # [num_tokens, hidden]
         return hook
 
     def _capture_layer_output(self, index: int):
-        def hook(_module, _args, output):  # output: [altup_num_inputs, num_tokens, hidden]
-            self._captured[index] = output[self._active].clone()
+        def hook(_module, _args, output):
+            self._captured[index] = self._rows(output).clone()
         return hook
 
     def _count_forward(self, num_tokens: int) -> None:
@@ -118,10 +134,9 @@ class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
         md = get_forward_context().attn_metadata
         if not isinstance(md, dict):
             return  # dummy / profile run
-        last = md.get(self.model.layers[-1].self_attn.attn.layer_name)
+        last = md.get(self._decoder_layers()[-1].self_attn.attn.layer_name)
         n_logits = getattr(last, "num_logits_indices", None) if isinstance(last, KVSharingFastPrefillMetadata) else None
         c = self.yoco_counters
-        before = {k for k, v in c.items() if v}
         fallback = False
         c["forwards"] += 1
         if n_logits is not None and n_logits < num_tokens:
@@ -132,11 +147,17 @@ class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
             if isinstance(last, KVSharingFastPrefillMetadata) and n_logits is None:
                 c["fallback_forwards"] += 1  # fast prefill disarmed for this step (prompt logprobs)
                 fallback = True
-        first_nonzero = bool({k for k, v in c.items() if v} - before)
+        self._publish(force=fallback)
+
+    def _publish(self, force: bool = False) -> None:
         # a counter's first non-zero value and every fallback are published at once (tests
         # assert on them); the rest at most every 0.5 s
-        force = first_nonzero or fallback
-        self._yoco_file.publish(dict(c), force=force)
+        c = self.yoco_counters
+        first_nonzero = any(v and not self._yoco_file_last.get(k) for k, v in c.items())
+        if self._yoco_file.publish(dict(c), force=force or first_nonzero):
+            self._yoco_file_last = dict(c)
+
+    _yoco_file_last: dict = {}
 
     _FORWARD_KWARGS = ("intermediate_tensors", "inputs_embeds", "per_layer_inputs")
 
@@ -163,10 +184,74 @@ class OmniCacheGemma3nThinker(Gemma3nForCausalLM):
         else:
             hidden, mm = model_outputs, {}
         mm = dict(mm or {})
-        emb = self.embed_input_ids(self.tts_tokens.to(hidden.device)).reshape(1, 3, -1)  # [1, 3, hidden]
+        emb = self._embed_text(self.tts_tokens.to(hidden.device)).reshape(1, 3, -1)  # [1, 3, hidden]
         bos, eos, pad = emb.chunk(3, dim=1)
         mm["embed"] = {"tts_bos": [bos], "tts_eos": [eos], "tts_pad": [pad]}
         return OmniOutput(text_hidden_states=hidden.reshape(-1, hidden.shape[-1]), multimodal_outputs=mm)
+
+
+class OmniCacheGemma3nThinker(_YocoThinkerMixin, Gemma3nForCausalLM):
+    """vLLM's Gemma-3n text model as a vLLM-Omni thinker (captured layers + TTS embeddings).
+
+    Raises:
+        omni_cache.yoco.YocoConfigError: at construction, when the stage asks for rows
+            fast prefill truncates (a cross-decoder layer, or the final hidden states).
+    """
+
+    ARCH = ARCH
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._active = int(self.config.altup_active_idx)
+        self._init_thinker(vllm_config)
+
+    def _rows(self, hidden_states) -> torch.Tensor:
+        # Gemma-3n's state is [altup_num_inputs, num_tokens, hidden]: the active AltUp stream
+        return hidden_states[self._active]
+
+
+class OmniCacheGemma4Thinker(_YocoThinkerMixin, Gemma4ForConditionalGeneration):
+    """vLLM's Gemma-4 multimodal model (vision + audio towers, KV-shared text model with fast
+    prefill) as a vLLM-Omni thinker: captured layers of every prompt row — text, image and
+    audio rows alike (layer 0 of a media row is the tower's projected soft token, the row the
+    text model consumes) — plus the TTS embeddings.
+
+    ``encoder_items`` / ``encoder_tokens`` in ``yoco_counters`` count the media items (and their
+    soft tokens) the towers encoded: vLLM runs the encoder only for items not wholly inside a
+    prefix hit, and the tests assert it.
+
+    Raises:
+        omni_cache.yoco.YocoConfigError: at construction, as :class:`OmniCacheGemma3nThinker`.
+    """
+
+    ARCH = GEMMA4_ARCH
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_thinker(vllm_config)
+
+    def _text_config(self):
+        return self.config.text_config
+
+    def _decoder_layers(self):
+        return self.language_model.model.layers
+
+    def _rows(self, hidden_states) -> torch.Tensor:
+        # a Gemma-4 decoder layer returns (hidden_states, residual=None)
+        return hidden_states[0] if isinstance(hidden_states, tuple) else hidden_states
+
+    def _embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # the language model's own embedding (what the thinker's rows of text tokens start
+        # from); not ``self.embed_input_ids``, which also refreshes the step's per-layer inputs
+        return self.language_model.embed_input_ids(input_ids)
+
+    def embed_multimodal(self, **kwargs):
+        out = super().embed_multimodal(**kwargs)
+        items = list(out) if out is not None else []
+        self.yoco_counters["encoder_items"] += len(items)
+        self.yoco_counters["encoder_tokens"] += int(sum(int(t.shape[0]) for t in items))
+        self._publish(force=True)
+        return out
 
 
 class _AcceptLayerView:
@@ -214,3 +299,21 @@ def gemma_thinker2talker_full_payload(transfer_manager: Any, pooling_output: dic
     record_payload(pooling_output, request)
     return thinker2talker_full_payload(_AcceptLayerView(transfer_manager, _accept_layer(transfer_manager)),
                                        pooling_output, request)
+
+
+def gemma_thinker2talker_async_chunk(transfer_manager: Any, multimodal_output: Any, request: Any,
+                                     is_finished: bool = False):
+    """Streamed stage-input adapter (``async_chunk: true``): KV-shared thinker → Qwen3-Omni
+    talker, chunk by chunk. vLLM-Omni's ``thinker2talker_async_chunk`` with the accept layer
+    mapped as in :func:`gemma_thinker2talker_full_payload`: the first hand-off carries every
+    prompt row (layer 0 → ``embed.prefill``, the accept layer → ``hidden_states.output``), each
+    later chunk one decode row. With ``OMNI_CACHE_HANDOFF_DUMP`` set every chunk sent is
+    recorded (:func:`omni_cache.engine.handoff.record_thinker2talker_async_chunk`).
+
+    Returns:
+        vLLM-Omni's streamed payload, or None while rows are still accumulating.
+    """
+    from omni_cache.engine.handoff import record_thinker2talker_async_chunk
+
+    return record_thinker2talker_async_chunk(_AcceptLayerView(transfer_manager, _accept_layer(transfer_manager)),
+                                             multimodal_output, request, is_finished)

@@ -7,13 +7,18 @@ vLLM-Omni process: registers omni-cache's pipeline variants (idempotent).
 ``qwen3_omni_moe_omni_cache_recorded``
     the same, plus the thinker→talker and talker→code2wav hand-offs recorded
     (:mod:`omni_cache.engine.handoff`), for tests and audits.
+``gemma4_omni_cache``
+    a KV-shared (YOCO) multimodal Gemma-4 thinker (``OmniCacheGemma4Thinker``: vision and audio
+    towers; model, tokenizer and Gemma 4's processor from the model directory's ``thinker/``)
+    feeding the Qwen3-Omni talker and code2wav through the stage-input adapters (whole payload
+    or streamed), capped scheduler on the thinker.
 ``gemma3n_omni_cache``
-    a KV-shared (YOCO) Gemma-3n thinker (:mod:`omni_cache.engine.gemma_thinker`, loaded
+    a KV-shared (YOCO) Gemma-3n text thinker (:mod:`omni_cache.engine.gemma_thinker`, loaded
     from the model directory's ``thinker/``) feeding the Qwen3-Omni talker and code2wav
     through the stage-input adapter, with the capped scheduler on the thinker. The thinker
     architecture ``OmniCacheGemma3nThinker`` is registered with vLLM's ``ModelRegistry``.
 
-In all three the talker (stage 1) runs as ``OmniCacheQwen3OmniMoeForConditionalGeneration``
+In all of them the talker (stage 1) runs as ``OmniCacheQwen3OmniMoeForConditionalGeneration``
 (:mod:`omni_cache.engine.talker`): vLLM-Omni's Qwen3-Omni model whose residual-codebook
 sampling honours the runner's per-request generators (``tts_local_seed``), scheduled by
 :func:`~omni_cache.engine.talker_scheduler.talker_ar_scheduler` (talker blocks hashed from
@@ -35,19 +40,25 @@ TALKER_RECORDER_ASYNC = "omni_cache.engine.handoff.record_talker2code2wav_async_
 GEMMA_PIPELINE = "gemma3n_omni_cache"
 GEMMA_ARCH = "OmniCacheGemma3nThinker"
 GEMMA_ADAPTER = "omni_cache.engine.gemma_thinker.gemma_thinker2talker_full_payload"
+GEMMA_ADAPTER_ASYNC = "omni_cache.engine.gemma_thinker.gemma_thinker2talker_async_chunk"
+GEMMA4_PIPELINE = "gemma4_omni_cache"
+GEMMA4_ARCH = "OmniCacheGemma4Thinker"
+#: registered thinker architectures → classes
+THINKER_CLASSES = {GEMMA_ARCH: "omni_cache.engine.gemma_thinker:OmniCacheGemma3nThinker",
+                   GEMMA4_ARCH: "omni_cache.engine.gemma_thinker:OmniCacheGemma4Thinker"}
 #: architecture name of the talker stage in omni-cache's pipelines
 TALKER_ARCH = "OmniCacheQwen3OmniMoeForConditionalGeneration"
 TALKER_CLASS = "omni_cache.engine.talker:OmniCacheQwen3OmniMoeForConditionalGeneration"
 #: the talker stage's scheduler: block hashes from content keys (talker prefix caching)
 TALKER_SCHEDULER = "omni_cache.engine.talker_scheduler.talker_ar_scheduler"
 #: pipeline → stage ids that run the capped scheduler (the omni_cache backend needs it there)
-CAPPED_STAGES = {CAPPED_PIPELINE: {0}, RECORDING_PIPELINE: {0}, GEMMA_PIPELINE: {0}}
+CAPPED_STAGES = {CAPPED_PIPELINE: {0}, RECORDING_PIPELINE: {0}, GEMMA_PIPELINE: {0}, GEMMA4_PIPELINE: {0}}
 #: pipeline → stage ids whose blocks omni-cache hashes from content keys (talker prefix caching,
 #: :mod:`omni_cache.engine.talker_scheduler`): the Qwen3-Omni talker, whose prompt layout the
 #: keys follow (:mod:`omni_cache.core.talker_keys`)
 TALKER_IDENTITY_STAGES = {CAPPED_PIPELINE: {1}, RECORDING_PIPELINE: {1}}
 #: model subdirectory per stage of omni-cache's pipelines (read by the stage-config check)
-STAGE_MODEL_SUBDIRS = {GEMMA_PIPELINE: {0: "thinker"}}
+STAGE_MODEL_SUBDIRS = {GEMMA_PIPELINE: {0: "thinker"}, GEMMA4_PIPELINE: {0: "thinker"}}
 
 
 def _variant(name: str, talker_changes: dict | None = None, **stage0_changes):
@@ -67,19 +78,21 @@ def _talker(stage):
     return dataclasses.replace(stage, model_arch=TALKER_ARCH, scheduler_cls=TALKER_SCHEDULER)
 
 
-def _gemma_pipeline():
+def _gemma_pipeline(name: str = GEMMA_PIPELINE, arch: str = GEMMA_ARCH, multimodal: bool = False):
+    """Qwen3-Omni's pipeline with a KV-shared thinker of ``arch`` on stage 0 (model — and, for
+    a multimodal thinker, tokenizer and processor — from ``thinker/``) and the adapters."""
     from vllm_omni.model_executor.models.qwen3_omni.pipeline import QWEN3_OMNI_PIPELINE
 
     def stage(s):
         if s.stage_id != 0:
             return _talker(s)
         return dataclasses.replace(
-            s, model_arch=GEMMA_ARCH, model_subdir="thinker", hf_config_name=None,
-            requires_multimodal_data=False, scheduler_cls=SCHEDULER,
+            s, model_arch=arch, model_subdir="thinker", tokenizer_subdir="thinker" if multimodal else None,
+            hf_config_name=None, requires_multimodal_data=multimodal, scheduler_cls=SCHEDULER,
             custom_process_next_stage_input_func=GEMMA_ADAPTER,
-            async_chunk_process_next_stage_input_func=None)
+            async_chunk_process_next_stage_input_func=GEMMA_ADAPTER_ASYNC)
 
-    return dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=GEMMA_PIPELINE, duplex_plugin=None,
+    return dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=name, duplex_plugin=None,
                                stages=tuple(stage(s) for s in QWEN3_OMNI_PIPELINE.stages))
 
 
@@ -97,8 +110,9 @@ def register_models() -> None:
     except ImportError:  # plain vLLM install
         pass
     for reg in registries:
-        if GEMMA_ARCH not in reg.get_supported_archs():
-            reg.register_model(GEMMA_ARCH, "omni_cache.engine.gemma_thinker:OmniCacheGemma3nThinker")
+        for arch, cls in THINKER_CLASSES.items():
+            if arch not in reg.get_supported_archs():
+                reg.register_model(arch, cls)
         if TALKER_ARCH not in reg.get_supported_archs():
             reg.register_model(TALKER_ARCH, TALKER_CLASS)
 
@@ -111,6 +125,8 @@ def register() -> None:
     register_models()
     if GEMMA_PIPELINE not in OMNI_PIPELINES:
         register_pipeline(_gemma_pipeline())
+    if GEMMA4_PIPELINE not in OMNI_PIPELINES:
+        register_pipeline(_gemma_pipeline(GEMMA4_PIPELINE, GEMMA4_ARCH, multimodal=True))
 
     if CAPPED_PIPELINE not in OMNI_PIPELINES:
         register_pipeline(_variant(CAPPED_PIPELINE, scheduler_cls=SCHEDULER))
