@@ -37,15 +37,18 @@ def stage_config_path(name_or_path: str) -> Path:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from omni_cache.models import build_qwen3_omni, default_model_dir
 
-    if getattr(args, "family", "qwen3-omni") == "gemma3n":
+    family = getattr(args, "family", "qwen3-omni")
+    if family in ("gemma4", "gemma3n"):
         from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
 
         if args.size not in ("tiny", "bench"):
-            print(f"error: --family gemma3n has sizes tiny and bench, not {args.size!r}", file=sys.stderr)
+            print(f"error: --family {family} has sizes tiny and bench, not {args.size!r}", file=sys.stderr)
             return 2
-        out = Path(args.out) if args.out else default_gemma_dir(args.size)
-        return _build(f"the embedded KV-shared Gemma-3n thinker + Qwen3-Omni talker ({args.size})", out,
-                      lambda: build_gemma_omni(out, args.size, force=args.force))
+        out = Path(args.out) if args.out else default_gemma_dir(args.size, family=family)
+        what = ("the embedded multimodal KV-shared Gemma-4 thinker" if family == "gemma4"
+                else "the embedded KV-shared Gemma-3n text thinker")
+        return _build(f"{what} + Qwen3-Omni talker ({args.size})", out,
+                      lambda: build_gemma_omni(out, args.size, force=args.force, family=family))
     out = Path(args.out) if args.out else default_model_dir(args.size)
     return _build(f"the embedded Qwen3-Omni ({args.size})", out,
                   lambda: build_qwen3_omni(out, args.size, force=args.force))
@@ -218,10 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--size", default="tiny", choices=["tiny", "bench", "bench-voice"],
                     help="tiny (tests), bench (benchmarks), bench-voice (qwen3-omni only: the bench "
                          "thinker with a talker proportioned like Qwen3-Omni's)")
-    mm.add_argument("--family", default="qwen3-omni", choices=["qwen3-omni", "gemma3n"],
-                    help="qwen3-omni (default) or gemma3n: a KV-shared (YOCO) thinker in thinker/ feeding "
-                         "the Qwen3-Omni talker (stage_configs/gemma3n_yoco_cpu.yaml)")
-    mm.add_argument("--out", help=f"target directory (default: ${settings.HOME.name}/models/qwen3-omni-<size>)")
+    mm.add_argument("--family", default="qwen3-omni", choices=["qwen3-omni", "gemma4", "gemma3n"],
+                    help="qwen3-omni (default); gemma4: a multimodal KV-shared (YOCO) thinker with vision and "
+                         "audio towers in thinker/ feeding the Qwen3-Omni talker "
+                         "(stage_configs/gemma4_yoco_cpu.yaml); gemma3n: a KV-shared text thinker "
+                         "(stage_configs/gemma3n_yoco_cpu.yaml)")
+    mm.add_argument("--out", help=f"target directory (default: ${settings.HOME.name}/models/<family>-omni-<size>; qwen3-omni: qwen3-omni-<size>)")
     mm.add_argument("--force", action="store_true", help="rebuild even if up to date")
     mm.set_defaults(func=_cmd_make_model)
 

@@ -85,3 +85,33 @@ def assert_batch_rows(on, off, name: str, *, writer=None, hit: int = 0) -> int:
     bad = int((err > BATCH_ROW_RTOL).sum())
     assert bad == 0, f"{name}: {bad} rows differ from cache off beyond batch variance (max rel err {float(err.max()):.3g})"
     return int((x == y).all(dim=-1).sum())
+
+
+def recorded_chunks(out_dir) -> list[list[dict]]:
+    """Recorded chunks per request (``[[chunk0, chunk1, ...], ...]``), requests in the order
+    of their first chunk."""
+    import re
+    from collections import defaultdict
+
+    import torch
+
+    by_req: dict[str, list[tuple[int, dict]]] = defaultdict(list)
+    for p in (out_dir / "handoff").glob("*.pt"):
+        m = re.match(r"(\d+)-(.+)\.pt$", p.name)
+        by_req[m.group(2)].append((int(m.group(1)), torch.load(p)))
+    reqs = sorted(by_req.values(), key=lambda chunks: min(s for s, _ in chunks))
+    return [[c for _, c in sorted(chunks, key=lambda x: x[0])] for chunks in reqs]
+
+
+def assert_same_chunks(got: list[dict], ref: list[dict], name: str) -> None:
+    """Every streamed chunk a request sent (first hand-off and decode chunks, recorded by
+    :func:`omni_cache.engine.handoff.record_thinker2talker_async_chunk`) equals ``ref``'s
+    bitwise, same count and keys."""
+    import torch
+
+    assert len(got) == len(ref), (name, len(got), len(ref))
+    assert "embed.prefill" in ref[0] and "hidden_states.output" in ref[0], (name, sorted(ref[0]))
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert set(g) == set(r), (name, i, sorted(g), sorted(r))
+        for k in r:
+            assert g[k].shape == r[k].shape and torch.equal(g[k], r[k]), (name, i, k)

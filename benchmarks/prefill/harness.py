@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.prefill import summary as S
-from omni_cache.driver.variants import VARIANTS, MemorySettings, variant_stage_config
+from omni_cache.driver.variants import VARIANTS, YOCO_VARIANTS, MemorySettings, variant_stage_config
 from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, check_media, specs, warmup_specs
 from benchmarks.prefill.worker import RESULT_PREFIX
 
@@ -166,7 +166,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help=f"comma-separated workloads among {','.join(WORKLOADS)}")
     ap.add_argument("--requests", type=int, default=20, help="requests per workload per round (chat: turns)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds (each request of a round is new)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="subset/order of off,builtin,omni_cache")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="subset/order of off,builtin,omni_cache; for a KV-shared (YOCO) thinker's stage config "
+                         "(e.g. stage_configs/gemma4_yoco_cpu.yaml): off,fast,omni_cache,fast+omni_cache "
+                         "(fast prefill off/on x cache off/on; the composition bar is checked)")
     ap.add_argument("--model", help="model directory (default: the embedded model of --size, built if missing)")
     ap.add_argument("--size", default="bench", choices=sorted(SIZES), help="embedded model size (without --model)")
     ap.add_argument("--image", help="image file for the image workload (default: bundled astronaut.jpg)")
@@ -213,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     workloads = [w.strip() for w in args.modalities.split(",") if w.strip()]
     bad = [w for w in workloads if w not in WORKLOADS]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad_v = [v for v in variants if v not in VARIANTS]
+    bad_v = [v for v in variants if v not in VARIANTS + YOCO_VARIANTS]
     if bad or bad_v or not workloads or not variants or args.requests < 1 or args.repeats < 1:
         print(f"error: unknown workloads {bad} / variants {bad_v}, or empty selection, or requests/repeats < 1",
               file=sys.stderr)
@@ -398,7 +401,10 @@ def run(args: argparse.Namespace) -> int:
 
     summ = {w: S.summarize_workload(samples[w]) for w in workloads}
     S.add_attainable(summ)
-    checks = {w: S.bar_checks(w, summ[w]) for w in workloads} if "omni_cache" in variants else {}
+    if set(YOCO_VARIANTS) <= set(variants):
+        checks = {w: S.yoco_checks(w, summ[w]) for w in workloads if w in ("text", "image", "audio", "chat")}
+    else:
+        checks = {w: S.bar_checks(w, summ[w]) for w in workloads} if "omni_cache" in variants else {}
     metrics = []
     for v in variants:
         for p in sorted((out / f"metrics_{v}").glob("*.json")):

@@ -263,6 +263,35 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
     return fmt.format(x)
 
 
+#: the composition bar of a KV-shared thinker (issue 16): at h >= YOCO_MIN_HIT,
+#: speedup(both) >= YOCO_COMPOSE x speedup(cache) x speedup(fast prefill)
+YOCO_MIN_HIT = 0.9
+YOCO_COMPOSE = 0.9
+
+
+def yoco_checks(workload: str, summ: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Whether fast prefill and the cache compose on a KV-shared thinker, for one workload of
+    a run with the variants ``off`` (slow path), ``fast``, ``omni_cache`` and
+    ``fast+omni_cache`` (:data:`omni_cache.driver.variants.YOCO_VARIANTS`): speedups vs off of
+    the median thinker prefill (and of the median TTFP, reported, no bar); the bar
+    ``both / (fast x cache) >= 0.9``, applied where the cache's median hit ratio is >= 0.9
+    (``passed: None`` below that or when a variant is missing)."""
+    sp = {v: (summ.get(v) or {}).get("speedup_vs_off") for v in ("fast", "omni_cache", "fast+omni_cache")}
+    tt = {v: (summ.get(v) or {}).get("ttfp_ms_speedup_vs_off") for v in ("fast", "omni_cache", "fast+omni_cache")}
+    h = (summ.get("omni_cache") or {}).get("hit_ratio")
+    ok = all(sp.values())
+    ratio = sp["fast+omni_cache"] / (sp["fast"] * sp["omni_cache"]) if ok else None
+    applies = h is not None and h >= YOCO_MIN_HIT
+    return [{"check": f"prefill speedup(both) / (speedup(fast) x speedup(cache)) >= {YOCO_COMPOSE} at h >= {YOCO_MIN_HIT}"
+                      f" (h={h:.3f})" if h is not None else "composition",
+             "value": ratio, "target": YOCO_COMPOSE,
+             "passed": (ratio >= YOCO_COMPOSE) if ratio is not None and applies else None,
+             "speedup_fast": sp["fast"], "speedup_cache": sp["omni_cache"], "speedup_both": sp["fast+omni_cache"],
+             "product": sp["fast"] * sp["omni_cache"] if ok else None,
+             "ttfp_speedup_fast": tt["fast"], "ttfp_speedup_cache": tt["omni_cache"],
+             "ttfp_speedup_both": tt["fast+omni_cache"]}]
+
+
 def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[str, list[dict]]) -> str:
     """The end-of-run table: per workload and variant the medians, h, speedups; then the bars."""
     head = (f"{'workload':8} {'variant':10} {'prompt':>6} {'h':>6} {'prefill ms':>10} {'IQR%':>5} "
@@ -320,7 +349,8 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
     nrows = 2 if with_ttfp else 1
     fig, axes = plt.subplots(nrows, max(len(names), 1), figsize=(3.2 * max(len(names), 1), 3.6 * nrows),
                              squeeze=False)
-    colors = {"off": "#888888", "builtin": "#4c72b0", "omni_cache": "#dd8452"}
+    colors = {"off": "#888888", "builtin": "#4c72b0", "omni_cache": "#dd8452", "fast": "#8172b3",
+              "fast+omni_cache": "#c44e52"}
     for ax, w in zip(axes[0], names):
         summ = workloads[w]
         vs = [v for v in summ if summ[v].get("prefill_ms")]

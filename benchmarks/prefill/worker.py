@@ -108,6 +108,7 @@ class VariantWorker:
         cfg = load_stage_config(stage_config, model_dir=model)
         register()  # omni-cache's pipeline variants, resolved in this (driver) process
         self.stream = stream
+        self.family = cfg.thinker_family  # the prompt's media placeholders
         self._loop = None
         t0 = time.perf_counter()
         if stream:
@@ -161,7 +162,7 @@ class VariantWorker:
         if k > 1 and (spec.get("image") or spec.get("audio")):
             return self._media_copies_prompt(spec, k)
         req = build_request(spec["text"], image=spec.get("image"), audio=spec.get("audio"),
-                            system=spec["system"])
+                            system=spec["system"], family=self.family)
         return req.to_engine_prompt()
 
     def _media_copies_prompt(self, spec: dict, k: int) -> dict:
@@ -179,7 +180,7 @@ class VariantWorker:
                                      audio=(audio_copy(aud[0], j, k), aud[1]) if aud is not None else None)
                                 for j in range(k)]
         turns = [Turn("system", spec["system"])] + self._media[key] + [Turn("user", spec["text"])]
-        return OmniRequest(turns=turns).to_engine_prompt()
+        return OmniRequest(turns=turns, family=self.family).to_engine_prompt()
 
     def sampling_params(self, spec: dict) -> list:
         from vllm.sampling_params import RequestOutputKind

@@ -69,6 +69,15 @@ class StageConfig:
                 return s
         raise KeyError(stage_id)
 
+    @property
+    def thinker_family(self) -> str:
+        """The thinker's model family as the prompt format needs it (``gemma4`` for the
+        ``gemma4_omni_cache`` pipeline, else ``qwen3-omni``): a key of
+        :data:`omni_cache.driver.inputs.PLACEHOLDERS`."""
+        from omni_cache.engine.plugin import GEMMA4_PIPELINE
+
+        return "gemma4" if self.raw.get("pipeline") == GEMMA4_PIPELINE else "qwen3-omni"
+
     def prefix_caching(self, stage_id: int) -> bool:
         """Whether ``stage_id`` runs with ``enable_prefix_caching`` (its own, else the top level)."""
         return bool(self.stage(stage_id).get("enable_prefix_caching", self.raw.get("enable_prefix_caching")))

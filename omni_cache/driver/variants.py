@@ -20,6 +20,10 @@ import yaml
 from omni_cache import settings
 
 VARIANTS = ("off", "builtin", "omni_cache")
+#: a KV-shared (YOCO) thinker's variants: {fast prefill off/on} x {cache off/on}. On a base
+#: config whose thinker sets ``kv_sharing_fast_prefill``, ``off`` and ``omni_cache`` run with it
+#: off (the slow path and the cache alone); ``fast`` / ``fast+omni_cache`` with it on.
+YOCO_VARIANTS = ("off", "fast", "omni_cache", "fast+omni_cache")
 MiB = 1 << 20
 
 
@@ -107,8 +111,9 @@ def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: Memory
                          thinker_max_tokens: int = 2, talker_max_tokens: int = 4,
                          omp_bind: str = "0-1", async_chunk: bool | None = None,
                          talker_prefix_caching: bool = False) -> Path:
-    """Write the stage config of ``variant`` (``off`` / ``builtin`` / ``omni_cache``) derived
-    from ``base`` into ``out_dir`` and return its path.
+    """Write the stage config of ``variant`` (``off`` / ``builtin`` / ``omni_cache``, or for a
+    KV-shared thinker one of :data:`YOCO_VARIANTS`) derived from ``base`` into ``out_dir`` and
+    return its path.
 
     ``async_chunk``: set the streaming hand-off on (True) or off (False); None keeps ``base``'s.
     ``talker_prefix_caching``: the talker's content-keyed prefix cache (off by default, so a
@@ -117,12 +122,17 @@ def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: Memory
     (``initial_codec_chunk_frames: 4``), so a request's audio is exactly its first packet.
 
     Raises:
-        ValueError: unknown variant.
+        ValueError: unknown variant, or a ``fast`` variant of a base without
+            ``kv_sharing_fast_prefill`` on its thinker.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    if variant not in VARIANTS + YOCO_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS + YOCO_VARIANTS}")
     raw = yaml.safe_load(Path(base).read_text())
     by_id = {s["stage_id"]: s for s in raw["stages"]}
+    fast = variant.startswith("fast")
+    if fast and "kv_sharing_fast_prefill" not in by_id[0]:
+        raise ValueError(f"variant {variant!r} needs a KV-shared thinker: {base} sets no kv_sharing_fast_prefill")
+    cache = variant.removeprefix("fast+") if variant != "fast" else "off"
     # Thinker and talker take a whole prompt in one step (max_num_batched_tokens ≥
     # max_model_len): a talker prompt split into chunks fails on CPU in vLLM's seeded-sampling
     # bookkeeping ("CPU Generator does not use offset"), and an unchunked thinker prefill is
@@ -134,12 +144,14 @@ def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: Memory
               **({"distributed_executor_backend": mem.cpu_executor} if mem.cpu_executor else {}),
               **({"max_num_batched_tokens": unchunked[sid]} if sid in unchunked else {})}
         for sid, kv in ((0, mem.thinker_kv_bytes), (1, mem.talker_kv_bytes), (2, mem.code2wav_kv_bytes))}
-    stage_keys[0]["enable_prefix_caching"] = variant != "off"
+    stage_keys[0]["enable_prefix_caching"] = cache != "off"
+    if "kv_sharing_fast_prefill" in by_id[0]:
+        stage_keys[0]["kv_sharing_fast_prefill"] = fast
     stage_keys[1]["enable_prefix_caching"] = bool(talker_prefix_caching)
     env = {sid: {"VLLM_CPU_OMP_THREADS_BIND": omp_bind} for sid in (0, 1, 2)}
     env[0].update({
-        settings.PREFIX_CACHE_BACKEND.name: None if variant == "off" else variant,
-        settings.METRICS_DIR.name: None if variant == "off" else str(Path(out_dir).resolve() / f"metrics_{variant}")})
+        settings.PREFIX_CACHE_BACKEND.name: None if cache == "off" else cache,
+        settings.METRICS_DIR.name: None if cache == "off" else str(Path(out_dir).resolve() / f"metrics_{variant}")})
     # thinker time = prefill + one decode step (max_tokens 1 breaks vLLM-Omni's talker
     # hand-off: "size of tensor a (8) must match b (9)")
     sampling = {0: {"max_tokens": thinker_max_tokens}, 1: {"max_tokens": talker_max_tokens}}

@@ -22,8 +22,6 @@ thinker tokens are compared bitwise.
 from __future__ import annotations
 
 import json
-import re
-from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -39,20 +37,9 @@ from tests.pipeline.workloads import (
     run_talker_workload,
     run_workload,
 )
-from tests.util import assert_batch_rows, variant_stage_config
+from tests.util import assert_batch_rows, assert_same_chunks, recorded_chunks, variant_stage_config
 
 pytestmark = pytest.mark.pipeline
-
-
-def _chunks(out_dir) -> list[list[dict]]:
-    """Recorded chunks per request (``[[chunk0, chunk1, ...], ...]``), requests in the order
-    of their first chunk."""
-    by_req: dict[str, list[tuple[int, dict]]] = defaultdict(list)
-    for p in (out_dir / "handoff").glob("*.pt"):
-        m = re.match(r"(\d+)-(.+)\.pt$", p.name)
-        by_req[m.group(2)].append((int(m.group(1)), torch.load(p)))
-    reqs = sorted(by_req.values(), key=lambda chunks: min(s for s, _ in chunks))
-    return [[c for _, c in sorted(chunks, key=lambda x: x[0])] for chunks in reqs]
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +57,6 @@ def runs(tmp_path_factory, tiny_model_dir):
                                                                placeholder_demo=variant == "omni_cache")
         out[variant] = (d, named, t1_len, batch)
     return out
-
-
-def _assert_same_chunks(got: list[dict], ref: list[dict], name: str) -> None:
-    assert len(got) == len(ref), (name, len(got), len(ref))
-    assert "embed.prefill" in ref[0] and "hidden_states.output" in ref[0], (name, sorted(ref[0]))
-    for i, (g, r) in enumerate(zip(got, ref)):
-        assert set(g) == set(r), (name, i, sorted(g), sorted(r))
-        for k in r:
-            assert g[k].shape == r[k].shape and torch.equal(g[k], r[k]), (name, i, k)
 
 
 def _assert_same_chunks_tail(got: list[dict], ref: list[dict], name: str) -> None:
@@ -99,7 +77,7 @@ def test_streaming_hits_happen_and_are_served(runs):
     assert batch[1].num_cached_tokens > STEP_BUDGET  # same-step hit past the chunked prefill's first step
     m = json.loads(next((d / "metrics").glob("metrics-*.json")).read_text())
     assert m["hits_served"] >= 4 and m["hits_refused"] == 0, m
-    first = _chunks(d)[1][0]  # the second request's first hand-off covers its whole prompt
+    first = recorded_chunks(d)[1][0]  # the second request's first hand-off covers its whole prompt
     assert first["embed.prefill"].shape[0] == named[1][1].num_prompt_tokens + 1, first["embed.prefill"].shape
 
 
@@ -107,14 +85,14 @@ def test_streaming_hits_happen_and_are_served(runs):
 def test_streamed_talker_inputs_equal_cache_off_bitwise(runs, variant):
     d_off, off, _, batch_off = runs["off"]
     d_on, on, _, batch_on = runs[variant]
-    ch_off, ch_on = _chunks(d_off), _chunks(d_on)
+    ch_off, ch_on = recorded_chunks(d_off), recorded_chunks(d_on)
     n = len(off)
     assert len(ch_off) >= n + 2 and len(ch_on) >= n + 2  # the sequential requests, the batch of two, ...
     ch_off, ch_on = ch_off[:n + 2], ch_on[:n + 2]
     for (name, r_off), (_, r_on), c_off, c_on in zip(off, on, ch_off[:n], ch_on[:n]):
         assert r_off.error is None and r_on.error is None, name
         assert r_on.token_ids == r_off.token_ids, name
-        _assert_same_chunks(c_on, c_off, name)
+        assert_same_chunks(c_on, c_off, name)
         assert r_off.audio is not None and np.array_equal(r_on.audio, r_off.audio), name
     # the batch: its two requests' chunks, matched by prompt length
     key = lambda c: c[0]["embed.prefill"].shape[0]  # noqa: E731

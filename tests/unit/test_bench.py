@@ -299,3 +299,37 @@ def test_routing_bench_summary():
     assert s["ratios"]["ttft_s_p50_all_vllm_omni_over_prefix"] == 4.0
     assert s["prefix"]["ttfp_s_round_medians"] == [2.0]
     assert all(s["bars"].values())
+
+
+def test_yoco_variant_stage_configs(tmp_path):
+    """The four YOCO variants of a KV-shared thinker's config: fast prefill and the cache set
+    as named; a fast variant of a config without fast prefill is refused."""
+    from tests.util import REPO
+
+    base = REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
+    mem = MemorySettings(thinker_kv_bytes=64 << 20)
+    got = {}
+    for v in ("off", "fast", "omni_cache", "fast+omni_cache"):
+        got[v] = yaml.safe_load(variant_stage_config(base, tmp_path, v, mem=mem).read_text())["stages"][0]
+    assert [got[v]["kv_sharing_fast_prefill"] for v in got] == [False, True, False, True]
+    assert [got[v]["enable_prefix_caching"] for v in got] == [False, False, True, True]
+    assert got["fast+omni_cache"]["env"]["OMNI_CACHE_PREFIX_CACHE_BACKEND"] == "omni_cache"
+    assert "OMNI_CACHE_PREFIX_CACHE_BACKEND" not in got["fast"]["env"]
+    with pytest.raises(ValueError, match="kv_sharing_fast_prefill"):
+        variant_stage_config(CPU_STAGE_CONFIG, tmp_path, "fast", mem=mem)
+
+
+def test_yoco_composition_check():
+    """speedup(both) / (speedup(fast) x speedup(cache)): a pass at >= 0.9 with h >= 0.9, a
+    fail below 0.9, and no verdict at h < 0.9."""
+    by_v = {"off": _rows([100, 100], 0.0), "fast": _rows([50, 50], 0.0),
+            "omni_cache": _rows([10, 10], 0.95), "fast+omni_cache": _rows([5.2, 5.2], 0.95)}
+    (c,) = S.yoco_checks("text", S.summarize_workload(by_v))
+    assert c["speedup_fast"] == pytest.approx(2) and c["speedup_cache"] == pytest.approx(10)
+    assert c["value"] == pytest.approx(100 / 5.2 / 20) and c["passed"] is True
+    by_v["fast+omni_cache"] = _rows([7, 7], 0.95)
+    assert S.yoco_checks("text", S.summarize_workload(by_v))[0]["passed"] is False
+    by_v["omni_cache"] = _rows([10, 10], 0.5)
+    assert S.yoco_checks("text", S.summarize_workload(by_v))[0]["passed"] is None
+    del by_v["fast"]
+    assert S.yoco_checks("text", S.summarize_workload(by_v))[0]["passed"] is None

@@ -124,3 +124,45 @@ def test_stage_config_check_at_start_up(tmp_path):
         load_stage_config(_gemma_variant(tmp_path, env={"OMNI_CACHE_YOCO_CAPTURE_LAYERS": "6"}), model_dir=model)
     load_stage_config(_gemma_variant(tmp_path, kv_sharing_fast_prefill=False,
                                      env={"OMNI_CACHE_YOCO_ACCEPT_LAYER": "final"}), model_dir=model)
+
+
+def test_embedded_gemma4_layout():
+    """The embedded Gemma-4 thinker: an E2B-like share of KV-shared layers, a self-decoder that
+    ends sliding, full (vLLM's KV-sharing targets), a full last layer, and media token ids that
+    are Qwen3-Omni's (the talker finds media rows and chat markers by them)."""
+    from omni_cache.models import SPECIAL_TOKENS
+    from omni_cache.models_gemma import GEMMA4_MEDIA_TOKENS, GEMMA4_SIZES, gemma4_config_dict
+    from omni_cache.yoco import LayerPlan
+
+    for size in GEMMA4_SIZES:
+        cfg = gemma4_config_dict(size)
+        text = cfg["text_config"]
+        plan = LayerPlan.from_hf_config(cfg, fast_prefill=True)
+        f = plan.first_kv_shared_layer
+        assert 0.5 < text["num_kv_shared_layers"] / text["num_hidden_layers"] < 0.65  # E2B: 20/35
+        assert text["layer_types"][f - 2:f] == ["sliding_attention", "full_attention"]
+        assert text["layer_types"][-1] == "full_attention"
+        assert cfg["image_token_id"] == SPECIAL_TOKENS[GEMMA4_MEDIA_TOKENS["image_token"]] == 151655
+        assert cfg["audio_token_id"] == SPECIAL_TOKENS[GEMMA4_MEDIA_TOKENS["audio_token"]]
+        assert cfg["boi_token_id"] == SPECIAL_TOKENS[GEMMA4_MEDIA_TOKENS["boi_token"]]
+        assert cfg["eoa_token_index"] == SPECIAL_TOKENS[GEMMA4_MEDIA_TOKENS["eoa_token"]]
+        assert cfg["vision_config"]["default_output_length"] in (70, 140, 280, 560, 1120)
+
+
+def test_gemma4_prompt_placeholders_and_family():
+    """A Gemma-4 prompt carries one bare media token per item (its processor adds the markers);
+    the stage config names the family."""
+    from omni_cache.driver.inputs import PLACEHOLDERS, OmniRequest, Turn
+    from omni_cache.driver.stage_config import load_stage_config
+    from tests.util import REPO
+
+    turns = [Turn("user", "Hi.", image=object(), audio=object())]
+    g4 = OmniRequest(turns, family="gemma4").prompt_text()
+    qw = OmniRequest(turns).prompt_text()
+    assert "<|image_pad|><|audio_pad|>Hi." in g4 and "<|vision_start|>" not in g4
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in qw
+    with pytest.raises(KeyError):
+        OmniRequest(turns, family="nope").prompt_text()
+    assert set(PLACEHOLDERS) == {"qwen3-omni", "gemma4"}
+    assert load_stage_config(REPO / "stage_configs" / "gemma4_yoco_cpu.yaml").thinker_family == "gemma4"
+    assert load_stage_config(REPO / "stage_configs" / "qwen3_omni_cpu.yaml").thinker_family == "qwen3-omni"
