@@ -87,19 +87,32 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_model(cfg) -> Path:
+    """The embedded tiny model a stage config's pipeline runs (built on first use): the
+    Gemma-4 / Gemma-3n thinker's pipeline directory for the YOCO pipelines, else Qwen3-Omni."""
+    from omni_cache.engine.plugin import GEMMA4_PIPELINE, GEMMA_PIPELINE
+
+    family = {GEMMA4_PIPELINE: "gemma4", GEMMA_PIPELINE: "gemma3n"}.get(cfg.raw.get("pipeline"))
+    if family:
+        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+
+        return build_gemma_omni(default_gemma_dir("tiny", family=family), "tiny", family=family)
+    from omni_cache.models import build_qwen3_omni, default_model_dir
+
+    return build_qwen3_omni(default_model_dir("tiny"), "tiny")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from omni_cache.driver.stage_config import StageConfigError, load_stage_config
     from omni_cache.driver.inputs import InputError, build_request, sample_path
-    from omni_cache.models import build_qwen3_omni, default_model_dir
 
-    model = Path(args.model) if args.model else default_model_dir("tiny")
-    if not args.model:
-        build_qwen3_omni(model, "tiny")
     image = args.image if args.image is not None else (None if args.no_image else sample_path("astronaut.jpg"))
     audio = args.audio if args.audio is not None else (None if args.no_audio else sample_path("speech.wav"))
     try:
-        cfg = load_stage_config(stage_config_path(args.stage_config), model_dir=model)
-        requests = [build_request(args.text, image=image, audio=audio, system=args.system)
+        cfg = load_stage_config(stage_config_path(args.stage_config))
+        model = Path(args.model) if args.model else _default_model(cfg)
+        cfg = load_stage_config(cfg.path, model_dir=model)
+        requests = [build_request(args.text, image=image, audio=audio, system=args.system, family=cfg.thinker_family)
                     for _ in range(args.repeat)]
     except (StageConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -239,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="start the pipeline and answer a text+image+audio request")
     run.add_argument("--stage-config", default=DEFAULT_STAGE_CONFIG, help="deploy YAML (path or bundled name)")
-    run.add_argument("--model", help="model directory (default: the embedded tiny model, built on first use)")
+    run.add_argument("--model", help="model directory (default: the embedded tiny model the stage config's pipeline "
+                                     "runs — Qwen3-Omni, or the Gemma-4 / Gemma-3n YOCO pipeline directory — built on "
+                                     "first use)")
     run.add_argument("--text", default=DEFAULT_TEXT)
     run.add_argument("--system", default=DEFAULT_SYSTEM_PROMPT)
     run.add_argument("--image", help="image file (default: bundled astronaut.jpg)")

@@ -16,7 +16,10 @@ streamed thinker→talker chunk (first hand-off: captured layer 0 = embeddings i
 soft tokens, and the self-decoder output, for every prompt row; then every decode row) and
 audio in every combination. The runs also prove they exercised what they claim: truncated
 cross-decoder forwards with fast prefill on; hits served by omni-cache with the cache on; and
-the towers not run again for media inside a hit.
+the towers not run for media inside a hit. (With the cache off, vLLM's own encoder cache also
+skips the towers for an item it encoded recently — measured: the repeats here were not
+encoded with the cache off either — so the comparison cannot show that skip as the prefix
+cache's doing; what it shows is that a hit never re-runs the towers for its media.)
 
 **Gemma 3n** (text only, ``stage_configs/gemma3n_yoco_cpu.yaml``, non-streamed adapter) is
 kept for what Gemma 4 lacks: AltUp (its captured rows are the active stream of a
@@ -218,9 +221,14 @@ def test_gemma4_runs_exercise_fast_prefill_hits_and_towers(g4_runs, combo):
     enc = {n: e for n, _, _, e in named}
     n_media = {n: k for n, _, k, _ in named}
     assert n_media["image+audio:first"] == 2 and n_media["chat:turn2"] == 1, n_media
+    # media never sent before are encoded by every variant; a repeat may be served by vLLM's
+    # own encoder cache (outputs of recently encoded items, by content hash) whatever the
+    # prefix cache does, so cache off encodes at most what it was sent
+    for n in ("image:first", "audio:first", "image:other", "audio:other"):
+        assert enc[n] == n_media[n], (n, enc)
+    assert all(enc[n] <= n_media[n] for n in enc), (enc, n_media)
     if cache == "off":
         assert not any(hits.values()), hits
-        assert all(enc[n] == n_media[n] for n in enc), (enc, n_media)
         return
     for n in ("text:second", "image:second", "audio:second", "image+audio:second", "chunked:second",
               "after-logprobs", "image:other", "audio:other"):
@@ -230,8 +238,6 @@ def test_gemma4_runs_exercise_fast_prefill_hits_and_towers(g4_runs, combo):
     assert hits["logprobs"] == 0, hits
     for n in MEDIA_HITS:
         assert enc[n] == 0, (n, enc)  # the towers did not run for media inside the hit
-    for n in ("image:first", "audio:first", "image+audio:first", "image:other", "audio:other", "logprobs"):
-        assert enc[n] == n_media[n], (n, enc)
     # no hit past the start of a medium that only its identifier tells apart
     image_ph, audio_ph = PLACEHOLDERS["gemma4"]
     from omni_cache.driver.inputs import OmniRequest, Turn
