@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
 DEFAULTS = {"--variants": "off,fast,omni_cache,fast+omni_cache", "--modalities": "text,image,audio,floor",
-            "--stage-config": str(CONFIG), "--media-copies": "4", "--requests": "4", "--repeats": "3"}
+            "--stage-config": str(CONFIG), "--media-copies": "6", "--requests": "4", "--repeats": "3"}
 
 
 def main(argv: list[str] | None = None) -> int:

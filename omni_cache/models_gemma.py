@@ -281,6 +281,18 @@ def gemma4_tokenizer(qwen_tokenizer):
     return tok
 
 
+def _save_seeded(out: Path, model_cls, cfg) -> None:
+    """Instantiate ``model_cls(cfg)`` with transformers' init under seed :data:`SEED` and save
+    it (safetensors) into ``out``."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    with torch.device("cpu"):
+        model = model_cls(cfg)
+    model.save_pretrained(out, safe_serialization=True)
+
+
 def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
     """Build the Gemma-4-style multimodal thinker directory: ``config.json``, seeded weights
     (``model.safetensors``), tokenizer and Gemma 4's processor (``processor_config.json``).
@@ -291,7 +303,6 @@ def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, forc
     Raises:
         KeyError: unknown ``size``.
     """
-    import torch
     from transformers import Gemma4AudioFeatureExtractor, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4Processor
     from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
     from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
@@ -305,13 +316,7 @@ def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, forc
     fp = gemma_fingerprint(size, "gemma4")
     if not force and is_up_to_date(stamp, fp):
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = Gemma4Config(**gemma4_config_dict(size))
-    torch.manual_seed(SEED)
-    with torch.device("cpu"):
-        model = Gemma4ForConditionalGeneration(cfg)
-    model.save_pretrained(out, safe_serialization=True)
-    del model
+    _save_seeded(out, Gemma4ForConditionalGeneration, Gemma4Config(**gemma4_config_dict(size)))
     tok = gemma4_tokenizer(build_tokenizer(out))
     soft = GEMMA4_TOWERS[size].image_soft_tokens
     processor = Gemma4Processor(
@@ -335,7 +340,6 @@ def build_gemma3n_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, for
     Raises:
         KeyError: unknown ``size``.
     """
-    import torch
     from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
 
     if size not in GEMMA_SIZES:
@@ -345,13 +349,7 @@ def build_gemma3n_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, for
     fp = gemma_fingerprint(size)
     if not force and is_up_to_date(stamp, fp):
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = Gemma3nTextConfig(**gemma3n_config_dict(GEMMA_SIZES[size]))
-    torch.manual_seed(SEED)
-    with torch.device("cpu"):
-        model = Gemma3nForCausalLM(cfg)
-    model.save_pretrained(out, safe_serialization=True)
-    del model
+    _save_seeded(out, Gemma3nForCausalLM, Gemma3nTextConfig(**gemma3n_config_dict(GEMMA_SIZES[size])))
     build_tokenizer(out).save_pretrained(out)
     stamp.write_text(json.dumps({"family": "gemma3n", "size": size, "seed": SEED, "fingerprint": fp,
                                  "widths": asdict(GEMMA_SIZES[size])}, indent=2))

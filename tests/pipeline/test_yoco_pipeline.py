@@ -56,12 +56,14 @@ G4_CONFIG = REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
 MEDIA_HITS = ("image:second", "audio:second", "image+audio:second", "chunked:second", "chat:turn2")
 
 
-def _g4_variant(out_dir, fast: str, cache: str):
+def _variant(config, out_dir, fast: str, cache: str):
+    """``config`` with fast prefill / prefix caching as named, chunked prefill (STEP_BUDGET),
+    hand-off recording and metrics into ``out_dir``."""
     from omni_cache import settings
     from omni_cache.driver.variants import derive_stage_config
 
     return derive_stage_config(
-        G4_CONFIG, out_dir / f"stage_config_fast-{fast}_cache-{cache}.yaml",
+        config, out_dir / f"stage_config_fast-{fast}_cache-{cache}.yaml",
         stages={0: {"kv_sharing_fast_prefill": fast == "on", "enable_prefix_caching": cache == "on",
                     "max_num_batched_tokens": STEP_BUDGET}},
         env={0: {settings.HANDOFF_DUMP.name: str(out_dir / "handoff"),
@@ -164,7 +166,7 @@ def g4_runs(tmp_path_factory, g4_model_dir):
     out = {}
     for fast, cache in COMBOS:
         d = tmp_path_factory.mktemp(f"gemma4-fast-{fast}-cache-{cache}")
-        with OmniPipeline(g4_model_dir, _g4_variant(d, fast, cache)) as pipe:
+        with OmniPipeline(g4_model_dir, _variant(G4_CONFIG, d, fast, cache)) as pipe:
             named, tok = _g4_workload(pipe, g4_model_dir, d)
         out[(fast, cache)] = (d, named, recorded_chunks(d), tok)
     return out
@@ -257,19 +259,6 @@ G3N_CONFIG = REPO / "stage_configs" / "gemma3n_yoco_cpu.yaml"
 G3N_COMBOS = [("off", "off"), ("on", "on")]
 
 
-def _g3n_variant(out_dir, fast: str, cache: str):
-    from omni_cache import settings
-    from omni_cache.driver.variants import derive_stage_config
-
-    return derive_stage_config(
-        G3N_CONFIG, out_dir / f"stage_config_fast-{fast}_cache-{cache}.yaml",
-        stages={0: {"kv_sharing_fast_prefill": fast == "on", "enable_prefix_caching": cache == "on",
-                    "max_num_batched_tokens": STEP_BUDGET}},
-        env={0: {settings.HANDOFF_DUMP.name: str(out_dir / "handoff"),
-                 settings.METRICS_DIR.name: str(out_dir / "metrics")}},
-        sampling={0: {"max_tokens": 12}, 1: {"max_tokens": 12}})
-
-
 def _chat(tok, system: str, user: str) -> list[int]:
     return tok.encode(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
                       "<|im_start|>assistant\n")
@@ -329,7 +318,7 @@ def g3n_runs(tmp_path_factory):
     out = {}
     for fast, cache in G3N_COMBOS:
         d = tmp_path_factory.mktemp(f"gemma3n-fast-{fast}-cache-{cache}")
-        with OmniPipeline(model_dir, _g3n_variant(d, fast, cache)) as pipe:
+        with OmniPipeline(model_dir, _variant(G3N_CONFIG, d, fast, cache)) as pipe:
             out[(fast, cache)] = (d, _g3n_workload(pipe, model_dir, d))
     return out
 
