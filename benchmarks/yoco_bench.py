@@ -9,16 +9,18 @@ the bench Qwen3-Omni) in the four variants of
 :data:`omni_cache.driver.variants.YOCO_VARIANTS` — ``off`` (the slow path), ``fast``,
 ``omni_cache``, ``fast+omni_cache`` — through the prefill benchmark's harness
 (:mod:`benchmarks.prefill.harness`: all pipelines up at once when memory allows, every request
-sent to each variant in turn with the order rotated, idle pipelines frozen; several rounds;
-medians, spreads, JSON and a plot). Workloads (:mod:`benchmarks.prefill.workloads`):
-``text`` (a long shared document + a distinct question), ``image`` / ``audio`` (``--media-copies``
-items of the bundled photo / speech, each copy its own content, + a distinct question), and
-``floor`` (the suffix alone). Per workload the summary states speedup(fast prefill),
+sent to each variant in turn with the order rotated, idle pipelines frozen; else — as with
+this bench model on a 24 GiB machine — one pipeline at a time, restarted every round in a
+rotated order; several rounds; medians, spreads, JSON and a plot). Workloads
+(:mod:`benchmarks.prefill.workloads`): ``text`` (a long shared document + a distinct
+question), ``image`` / ``audio`` (``--media-copies`` items of the bundled photo / speech, each
+copy its own content, + a distinct question; ``--modalities ...,floor`` adds the suffix-alone
+reference). Per workload the summary states speedup(fast prefill),
 speedup(cache), speedup(both) of the median thinker prefill vs ``off`` (and of TTFP), and the
 bar: at h >= 0.9, speedup(both) >= 0.9 x speedup(cache) x speedup(fast prefill)
 (:func:`benchmarks.prefill.summary.yoco_checks`).
 
-    .venv/bin/python -m benchmarks.yoco_bench --requests 4 --repeats 3
+    .venv/bin/python -m benchmarks.yoco_bench              # = --requests 3 --repeats 2 --modalities text,image,audio
 
 Any other ``omni-cache bench prefill`` option passes through (``--alternation``,
 ``--prefix-words``, ...). Writes ``benchmarks/results/<name>/result.json`` and ``prefill.png``.
@@ -32,8 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
-DEFAULTS = {"--variants": "off,fast,omni_cache,fast+omni_cache", "--modalities": "text,image,audio,floor",
-            "--stage-config": str(CONFIG), "--media-copies": "6", "--requests": "4", "--repeats": "3"}
+DEFAULTS = {"--variants": "off,fast,omni_cache,fast+omni_cache", "--modalities": "text,image,audio",
+            "--stage-config": str(CONFIG), "--media-copies": "6", "--requests": "3", "--repeats": "2"}
 
 
 def main(argv: list[str] | None = None) -> int:

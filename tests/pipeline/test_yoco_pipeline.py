@@ -23,15 +23,15 @@ cache's doing; what it shows is that a hit never re-runs the towers for its medi
 
 **Gemma 3n** (text only, ``stage_configs/gemma3n_yoco_cpu.yaml``, non-streamed adapter) is
 kept for what Gemma 4 lacks: AltUp (its captured rows are the active stream of a
-``[altup_num_inputs, tokens, hidden]`` state). Two pipelines — the slow path (fast prefill off,
-cache off) and both on — over single requests, a shared-prefix batch, chunked prefill, a
-two-turn chat and prompt logprobs.
+``[altup_num_inputs, tokens, hidden]`` state). One pipeline with fast prefill and the cache on:
+per prompt (a single request, a chunked prefill, a two-turn chat) the fast-prefill request and
+a full hit are compared with a slow-path request of the same prompt in the same pipeline (with
+prompt logprobs: no prefix-cache read, fast prefill disarmed for its batch).
 """
 
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
@@ -56,16 +56,16 @@ G4_CONFIG = REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
 MEDIA_HITS = ("image:second", "audio:second", "image+audio:second", "chunked:second", "chat:turn2")
 
 
-def _variant(config, out_dir, fast: str, cache: str):
+def _variant(config, out_dir, fast: str, cache: str, **stage0):
     """``config`` with fast prefill / prefix caching as named, chunked prefill (STEP_BUDGET),
-    hand-off recording and metrics into ``out_dir``."""
+    hand-off recording and metrics into ``out_dir``; ``stage0``: more thinker keys."""
     from omni_cache import settings
     from omni_cache.driver.variants import derive_stage_config
 
     return derive_stage_config(
         config, out_dir / f"stage_config_fast-{fast}_cache-{cache}.yaml",
         stages={0: {"kv_sharing_fast_prefill": fast == "on", "enable_prefix_caching": cache == "on",
-                    "max_num_batched_tokens": STEP_BUDGET}},
+                    "max_num_batched_tokens": STEP_BUDGET, **stage0}},
         env={0: {settings.HANDOFF_DUMP.name: str(out_dir / "handoff"),
                  settings.METRICS_DIR.name: str(out_dir / "metrics")}},
         sampling={0: {"max_tokens": 12}, 1: {"max_tokens": 12}})
@@ -166,7 +166,9 @@ def g4_runs(tmp_path_factory, g4_model_dir):
     out = {}
     for fast, cache in COMBOS:
         d = tmp_path_factory.mktemp(f"gemma4-fast-{fast}-cache-{cache}")
-        with OmniPipeline(g4_model_dir, _variant(G4_CONFIG, d, fast, cache)) as pipe:
+        with OmniPipeline(g4_model_dir, _variant(G4_CONFIG, d, fast, cache,
+                                                   # the workload's most per prompt (start-up profiles the limit)
+                                                   limit_mm_per_prompt={"image": 2, "audio": 2, "video": 0})) as pipe:
             named, tok = _g4_workload(pipe, g4_model_dir, d)
         out[(fast, cache)] = (d, named, recorded_chunks(d), tok)
     return out
@@ -253,10 +255,9 @@ def test_gemma4_runs_exercise_fast_prefill_hits_and_towers(g4_runs, combo):
     assert m["hit_tokens"] == sum(hits.values()), (m, hits)
 
 
-# ---- Gemma 3n: text, AltUp, non-streamed -----------------------------------------------
+# ---- Gemma 3n: text, AltUp, non-streamed, one pipeline -----------------------------------
 
 G3N_CONFIG = REPO / "stage_configs" / "gemma3n_yoco_cpu.yaml"
-G3N_COMBOS = [("off", "off"), ("on", "on")]
 
 
 def _chat(tok, system: str, user: str) -> list[int]:
@@ -264,112 +265,74 @@ def _chat(tok, system: str, user: str) -> list[int]:
                       "<|im_start|>assistant\n")
 
 
-def _new_handoffs(d, seen: set) -> list[dict]:
-    """Hand-off files written since the last call, in batch order (request ids start with
-    the request's index in its batch)."""
-    files = [p for p in sorted((d / "handoff").glob("*.pt")) if p.name not in seen]
-    seen.update(p.name for p in files)
-    idx = lambda p: int(re.match(r"\d+-(\d+)", p.name).group(1))  # noqa: E731
-    return [torch.load(p) for p in sorted(files, key=idx)]
-
-
 def _g3n_workload(pipe, model_dir, out_dir):
+    """Per prompt three requests, one at a time: ``fast`` (fast prefill, a miss or a partial
+    hit), ``slow`` (the same prompt with prompt logprobs: vLLM does not read the prefix cache
+    for it and omni-cache's runner disarms fast prefill for its batch — the slow path's
+    computation, in the same pipeline) and ``hit`` (the same prompt again: every full block
+    served from the cache). Returns ``{prompt name: {kind: (result, hand-off)}}``."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir / "thinker")
     seen: set = set()
-    named = []
+    out: dict = {}
+    slow = pipe.default_sampling_params()
+    slow[0].prompt_logprobs = 1
+    slow[0].skip_reading_prefix_cache = True  # SamplingParams derives it only at construction
 
-    def run(names, prompts, sps=None):
-        results = pipe.generate([{"prompt_token_ids": p} for p in prompts], sps)
-        handoffs = _new_handoffs(out_dir, seen)
-        assert len(handoffs) == len(results), (names, len(handoffs))
-        named.extend(zip(names, results, handoffs))
-        return results
+    def triple(name, prompt):
+        for kind, sps in (("fast", None), ("slow", slow), ("hit", None)):
+            (r,) = pipe.generate([{"prompt_token_ids": prompt}], sps)
+            files = [f for f in sorted((out_dir / "handoff").glob("*.pt")) if f.name not in seen]
+            seen.update(f.name for f in files)
+            assert len(files) == 1 and r.error is None, (name, kind, files, r.error)
+            out.setdefault(name, {})[kind] = (r, torch.load(files[0]))
+        return out[name]["fast"][0]
 
-    run(["single:first"], [_chat(tok, LONG, "What is first?")])
-    run(["single:second"], [_chat(tok, LONG, "And what comes second, please?")])
-    # a batch whose requests share the cached prefix (and a third, new prefix): one step
-    # computes several requests' suffixes and the budget (512) splits them into chunks
-    run(["batch:a", "batch:b", "batch:c"], [_chat(tok, LONG, "Name a bridge."), _chat(tok, LONG, "Name a river."),
-                                            _chat(tok, OTHER, "Name a town.")])
-    run(["chunked:first"], [_chat(tok, STORY, "Continue the story.")])
-    run(["chunked:second"], [_chat(tok, STORY, "Who is the hero?")])
+    triple("single", _chat(tok, LONG, "What is first?"))
+    triple("chunked", _chat(tok, STORY, "Continue the story."))  # ~1,300 tokens, steps of 512
     t1 = _chat(tok, LONG, "Tell me a story.")
-    (r1,) = run(["chat:turn1"], [t1])
+    r1 = triple("chat:turn1", t1)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    t2 = (t1 + [t for t in r1.token_ids if t != im_end] + [im_end]
-          + tok.encode("\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"))
-    run(["chat:turn2"], [t2])
-    sps = pipe.default_sampling_params()
-    sps[0].prompt_logprobs = 1
-    sps[0].skip_reading_prefix_cache = True
-    run(["logprobs"], [_chat(tok, LONG, "Score this prompt.")], sps)
-    run(["after-logprobs"], [_chat(tok, LONG, "Still there?")])
-    return named
+    triple("chat:turn2", t1 + [t for t in r1.token_ids if t != im_end] + [im_end]
+           + tok.encode("\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"))
+    return out
 
 
 @pytest.fixture(scope="module")
-def g3n_runs(tmp_path_factory):
+def g3n_run(tmp_path_factory):
     from omni_cache.driver.pipeline import OmniPipeline
     from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
 
     model_dir = build_gemma_omni(default_gemma_dir("tiny"), "tiny")
-    out = {}
-    for fast, cache in G3N_COMBOS:
-        d = tmp_path_factory.mktemp(f"gemma3n-fast-{fast}-cache-{cache}")
-        with OmniPipeline(model_dir, _variant(G3N_CONFIG, d, fast, cache)) as pipe:
-            out[(fast, cache)] = (d, _g3n_workload(pipe, model_dir, d))
-    return out
+    d = tmp_path_factory.mktemp("gemma3n-fast-on-cache-on")
+    with OmniPipeline(model_dir, _variant(G3N_CONFIG, d, "on", "on")) as pipe:
+        return d, _g3n_workload(pipe, model_dir, d)
 
 
-def test_gemma3n_fast_prefill_and_cache_equal_slow_path_bitwise(g3n_runs):
-    """Sampled tokens, hand-off tensors (the active AltUp stream of layers 0 and 4), prompt
-    logprobs and audio: fast prefill + cache equal the slow path bitwise."""
-    _, ref = g3n_runs[("off", "off")]
-    _, got = g3n_runs[("on", "on")]
-    assert [n for n, _, _ in ref] == [n for n, _, _ in got]
-    for (name, r0, h0), (_, r1, h1) in zip(ref, got):
-        assert r0.error is None and r1.error is None, (name, r0.error, r1.error)
-        assert r1.num_prompt_tokens == r0.num_prompt_tokens and r0.token_ids, name
-        assert r1.token_ids == r0.token_ids, name
-        assert_handoff_equal(h1, h0, name)
-        assert "hidden" not in h1, "final hidden states must never be handed downstream"
-        assert {"hidden_states.layer_0", "hidden_states.layer_4"} <= set(h1), sorted(h1)
-        n_rows = r0.num_prompt_tokens + len(r0.token_ids) - 1  # the last sampled token is never fed back
-        assert h1["hidden_states.layer_4"].shape[0] == n_rows, (name, h1["hidden_states.layer_4"].shape)
-        assert r0.audio is not None and r1.audio is not None, name
-        if not name.startswith("batch:"):
-            # Audio of requests sent alone is bitwise equal too. In a batch the talker's
-            # own batching follows the thinker's timing (which fast prefill and hits change),
-            # and the talker's batched forward is not batch-invariant: with identical
-            # thinker hand-offs, the batch's audio differed between runs (tokens and
-            # hand-offs, asserted above, did not).
-            assert np.array_equal(r1.audio, r0.audio), name
-        if name == "logprobs":
-            assert r0.prompt_logprobs is not None and r1.prompt_logprobs is not None
-            for p0, p1 in zip(r0.prompt_logprobs, r1.prompt_logprobs):
-                assert (p0 is None) == (p1 is None)
-                if p0 is not None:
-                    assert {t: lp.logprob for t, lp in p0.items()} == {t: lp.logprob for t, lp in p1.items()}
-
-
-def test_gemma3n_runs_exercise_fast_prefill_and_hits(g3n_runs):
-    """The slow path ran untruncated without hits; the fast run truncated the cross-decoder
-    (untruncated for the prompt-logprob batch) and omni-cache served every hit."""
-    d_off, named_off = g3n_runs[("off", "off")]
-    y = _metrics(d_off, "yoco")
-    assert y["truncated_forwards"] == 0 and y["fallback_forwards"] == 0, y
-    assert not any(r.num_cached_tokens for _, r, _ in named_off)
-    d, named = g3n_runs[("on", "on")]
+def test_gemma3n_fast_prefill_and_hits_equal_the_slow_path_bitwise(g3n_run):
+    """Gemma 3n (AltUp): for each prompt, the fast-prefill request and the full-hit request hand
+    the talker bitwise what the slow-path request (untruncated, no cache read) hands it —
+    captured layers 0 and 4 (the active AltUp stream), TTS embeddings — with the same tokens
+    and audio; and the run exercised what it claims: truncated forwards, fallback forwards for
+    the slow requests, hits served by omni-cache (none refused)."""
+    d, runs = g3n_run
+    for name, by_kind in runs.items():
+        r_slow, h_slow = by_kind["slow"]
+        assert r_slow.prompt_logprobs is not None and r_slow.num_cached_tokens == 0, name
+        for kind in ("fast", "hit"):
+            r, h = by_kind[kind]
+            assert r.token_ids == r_slow.token_ids and r.token_ids, (name, kind)
+            assert_handoff_equal(h, h_slow, f"{name}:{kind}")
+            assert "hidden" not in h and {"hidden_states.layer_0", "hidden_states.layer_4"} <= set(h), sorted(h)
+            n_rows = r.num_prompt_tokens + len(r.token_ids) - 1  # the last sampled token is never fed back
+            assert h["hidden_states.layer_4"].shape[0] == n_rows, (name, kind)
+            assert r.audio is not None and np.array_equal(r.audio, r_slow.audio), (name, kind)
+        assert by_kind["hit"][0].num_cached_tokens >= by_kind["hit"][0].num_prompt_tokens // BLOCK * BLOCK - BLOCK, name
+    turn1 = runs["chat:turn1"]["fast"][0]
+    assert runs["chat:turn2"]["fast"][0].num_cached_tokens >= turn1.num_prompt_tokens // BLOCK * BLOCK
     y = _metrics(d, "yoco")
-    assert y["truncated_forwards"] > 0 and y["rows_skipped_by_cross_decoder"] > 0 and y["fallback_forwards"] > 0, y
-    hits = {n: r.num_cached_tokens for n, r, _ in named}
-    for n in ("single:second", "chunked:second", "after-logprobs", "batch:a", "batch:b"):
-        assert hits[n] >= BLOCK, (n, hits)
-    turn1 = next(r for n, r, _ in named if n == "chat:turn1")
-    assert hits["chat:turn2"] >= turn1.num_prompt_tokens // BLOCK * BLOCK, hits
-    assert hits["logprobs"] == 0, hits
+    assert y["truncated_forwards"] > 0 and y["rows_skipped_by_cross_decoder"] > 0, y
+    assert y["fallback_forwards"] >= len(runs), y  # each slow request's batch ran untruncated
     m = _metrics(d, "metrics")
-    assert m["hits_refused"] == 0 and m["hits_served"] >= 5, m
-    assert m["hit_tokens"] == sum(hits.values()), (m, hits)
+    assert m["hits_refused"] == 0 and m["hits_served"] >= len(runs), m
