@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -89,12 +89,17 @@ class OmniPipeline:
         model_dir: a model directory (e.g. from ``omni-cache make-model``).
         stage_config: vLLM-Omni deploy YAML; validated first (:func:`load_stage_config`).
         stage_init_timeout: seconds a stage may take to start.
+        engine_args: further keyword arguments for ``vllm_omni.Omni`` (its engine arguments),
+            e.g. vLLM-Omni's distributed mode on one host: ``{"single_stage_mode": True,
+            "omni_master_address": "127.0.0.1", "omni_master_port": 29555,
+            "omni_lb_policy": "round-robin"}``.
 
     Raises:
         omni_cache.driver.stage_config.StageConfigError: invalid stage config or model directory.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, stage_config: str | os.PathLike, *, stage_init_timeout: int = 900):
+    def __init__(self, model_dir: str | os.PathLike, stage_config: str | os.PathLike, *, stage_init_timeout: int = 900,
+                 engine_args: Mapping[str, Any] | None = None):
         self.stage_config = load_stage_config(stage_config, model_dir=model_dir)
         self.model_dir = Path(model_dir)
         from vllm_omni import Omni
@@ -114,6 +119,7 @@ class OmniPipeline:
             deploy_config=str(self.stage_config.path),
             stage_init_timeout=stage_init_timeout,
             init_timeout=stage_init_timeout + 300,
+            **dict(engine_args or {}),
         )
         self.start_s = time.perf_counter() - t0
         logger.info("pipeline started in %.1f s", self.start_s)

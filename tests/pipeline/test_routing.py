@@ -20,6 +20,14 @@ engine (``ThinkerRouter.uninstall`` / ``install``) so one start serves four phas
    drained one.
 
 No hit may be refused in a worker (``hits_refused``).
+
+A second pipeline runs the same config in vLLM-Omni's **distributed mode** on this host
+(``single_stage_mode`` with an omni master address and port, no stage filter: every stage
+local, vLLM-Omni's coordinator and membership controller up, ``--omni-lb-policy round-robin``
+for every pool): omni-cache's ``PrefixRoutingBalancer`` replaces the thinker pool's balancer,
+fed the hub's replica list and heartbeat queue lengths. Phases 1 and 2 again: routed turns all
+hit and stay on one replica (the balancer chose each one); with vLLM-Omni's own round-robin
+balancer back, fewer than half hit.
 """
 
 from __future__ import annotations
@@ -125,6 +133,45 @@ def run(tmp_path_factory, tiny_model_dir):
     return out
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dist_run(tmp_path_factory, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from omni_cache import settings
+    from omni_cache.driver.pipeline import OmniPipeline
+    from omni_cache.driver.variants import derive_stage_config
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    d = tmp_path_factory.mktemp("routing-distributed")
+    cfg = variant_stage_config(d, "omni_cache", thinker={"num_replicas": 2}, streaming=True)
+    cfg = derive_stage_config(cfg, cfg, env={0: {settings.ROUTING.name: "prefix"}})
+    engine_args = {"single_stage_mode": True, "omni_master_address": "127.0.0.1",
+                   "omni_master_port": _free_port(), "omni_lb_policy": "round-robin"}
+    out = {"dir": d}
+    with OmniPipeline(tiny_model_dir, cfg, engine_args=engine_args) as pipe:
+        router, engine = pipe.router, pipe.omni.engine
+        assert router is not None
+        pool = engine.stage_pools[0]
+        out["distributed"] = pool.is_distributed
+        out["balancer"] = type(pool._lb).__name__
+        out["own_balancer"] = type(getattr(router, "_previous_balancer", None)).__name__
+        n0 = len(router.decisions)
+        _, out["routed"], out["routed_replicas"] = _conversations(pipe, tok, TOPICS["A"], range(TURNS), router=router)
+        out["decisions"] = len(router.decisions) - n0
+        router.uninstall(engine)
+        out["balancer_after_uninstall"] = type(pool._lb).__name__
+        _, out["round_robin"], _ = _conversations(pipe, tok, TOPICS["B"], range(TURNS))
+    return out
+
+
 def _hits(results) -> list[bool]:
     """Turns 2..TURNS: did each cover its previous prompt's whole blocks?"""
     return [results[(c, t)].num_cached_tokens >= results[(c, t - 1)].num_prompt_tokens // BLOCK * BLOCK
@@ -171,5 +218,23 @@ def test_routed_hits_are_exact(run):
                 assert x[k].shape == y[k].shape and torch.equal(x[k], y[k]), (key, i, k)
         served_differently += ra.num_cached_tokens != rb.num_cached_tokens
     assert served_differently >= CONVS, "the replay must be served differently from the routed run"
+    for p in (run["dir"] / "metrics").glob("metrics-*.json"):
+        assert json.loads(p.read_text())["hits_refused"] == 0, p
+
+
+def test_distributed_mode_routes_through_omni_caches_balancer(dist_run):
+    """vLLM-Omni's coordinator on one host: the thinker pool's balancer is omni-cache's, it
+    chose every routed request, routed turns all hit and stay on one replica; vLLM-Omni's own
+    round-robin balancer (restored on uninstall) loses most of those hits."""
+    run = dist_run
+    assert run["distributed"] and run["balancer"] == "PrefixRoutingBalancer", run
+    assert run["own_balancer"] == "RoundRobinBalancer", run
+    assert run["decisions"] == CONVS * TURNS, run["decisions"]
+    assert run["balancer_after_uninstall"] == "RoundRobinBalancer"
+    assert all(_hits(run["routed"])), [(r.num_prompt_tokens, r.num_cached_tokens) for r in run["routed"].values()]
+    for c in range(CONVS):
+        assert len({run["routed_replicas"][(c, t)] for t in range(TURNS)}) == 1, (c, run["routed_replicas"])
+    hits = _hits(run["round_robin"])
+    assert sum(hits) < len(hits) / 2, hits
     for p in (run["dir"] / "metrics").glob("metrics-*.json"):
         assert json.loads(p.read_text())["hits_refused"] == 0, p
