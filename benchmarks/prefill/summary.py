@@ -375,7 +375,7 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
         h = max((summ[v]["hit_ratio"] for v in vs), default=0.0)
         ax.set_title(f"{w} (h={h:.2f})", fontsize=9)
         ax.set_xticks(range(len(vs)))
-        ax.set_xticklabels(vs, fontsize=8)
+        ax.set_xticklabels(_tick_labels(vs), fontsize=8)
         ax.set_ylabel("thinker prefill, ms (median)" if ax is axes[0][0] else "")
         if any(v != "off" for v in vs):
             ax.legend(fontsize=7, loc="upper right")
@@ -389,6 +389,12 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _tick_labels(variants: list[str]) -> list[str]:
+    """Variant names for x ticks, a combined variant (``fast+omni_cache``) on two lines so
+    neighbouring labels do not overlap."""
+    return [v.replace("+", "+\n") for v in variants]
 
 
 _PART_COLORS = {"ttft_ms": "#4c72b0", "talker_prefill_ms": "#dd8452", "talker_decode_ms": "#55a868",
@@ -416,7 +422,7 @@ def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> Non
     if vs:
         ax.set_ylim(0, 1.3 * max(summ[v]["ttfp_ms"]["median"] for v in vs))
     ax.set_xticks(range(len(vs)))
-    ax.set_xticklabels(vs, fontsize=8)
+    ax.set_xticklabels(_tick_labels(vs), fontsize=8)
     ax.set_title(f"{w}: TTFP and its parts", fontsize=9)
     if first:
         ax.set_ylabel("time to first audio packet, ms (median)")

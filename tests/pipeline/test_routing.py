@@ -100,18 +100,25 @@ def _chunks_by_request(out_dir) -> dict[str, list[dict]]:
     return {rid: [c for _, c in sorted(chunks, key=lambda x: x[0])] for rid, chunks in by_req.items()}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_model_dir):
+def _setup(tmp_path_factory, model_dir, name: str):
+    """The thinker tokenizer, a fresh folder and the streaming CPU config with two thinker
+    replicas, omni-cache on and ``OMNI_CACHE_ROUTING: prefix``."""
     from transformers import AutoTokenizer
 
     from omni_cache import settings
-    from omni_cache.driver.pipeline import OmniPipeline
     from omni_cache.driver.variants import derive_stage_config
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    d = tmp_path_factory.mktemp("routing")
+    d = tmp_path_factory.mktemp(name)
     cfg = variant_stage_config(d, "omni_cache", thinker={"num_replicas": 2}, streaming=True)
     cfg = derive_stage_config(cfg, cfg, env={0: {settings.ROUTING.name: "prefix"}})
+    return AutoTokenizer.from_pretrained(model_dir), d, cfg
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_dir):
+    from omni_cache.driver.pipeline import OmniPipeline
+
+    tok, d, cfg = _setup(tmp_path_factory, tiny_model_dir, "routing")
     out = {"dir": d}
     with OmniPipeline(tiny_model_dir, cfg) as pipe:
         router, engine = pipe.router, pipe.omni.engine
@@ -143,16 +150,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def dist_run(tmp_path_factory, tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    from omni_cache import settings
     from omni_cache.driver.pipeline import OmniPipeline
-    from omni_cache.driver.variants import derive_stage_config
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    d = tmp_path_factory.mktemp("routing-distributed")
-    cfg = variant_stage_config(d, "omni_cache", thinker={"num_replicas": 2}, streaming=True)
-    cfg = derive_stage_config(cfg, cfg, env={0: {settings.ROUTING.name: "prefix"}})
+    tok, d, cfg = _setup(tmp_path_factory, tiny_model_dir, "routing-distributed")
     engine_args = {"single_stage_mode": True, "omni_master_address": "127.0.0.1",
                    "omni_master_port": _free_port(), "omni_lb_policy": "round-robin"}
     out = {"dir": d}

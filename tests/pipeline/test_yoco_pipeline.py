@@ -32,6 +32,7 @@ prompt logprobs: no prefix-cache read, fast prefill disarmed for its batch).
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -45,6 +46,7 @@ BLOCK = 32
 LONG = "Look carefully and listen to every detail before you answer my questions today. " * 5
 AFTER = " Keep in mind what you just saw and heard, then answer in one short and kind sentence. " * 2
 OTHER = "Here is a different shared preamble about rivers, bridges and the old harbour town. " * 4
+CAPTAIN = "Answer as a careful ship's captain who has sailed through many storms at night. " * 6
 STORY = "Once upon a time a small robot learned to paint the sky in many colours each night. " * 15
 COMBOS = [(f, c) for f in ("off", "on") for c in ("off", "on")]  # (fast prefill, cache)
 STEP_BUDGET = 512  # long prompts are prefilled in chunks
@@ -270,7 +272,10 @@ def _g3n_workload(pipe, model_dir, out_dir):
     hit), ``slow`` (the same prompt with prompt logprobs: vLLM does not read the prefix cache
     for it and omni-cache's runner disarms fast prefill for its batch — the slow path's
     computation, in the same pipeline) and ``hit`` (the same prompt again: every full block
-    served from the cache). Returns ``{prompt name: {kind: (result, hand-off)}}``."""
+    served from the cache). ``batch:<i>``: three prompts sharing a fresh system prompt, each
+    kind sent as one concurrent batch (several requests' logit rows in one truncated step; the
+    shared prefix computed in the same steps). Returns ``{prompt name: {kind: (result,
+    hand-off)}}``."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir / "thinker")
@@ -289,7 +294,20 @@ def _g3n_workload(pipe, model_dir, out_dir):
             out.setdefault(name, {})[kind] = (r, torch.load(files[0]))
         return out[name]["fast"][0]
 
+    def batch(prompts):
+        for kind, sps in (("fast", None), ("slow", slow), ("hit", None)):
+            rs = pipe.generate([{"prompt_token_ids": p} for p in prompts], sps)
+            files = [f for f in sorted((out_dir / "handoff").glob("*.pt")) if f.name not in seen]
+            seen.update(f.name for f in files)
+            assert len(files) == len(prompts), (kind, files)
+            for i, r in enumerate(rs):
+                assert r.error is None, (kind, i, r.error)
+                rid = re.sub(r"[^A-Za-z0-9_.-]", "_", r.request_id)
+                (f,) = [f for f in files if rid in f.name]
+                out.setdefault(f"batch:{i}", {})[kind] = (r, torch.load(f))
+
     triple("single", _chat(tok, LONG, "What is first?"))
+    batch([_chat(tok, CAPTAIN, q) for q in ("Where are we?", "What is the weather like?", "Who steers?")])
     triple("chunked", _chat(tok, STORY, "Continue the story."))  # ~1,300 tokens, steps of 512
     t1 = _chat(tok, LONG, "Tell me a story.")
     r1 = triple("chat:turn1", t1)
@@ -327,12 +345,14 @@ def test_gemma3n_fast_prefill_and_hits_equal_the_slow_path_bitwise(g3n_run):
             assert "hidden" not in h and {"hidden_states.layer_0", "hidden_states.layer_4"} <= set(h), sorted(h)
             n_rows = r.num_prompt_tokens + len(r.token_ids) - 1  # the last sampled token is never fed back
             assert h["hidden_states.layer_4"].shape[0] == n_rows, (name, kind)
-            assert r.audio is not None and np.array_equal(r.audio, r_slow.audio), (name, kind)
+            if not name.startswith("batch"):  # the talker's batched forward is batch-variant on this CPU
+                assert r.audio is not None and np.array_equal(r.audio, r_slow.audio), (name, kind)
         assert by_kind["hit"][0].num_cached_tokens >= by_kind["hit"][0].num_prompt_tokens // BLOCK * BLOCK - BLOCK, name
     turn1 = runs["chat:turn1"]["fast"][0]
     assert runs["chat:turn2"]["fast"][0].num_cached_tokens >= turn1.num_prompt_tokens // BLOCK * BLOCK
     y = _metrics(d, "yoco")
     assert y["truncated_forwards"] > 0 and y["rows_skipped_by_cross_decoder"] > 0, y
-    assert y["fallback_forwards"] >= len(runs), y  # each slow request's batch ran untruncated
+    solo = sum(not n.startswith("batch") for n in runs)
+    assert y["fallback_forwards"] >= solo + 1, y  # each slow request's (or batch's) step ran untruncated
     m = _metrics(d, "metrics")
     assert m["hits_refused"] == 0 and m["hits_served"] >= len(runs), m
