@@ -25,9 +25,9 @@ A second pipeline runs the same config in vLLM-Omni's **distributed mode** on th
 (``single_stage_mode`` with an omni master address and port, no stage filter: every stage
 local, vLLM-Omni's coordinator and membership controller up, ``--omni-lb-policy round-robin``
 for every pool): omni-cache's ``PrefixRoutingBalancer`` replaces the thinker pool's balancer,
-fed the hub's replica list and heartbeat queue lengths. Phases 1 and 2 again: routed turns all
-hit and stay on one replica (the balancer chose each one); with vLLM-Omni's own round-robin
-balancer back, fewer than half hit.
+fed the hub's replica list and heartbeat queue lengths. Phase 1 again: routed turns all
+hit and stay on one replica (the balancer chose each one); uninstalling restores vLLM-Omni's
+own round-robin balancer.
 """
 
 from __future__ import annotations
@@ -168,7 +168,6 @@ def dist_run(tmp_path_factory, tiny_model_dir):
         out["decisions"] = len(router.decisions) - n0
         router.uninstall(engine)
         out["balancer_after_uninstall"] = type(pool._lb).__name__
-        _, out["round_robin"], _ = _conversations(pipe, tok, TOPICS["B"], range(TURNS))
     return out
 
 
@@ -224,8 +223,9 @@ def test_routed_hits_are_exact(run):
 
 def test_distributed_mode_routes_through_omni_caches_balancer(dist_run):
     """vLLM-Omni's coordinator on one host: the thinker pool's balancer is omni-cache's, it
-    chose every routed request, routed turns all hit and stay on one replica; vLLM-Omni's own
-    round-robin balancer (restored on uninstall) loses most of those hits."""
+    chose every routed request, routed turns all hit and stay on one replica; uninstalling
+    gives the pool vLLM-Omni's own balancer back. (What round-robin loses is shown on the
+    in-process pipeline above; the distributed balancer is the same policy code.)"""
     run = dist_run
     assert run["distributed"] and run["balancer"] == "PrefixRoutingBalancer", run
     assert run["own_balancer"] == "RoundRobinBalancer", run
@@ -234,7 +234,5 @@ def test_distributed_mode_routes_through_omni_caches_balancer(dist_run):
     assert all(_hits(run["routed"])), [(r.num_prompt_tokens, r.num_cached_tokens) for r in run["routed"].values()]
     for c in range(CONVS):
         assert len({run["routed_replicas"][(c, t)] for t in range(TURNS)}) == 1, (c, run["routed_replicas"])
-    hits = _hits(run["round_robin"])
-    assert sum(hits) < len(hits) / 2, hits
     for p in (run["dir"] / "metrics").glob("metrics-*.json"):
         assert json.loads(p.read_text())["hits_refused"] == 0, p
