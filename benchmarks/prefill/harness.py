@@ -198,8 +198,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="measure without streaming: async_chunk false and vLLM-Omni's synchronous Omni "
                          "(TTFP = the whole waveform); default: async_chunk true through AsyncOmni "
                          "(TTFP = the first audio packet)")
+    ap.add_argument("--thinker-cache-only", action="store_true",
+                    help="omni-cache variants without the talker's prefix cache (compares thinker caches alone); "
+                         "default: as the stage config says (the shipped configs turn it on)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="results root; a run dir is made in it")
     ap.add_argument("--name", help="run directory name (default: prefill-<timestamp>)")
+
+
+def _talker_cache(args, variant: str) -> bool:
+    """Whether ``variant`` runs the talker's content-keyed prefix cache: an omni-cache variant
+    does when the base stage config turns it on (as the shipped configs do) and
+    ``--thinker-cache-only`` is not given; ``off``, ``builtin`` and ``fast`` never do (vLLM's
+    own cache on the talker would match placeholder ids, see docs/talker-cache.md)."""
+    if args.thinker_cache_only or "omni_cache" not in variant:
+        return False
+    import yaml  # the YAML alone: load_stage_config imports vLLM, which this driver keeps out
+
+    raw = yaml.safe_load(Path(args.stage_config).read_text())
+    talker = [st for st in raw.get("stages", []) if st.get("stage_id") == 1]
+    return bool(talker and talker[0].get("enable_prefix_caching", raw.get("enable_prefix_caching")))
 
 
 def _memory_settings(args) -> MemorySettings:
@@ -248,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     mem = _memory_settings(args)
-    cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream)
+    cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
+                                    talker_prefix_caching=_talker_cache(args, v))
             for v in variants}
     env = dict(os.environ)
     if mem.malloc_arena_max:

@@ -1,0 +1,178 @@
+"""Where a stage's prefill time goes: py-spy on one stage (default the thinker) of a bench pipeline, per workload.
+
+Starts one pipeline of ``--variant`` (the prefill benchmark's stage config derived from
+``--stage-config``: ``uni`` executor, so the model runner runs inside the thinker's
+engine-core process), warms each workload's shared prefix with an untimed request (as the
+benchmark does), then serves ``--requests`` requests of every workload in ``--workloads``,
+alternating workloads request by request, and records the engine-core process of
+``--stage`` (0 thinker, 1 talker, 2 code2wav) with py-spy
+(``--rate`` Hz, raw collapsed stacks, one recording per request, pooled per workload). Per
+workload it splits the samples taken inside ``execute_model`` / ``sample_tokens``: omni-cache's
+cache work (frames of ``omni_cache/core`` or the runner's cache methods), the model forward,
+``compute_logits``, and lists the heaviest leaf frames, so a hit can be set against the
+suffix alone (``floor``) or a miss::
+
+    .venv/bin/python -m benchmarks.profile_stage --workloads miss --variant omni_cache --requests 8
+    .venv/bin/python -m benchmarks.profile_stage --stage-config stage_configs/gemma4_yoco_cpu.yaml \\
+        --variant fast+omni_cache --workloads image,floor --media-copies 6 --requests 6
+
+Writes ``<out>/profile-<variant>-stage<N>.json`` (per workload: shares, sample counts, vLLM's
+per-request prefill times of the thinker and the talker) and the raw stacks
+``<out>/profile-<variant>-stage<N>-<workload>.txt``.
+Needs ``py-spy`` (installed by the setup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+#: the runner's cache methods (omni_cache/engine/runner.py); omni_cache/core counts whole
+CACHE_METHODS = {"new_step_starts", "save_outputs", "materialize", "_tags", "_ensure_cache",
+                 "_restart_resumed_payloads", "_publish_metrics", "discard_step"}
+
+
+def _func(frame: str) -> str:
+    return frame.split(" (")[0].split(".")[-1]
+
+
+def split_samples(raw: str) -> dict:
+    """Shares of py-spy's raw collapsed stacks (``frame;frame;... count`` lines)."""
+    total = step = cache = forward = logits = 0
+    leaves: collections.Counter = collections.Counter()
+    mine_leaves: collections.Counter = collections.Counter()
+    for line in raw.splitlines():
+        stack, _, n = line.rstrip().rpartition(" ")
+        if not stack:
+            continue
+        frames, n = stack.split(";"), int(n)
+        total += n
+        if not any(_func(f) in ("execute_model", "sample_tokens") for f in frames):
+            continue
+        step += n
+        leaves[frames[-1].split(" (")[0] + " (" + frames[-1].split(" (")[-1].split("/")[-1]] += n
+        mine = [f for f in frames if "(omni_cache/core/" in f
+                or ("(omni_cache/engine/runner.py" in f and _func(f) in CACHE_METHODS)]
+        if mine:
+            cache += n
+            mine_leaves[[f for f in frames if "(omni_cache/" in f][-1].split(" (")[0]] += n
+        forward += n if any(_func(f) == "_model_forward" for f in frames) else 0
+        logits += n if any(_func(f) == "compute_logits" for f in frames) else 0
+    share = (lambda x: x / step) if step else (lambda x: 0.0)
+    return {"samples": total, "step_samples": step, "omni_cache_samples": cache,
+            "omni_cache_share": share(cache), "model_forward_share": share(forward),
+            "compute_logits_share": share(logits),
+            "omni_cache_leaf_frames": dict(mine_leaves.most_common(10)),
+            "leaf_frames": {k: round(share(v), 4) for k, v in leaves.most_common(25)}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"))
+    ap.add_argument("--model", help="model directory (default: the stage config's embedded model of --model-size)")
+    ap.add_argument("--model-size", default="bench", help="embedded model size (bench, bench-voice for the Qwen3-Omni family)")
+    ap.add_argument("--stage", type=int, default=0, help="stage id to record (0 thinker, 1 talker, 2 code2wav)")
+    ap.add_argument("--variant", default="omni_cache", help="a benchmark variant (omni_cache.driver.variants)")
+    ap.add_argument("--workloads", default="miss", help="comma-separated prefill-benchmark workloads")
+    ap.add_argument("--requests", type=int, default=8, help="timed requests per workload")
+    ap.add_argument("--media-copies", type=int, default=1)
+    ap.add_argument("--thinker-kv-mib", type=int, default=256)
+    ap.add_argument("--talker-kv-mib", type=int, default=None,
+                    help="default 32, 256 for bench-voice (its talker holds ~9 KiB of KV a token)")
+    ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = ap.parse_args()
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        print("error: py-spy not found (pip install py-spy)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker inside the engine core
+    import psutil
+
+    from benchmarks.prefill.worker import VariantWorker
+    from benchmarks.prefill.workloads import WorkloadOptions, specs, warmup_specs
+    from omni_cache.driver.stage_config import load_stage_config
+    from omni_cache.driver.variants import MemorySettings, variant_stage_config
+
+    workloads = [w for w in args.workloads.split(",") if w]
+    out = Path(args.out)
+    tag = f"{args.variant}-stage{args.stage}"
+    work = out / f"profile-{tag}.d"
+    cfg = variant_stage_config(Path(args.stage_config), work, args.variant,
+                               mem=MemorySettings(thinker_kv_bytes=args.thinker_kv_mib << 20,
+                                                  talker_kv_bytes=(args.talker_kv_mib or (256 if args.model_size == "bench-voice" else 32)) << 20))
+    model = args.model
+    if model is None:
+        family = load_stage_config(args.stage_config).thinker_family
+        if family == "gemma4":
+            from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+
+            model = str(build_gemma_omni(default_gemma_dir(args.model_size, family="gemma4"), args.model_size,
+                                         family="gemma4"))
+        else:
+            from omni_cache.models import build_qwen3_omni, default_model_dir
+
+            model = str(build_qwen3_omni(default_model_dir(args.model_size), args.model_size))
+    opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
+    w = VariantWorker(model, str(cfg))
+    per: dict[str, dict] = {wl: {"raw": [], "prefill_ms": [], "talker_prefill_ms": [], "cached": [], "prompt": []} for wl in workloads}
+    try:
+        for s in warmup_specs(workloads, opts):  # untimed: shared prefixes, first-request costs
+            w.run_one(s)
+        name = f"stage{args.stage}"
+        target = [p for p in psutil.Process().children(recursive=True) if name in p.name()]
+        if not target:
+            print(f"error: no engine-core process of stage {args.stage} (name with {name!r}) found", file=sys.stderr)
+            return 1
+        todo = list(zip(*[specs(wl, 0, opts) for wl in workloads]))
+        for i, row in enumerate(todo):
+            for s in row:
+                raw = work / f"{s['workload']}-{i}.txt"
+                rec = subprocess.Popen([spy, "record", "-p", str(target[0].pid), "-r", str(args.rate), "-f", "raw",
+                                        "-o", str(raw), "--nonblocking"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                time.sleep(1.5)
+                r = w.run_one(s)
+                rec.send_signal(signal.SIGINT)
+                rec.wait(120)
+                d = per[s["workload"]]
+                d["raw"].append(raw.read_text() if raw.exists() else "")
+                d["prefill_ms"].append(r.get("prefill_ms"))
+                d["talker_prefill_ms"].append(r.get("talker_prefill_ms"))
+                d["cached"].append(r.get("num_cached_tokens"))
+                d["prompt"].append(r.get("num_prompt_tokens"))
+                print(f"{s['workload']} {i + 1}/{len(todo)}: prefill {r.get('prefill_ms') or float('nan'):.0f} ms, "
+                      f"{r.get('num_cached_tokens')}/{r.get('num_prompt_tokens')} tokens cached, talker prefill "
+                      f"{r.get('talker_prefill_ms') or float('nan'):.0f} ms", flush=True)
+    finally:
+        w.close()
+    result = {"variant": args.variant, "stage": args.stage, "stage_config": str(args.stage_config), "rate_hz": args.rate, "workloads": {}}
+    for wl, d in per.items():
+        raw = "\n".join(d.pop("raw"))
+        (out / f"profile-{tag}-{wl}.txt").write_text(raw)
+        ms = [x for x in d["prefill_ms"] if x is not None]
+        result["workloads"][wl] = {**d, "prefill_ms_median": statistics.median(ms) if ms else None,
+                                   **split_samples(raw)}
+        r = result["workloads"][wl]
+        print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; of stage {args.stage}'s model-runner "
+              f"samples: omni-cache {100 * r['omni_cache_share']:.1f} %, model forward "
+              f"{100 * r['model_forward_share']:.1f} %, compute_logits {100 * r['compute_logits_share']:.1f} %")
+    path = out / f"profile-{tag}.json"
+    path.write_text(json.dumps(result, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"wrote {path} and the raw stacks beside it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
