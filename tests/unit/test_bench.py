@@ -3,7 +3,9 @@ bar checks, table and plot (synthetic samples)."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,6 +14,8 @@ from benchmarks.prefill import summary as S
 from omni_cache.driver.variants import MemorySettings, variant_stage_config
 from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, specs, warmup_specs
 from tests.util import CPU_STAGE_CONFIG
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _rows(ms: list[float], h: float, prompt: int = 1000, rounds: int = 2) -> list[dict]:
@@ -333,3 +337,23 @@ def test_yoco_composition_check():
     assert S.yoco_checks("text", S.summarize_workload(by_v))[0]["passed"] is None
     del by_v["fast"]
     assert S.yoco_checks("text", S.summarize_workload(by_v))[0]["passed"] is None
+
+
+def test_yoco_paired_runs_combine_to_the_same_composition(tmp_path):
+    """--paired: a 4-variant run split into its miss pair and hit pair gives back the run's
+    composition exactly (the medians of ``off`` cancel)."""
+    from benchmarks.yoco_bench import combine_pairs
+
+    src = json.loads((REPO / "benchmarks/results/yoco-gemma4-bench-20261124-225007/result.json").read_text())
+    for tag, keep in (("miss", ("off", "fast")), ("hit", ("omni_cache", "fast+omni_cache"))):
+        d = tmp_path / f"p-{tag}"
+        d.mkdir()
+        part = {"samples": {w: {v: rows for v, rows in by.items() if v in keep} for w, by in src["samples"].items()}}
+        (d / "result.json").write_text(json.dumps(part))
+    assert combine_pairs(tmp_path, "p", ["miss", "hit"]) == 0
+    got = json.loads((tmp_path / "p" / "result.json").read_text())["bar_checks"]["image"][0]
+    want = src["bar_checks"]["image"][0]
+    assert got["value"] == pytest.approx(want["value"], rel=1e-12)
+    assert got["passed"] is want["passed"]
+    assert got["hit_gain_fast"] / got["miss_gain_fast"] == pytest.approx(want["value"], rel=1e-12)
+    assert (tmp_path / "p" / "prefill.png").stat().st_size > 0
