@@ -153,7 +153,8 @@ def main() -> int:
                 d["prompt"].append(r.get("num_prompt_tokens"))
                 print(f"{s['workload']} {i + 1}/{len(todo)}: prefill {r.get('prefill_ms') or float('nan'):.0f} ms, "
                       f"{r.get('num_cached_tokens')}/{r.get('num_prompt_tokens')} tokens cached, talker prefill "
-                      f"{r.get('talker_prefill_ms') or float('nan'):.0f} ms", flush=True)
+                      f"{r.get('talker_prefill_ms') or float('nan'):.0f} ms (hit {r.get('talker_hit_tokens')}/"
+                      f"{r.get('talker_prompt_tokens')})", flush=True)
     finally:
         w.close()
     result = {"variant": args.variant, "stage": args.stage, "stage_config": str(args.stage_config), "rate_hz": args.rate, "workloads": {}}

@@ -481,6 +481,8 @@ METRIC_DEFINITIONS = {
                "audio packet when streaming (AsyncOmni, async_chunk true); the whole waveform with --no-stream "
                "(synchronous Omni, async_chunk false: code2wav emits it at once)",
     "talker_prefill_ms": "talker prefill: change of vllm:request_prefill_time_seconds{stage=1}_sum across the request",
+    "talker_hit_tokens": "talker prefix-hit tokens of the request (omni-cache's talker identity hook); None: the "
+                         "variant's talker runs without prefix caching, or not streaming",
     "talker_decode_ms": "talker decode steps after its first codec frame (the rest of the first codec chunk: the "
                         "talker's max_tokens is the first chunk's frame count): vllm:request_decode_time_seconds{stage=1}",
     "code2wav_ms": "code2wav scheduled -> finished: vllm:request_inference_time_seconds{stage=2}",

@@ -105,8 +105,12 @@ class VariantWorker:
         from omni_cache.driver.stage_config import load_stage_config
         from omni_cache.engine.plugin import register
 
+        from omni_cache.driver.engine_hooks import hooks_wanted, install_engine_hooks, prepare_environment
+
         cfg = load_stage_config(stage_config, model_dir=model)
         register()  # omni-cache's pipeline variants, resolved in this (driver) process
+        if hooks_wanted(cfg):
+            prepare_environment()  # the talker keys' signing secret, inherited by the stages
         self.stream = stream
         self.family = cfg.thinker_family  # the prompt's media placeholders
         self._loop = None
@@ -123,6 +127,9 @@ class VariantWorker:
 
             self.omni = Omni(model=model, deploy_config=str(cfg.path), stage_init_timeout=900,
                              init_timeout=1200, log_stats=True)
+        # what OmniPipeline / omni-cache serve install: without the talker's content identity
+        # a talker with prefix caching on gets no keys and shares nothing
+        self.hooks = install_engine_hooks(self.omni, cfg) if hooks_wanted(cfg) else None
         self.start_s = time.perf_counter() - t0
         self.model = model
         self._tok = None
@@ -201,11 +208,14 @@ class VariantWorker:
         self._seq += 1
 
         async def drive():
-            async for o in self.omni.generate(prompt, request_id=f"bench-{self._seq}",
+            async for o in self.omni.generate(prompt, request_id=self._request_id(),
                                               sampling_params_list=params):
                 handle(o, time.perf_counter())
 
         self._loop.run_until_complete(drive())
+
+    def _request_id(self) -> str:
+        return f"bench-{self._seq}"
 
     def run_one(self, spec: dict) -> dict:
         prompt = self.engine_prompt(spec)
@@ -250,6 +260,8 @@ class VariantWorker:
         prompt_ids, gen_ids = st["prompt_ids"], st["gen_ids"]
         if spec.get("chat"):
             self.sessions[spec["chat"]["session"]] = prompt_ids + [t for t in gen_ids if t != self._im_end()]
+        talker_hit, talker_prompt = (self.hooks.talker_hit(self._request_id())
+                                     if self.hooks is not None and self.stream else (None, None))
         s0 = stage_metrics.get("0", {})
         n_fin = delta["0"].get("vllm:request_prefill_time_seconds:count", 0.0)
 
@@ -274,6 +286,8 @@ class VariantWorker:
             "vllm_ttft_ms": s0.get("vllm_ttft_ms"),
             "ttfp_ms": ms(st["ttfp"]),
             "talker_prefill_ms": per_request_ms("1", "vllm:request_prefill_time_seconds"),
+            "talker_hit_tokens": talker_hit,        # talker prefix-hit tokens (None: talker cache off
+            "talker_prompt_tokens": talker_prompt,  # or not streaming)
             "talker_decode_ms": per_request_ms("1", "vllm:request_decode_time_seconds"),
             "code2wav_ms": per_request_ms("2", "vllm:request_inference_time_seconds"),
             "e2e_ms": ms(end),
