@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--paired")
     size = "bench"
     if "--size" in argv:
-        size = argv[argv.index("--size") + 1]
+        size = _opt(argv, "--size")
         del argv[argv.index("--size"):argv.index("--size") + 2]
     if "--model" not in argv:
         # built in a child process (importing torch here would grow this driver process, which

@@ -102,10 +102,9 @@ class VariantWorker:
     """A started pipeline plus the per-request measurement described in the module doc."""
 
     def __init__(self, model: str, stage_config: str, *, stream: bool = True):
+        from omni_cache.driver.engine_hooks import hooks_wanted, install_engine_hooks, prepare_environment
         from omni_cache.driver.stage_config import load_stage_config
         from omni_cache.engine.plugin import register
-
-        from omni_cache.driver.engine_hooks import hooks_wanted, install_engine_hooks, prepare_environment
 
         cfg = load_stage_config(stage_config, model_dir=model)
         register()  # omni-cache's pipeline variants, resolved in this (driver) process
