@@ -119,10 +119,6 @@ FUSED = Setting(
     "OMNI_CACHE_FUSED", Kind.CHOICE, "1", ReadBy.ENGINE, True,
     "CUDA: write a step's rows of every key with one Triton kernel (`1`, default) or with "
     "torch's per-key `index_copy_` (`0`); same results", choices=("0", "1"))
-TEST_FORGET_FIRST_N_REQUESTS = Setting(
-    "OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS", Kind.INT, "0", ReadBy.ENGINE, True,
-    "fault injection (tests): the scheduler forgets the rows of the first N requests, so hits "
-    "on them are capped and recomputed")
 CPU_PLATFORM = Setting(
     "OMNI_CACHE_CPU_PLATFORM", Kind.CHOICE, None, ReadBy.EVERY, True,
     "force the CPU OmniPlatform on (`1`) or off (`0`); unset: on when vLLM resolved to its CPU "
@@ -168,7 +164,7 @@ VENV = Setting(
 #: name → setting, in documentation order.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
-    FUSED, TEST_FORGET_FIRST_N_REQUESTS, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, ROUTING,
+    FUSED, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, ROUTING,
     ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}
 
 PREFIX = "OMNI_CACHE_"

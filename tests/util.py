@@ -11,9 +11,7 @@ CPU_STAGE_CONFIG = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
 def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = None, *,
                          streaming: bool = False) -> Path:
     """The CPU stage config with the thinker's prefix cache ``off`` (the talker's too) /
-    ``builtin`` / ``omni_cache`` (the talker's on, as the bundled config has it;
-    ``omni_cache_forget``: omni-cache with the first request's rows "lost",
-    fault injection), hand-off recording into ``out_dir/handoff`` (thinker → talker) and
+    ``builtin`` / ``omni_cache`` (the talker's on, as the bundled config has it), hand-off recording into ``out_dir/handoff`` (thinker → talker) and
     ``out_dir/codec`` (talker → code2wav) and cache metrics into
     ``out_dir/metrics``; ``thinker``: stage-0 keys to override (e.g.
     ``max_num_batched_tokens``); ``streaming``: ``async_chunk`` (the bundled config streams;
@@ -30,14 +28,24 @@ def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = Non
     if variant == "off":  # the thinker's and the talker's prefix caches off
         stage["enable_prefix_caching"] = False
         stages[1] = {"enable_prefix_caching": False}
-    elif variant == "omni_cache_forget":
-        env[settings.PREFIX_CACHE_BACKEND.name] = "omni_cache"
-        env[settings.TEST_FORGET_FIRST_N_REQUESTS.name] = "1"
     else:
         env[settings.PREFIX_CACHE_BACKEND.name] = variant
     return derive_stage_config(CPU_STAGE_CONFIG, out_dir / f"stage_config_{variant}.yaml",
                                pipeline=RECORDING_PIPELINE, top={"async_chunk": streaming},
                                stages=stages, env={0: env, 1: {settings.HANDOFF_DUMP.name: str(out_dir / "codec")}})
+
+
+def in_process_stages(cfg: Path) -> Path:
+    """``cfg`` rewritten in place with vLLM's ``uni`` executor on every stage (the worker runs
+    inside the stage's engine-core process; the pipelines start it with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, :func:`omni_cache.driver.pipeline.engine_start_environment`).
+    Returns ``cfg``."""
+    import yaml
+
+    from omni_cache.driver.variants import derive_stage_config
+
+    ids = [s["stage_id"] for s in yaml.safe_load(Path(cfg).read_text())["stages"]]
+    return derive_stage_config(cfg, cfg, stages={i: {"distributed_executor_backend": "uni"} for i in ids})
 
 
 def assert_handoff_equal(got: dict, ref: dict, name: str) -> None:
@@ -115,3 +123,36 @@ def assert_same_chunks(got: list[dict], ref: list[dict], name: str) -> None:
         assert set(g) == set(r), (name, i, sorted(g), sorted(r))
         for k in r:
             assert g[k].shape == r[k].shape and torch.equal(g[k], r[k]), (name, i, k)
+
+
+def records_of(out_dir, request_id: str, sub: str = "handoff") -> list[dict]:
+    """The hand-off records (tensor name → tensor) a stage wrote for ``request_id`` into
+    ``out_dir/sub`` (``<seq>-<request id>[-<engine suffix>].pt``,
+    :func:`omni_cache.engine.handoff.record_payload`), in the order written."""
+    import re
+
+    import torch
+
+    rid = re.escape(re.sub(r"[^A-Za-z0-9_.-]", "_", request_id))
+    pat = re.compile(rf"(\d+)-{rid}(?:[-_].*)?\.pt")
+    found = [(int(m.group(1)), p) for p in (Path(out_dir) / sub).glob("*.pt") if (m := pat.fullmatch(p.name))]
+    return [torch.load(p) for _, p in sorted(found, key=lambda x: x[0])]
+
+
+def read_metrics(out_dir, prefix: str, until=None, timeout: float = 20.0) -> dict:
+    """The one ``<prefix>-<pid>.json`` counters file an engine process publishes into
+    ``out_dir/metrics`` (:class:`omni_cache.engine.metrics.MetricsFile`). ``until``: a
+    predicate on the counters to wait for (the engine may still be running and publishes at
+    most every ``min_interval_s``): polled for up to ``timeout`` seconds, then the last
+    counters are returned as they are, for the caller's assertion to report."""
+    import json
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        files = list((Path(out_dir) / "metrics").glob(f"{prefix}-*.json"))
+        assert len(files) == 1, (prefix, files)
+        counters = json.loads(files[0].read_text())
+        if until is None or until(counters) or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.2)

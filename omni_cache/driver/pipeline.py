@@ -7,9 +7,11 @@ stage config, sends :class:`~omni_cache.driver.inputs.OmniRequest` objects, and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -56,6 +58,39 @@ class RequestResult:
     prompt_logprobs: Any = None
     talker_num_prompt_tokens: int = 0
     talker_num_cached_tokens: int = 0
+
+
+#: vLLM's switch between in-process and multiprocess engine cores; its CPU platform reads it
+#: while a stage's config is resolved (``CpuPlatform.check_and_update_config``)
+_V1_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextlib.contextmanager
+def engine_start_environment(stage_config: Any) -> Iterator[None]:
+    """The driver's environment while vLLM-Omni starts the stages of ``stage_config`` (a
+    :class:`~omni_cache.driver.stage_config.StageConfig`).
+
+    With every stage on vLLM's ``uni`` executor (``distributed_executor_backend: uni``:
+    the worker runs inside the stage's engine-core process instead of a process of its own),
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set for the start: vLLM-Omni resolves each
+    stage's vLLM config in this process, and vLLM's CPU platform otherwise turns ``uni`` into
+    ``mp`` (``vllm/platforms/cpu.py``), which spawns one more process per stage (torch + vLLM
+    imported again, ~0.9 GiB). vLLM-Omni still starts one process per stage. The variable is
+    restored afterwards, so processes started later (servers, CLI commands) keep vLLM's
+    default. Other configs: no change. Measured start times: docs/cpu.md ("Timings").
+    """
+    if not stage_config.in_process_workers:
+        yield
+        return
+    before = os.environ.get(_V1_MULTIPROCESSING)
+    os.environ[_V1_MULTIPROCESSING] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_V1_MULTIPROCESSING, None)
+        else:
+            os.environ[_V1_MULTIPROCESSING] = before
 
 
 def _audio_of(out: Any) -> tuple[np.ndarray | None, int]:
@@ -114,13 +149,14 @@ class OmniPipeline:
 
         prepare_environment()
         t0 = time.perf_counter()
-        self.omni = Omni(
-            model=str(self.model_dir),
-            deploy_config=str(self.stage_config.path),
-            stage_init_timeout=stage_init_timeout,
-            init_timeout=stage_init_timeout + 300,
-            **dict(engine_args or {}),
-        )
+        with engine_start_environment(self.stage_config):
+            self.omni = Omni(
+                model=str(self.model_dir),
+                deploy_config=str(self.stage_config.path),
+                stage_init_timeout=stage_init_timeout,
+                init_timeout=stage_init_timeout + 300,
+                **dict(engine_args or {}),
+            )
         self.start_s = time.perf_counter() - t0
         logger.info("pipeline started in %.1f s", self.start_s)
         from omni_cache.driver.engine_hooks import install_engine_hooks

@@ -82,6 +82,16 @@ class StageConfig:
         """Whether ``stage_id`` runs with ``enable_prefix_caching`` (its own, else the top level)."""
         return bool(self.stage(stage_id).get("enable_prefix_caching", self.raw.get("enable_prefix_caching")))
 
+    @property
+    def in_process_workers(self) -> bool:
+        """Whether every stage asks for vLLM's ``uni`` executor (``distributed_executor_backend:
+        uni``: the worker runs inside the stage's engine-core process). vLLM's CPU platform
+        turns ``uni`` into ``mp`` unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set while the
+        stage configs are resolved (``vllm/platforms/cpu.py``); see
+        :func:`omni_cache.driver.pipeline.engine_start_environment`."""
+        stages = self.raw.get("stages") or []
+        return bool(stages) and all(s.get("distributed_executor_backend") == "uni" for s in stages)
+
     def prefix_cache_backend(self, stage_id: int = 0) -> str | None:
         """``omni_cache`` / ``builtin`` for a thinker (stage 0) with prefix caching on,
         ``talker`` for a later stage with prefix caching on (KV only, content-keyed blocks:

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from omni_cache.driver.inputs import OmniRequest
-from omni_cache.driver.pipeline import RequestResult, _audio_of
+from omni_cache.driver.pipeline import RequestResult, _audio_of, engine_start_environment
 from omni_cache.driver.stage_config import load_stage_config
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class StreamingPipeline:
         prepare_environment()
         self._loop = asyncio.new_event_loop()
         t0 = time.perf_counter()
-        self.omni = self._loop.run_until_complete(self._start(stage_init_timeout))
+        with engine_start_environment(self.stage_config):
+            self.omni = self._loop.run_until_complete(self._start(stage_init_timeout))
         self.start_s = time.perf_counter() - t0
         self._seq = 0
         from omni_cache.driver.engine_hooks import install_engine_hooks
@@ -89,20 +90,51 @@ class StreamingPipeline:
         return AsyncOmni(model=str(self.model_dir), deploy_config=str(self.stage_config.path),
                          stage_init_timeout=stage_init_timeout, init_timeout=stage_init_timeout + 300)
 
-    def run(self, request: OmniRequest | dict, on_audio: Callable[[np.ndarray, int], None] | None = None
-            ) -> StreamedResult:
+    def run(self, request: OmniRequest | dict, on_audio: Callable[[np.ndarray, int], None] | None = None,
+            sampling_params_list: Sequence | None = None) -> StreamedResult:
         """Send one request and wait for it; ``on_audio(packet, sample_rate)`` is called with
         each new audio packet (float32 ``[num_samples]``) as it arrives. A ``dict`` is passed
-        to vLLM-Omni as is (e.g. ``{"prompt_token_ids": [...]}``)."""
-        self._seq += 1
-        return self._loop.run_until_complete(self._run(request, f"run-{self._seq}", on_audio))
+        to vLLM-Omni as is (e.g. ``{"prompt_token_ids": [...]}``). ``sampling_params_list``:
+        one sampling-params object per stage (default: the stage config's
+        ``default_sampling_params``; see :meth:`default_sampling_params`)."""
+        return self.run_many([request], on_audio, sampling_params_list)[0]
 
-    async def _run(self, request: OmniRequest | dict, request_id: str, on_audio) -> StreamedResult:
+    def run_many(self, requests: Sequence[OmniRequest | dict],
+                 on_audio: Callable[[np.ndarray, int], None] | None = None,
+                 sampling_params_list: Sequence | None = None) -> list[StreamedResult]:
+        """Send ``requests`` together (in flight at once, as a server would see them) and wait
+        for all; results in input order. Arguments as for :meth:`run`."""
+        ids = []
+        for _ in requests:
+            self._seq += 1
+            ids.append(f"run-{self._seq}")
+
+        async def all_of():
+            return await asyncio.gather(*(self._run(r, rid, on_audio, sampling_params_list)
+                                          for r, rid in zip(requests, ids)))
+
+        return list(self.run_async(all_of()))
+
+    def run_async(self, coro: Any) -> Any:
+        """Run ``coro`` — a coroutine that may drive :attr:`omni` (vLLM-Omni's ``AsyncOmni``)
+        itself, e.g. to abort requests — on this pipeline's event loop; return its result."""
+        return self._loop.run_until_complete(coro)
+
+    def default_sampling_params(self) -> list:
+        """Copies of the per-stage default sampling params (to adjust and pass to :meth:`run`)."""
+        import copy
+
+        # what generate() uses when given no list (AsyncOmni coerces the defaults for streaming)
+        return [copy.deepcopy(sp) for sp in self.omni.resolve_sampling_params_list(None, allow_delta_coercion=True)]
+
+    async def _run(self, request: OmniRequest | dict, request_id: str, on_audio,
+                   sampling_params_list: Sequence | None = None) -> StreamedResult:
         res = StreamedResult(request_id=request_id)
         t0 = time.perf_counter()
         audio = np.zeros(0, dtype=np.float32)
         prompt = request.to_engine_prompt() if isinstance(request, OmniRequest) else request
-        async for o in self.omni.generate(prompt, request_id=request_id):
+        kw = {} if sampling_params_list is None else {"sampling_params_list": list(sampling_params_list)}
+        async for o in self.omni.generate(prompt, request_id=request_id, **kw):
             now = time.perf_counter() - t0
             if o.error:
                 res.error = str(o.error)
@@ -132,13 +164,23 @@ class StreamingPipeline:
         return res
 
     def close(self) -> None:
-        """Stop all stage processes."""
+        """Stop all stage processes, then let the engine's background tasks on this pipeline's
+        event loop finish their cancellation before the loop closes (``AsyncOmni.shutdown``
+        cancels its output-handler task without awaiting it; closing the loop then would
+        destroy the pending task, and asyncio logs "Task was destroyed but it is pending!")."""
         omni, self.omni = getattr(self, "omni", None), None
         if omni is not None:
             omni.shutdown()
         loop = getattr(self, "_loop", None)
-        if loop is not None and not loop.is_closed():
-            loop.close()
+        if loop is None or loop.is_closed():
+            return
+        tasks = asyncio.all_tasks(loop)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
     def __enter__(self) -> StreamingPipeline:
         return self

@@ -145,7 +145,7 @@ class _YocoThinkerMixin:
         else:
             c["full_forwards"] += 1
             if isinstance(last, KVSharingFastPrefillMetadata) and n_logits is None:
-                c["fallback_forwards"] += 1  # fast prefill disarmed for this step (prompt logprobs)
+                c["fallback_forwards"] += 1  # fast prefill disarmed for this step (prompt logprobs, or a request opted out)
                 fallback = True
         self._publish(force=fallback)
 

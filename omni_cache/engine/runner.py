@@ -58,10 +58,11 @@ class OmniCacheRunnerMixin:
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._restart_resumed_payloads(scheduler_output)
         cc = self.cache_config
-        if not (cc.kv_sharing_fast_prefill and _batch_has_prompt_logprobs(self, scheduler_output)):
+        if not (cc.kv_sharing_fast_prefill and _batch_needs_full_prefill(self, scheduler_output)):
             out = super().execute_model(scheduler_output, *args, **kwargs)
         else:
-            logger.info("omni-cache: step without KV-sharing fast prefill (a request needs prompt logprobs)")
+            logger.info("omni-cache: step without KV-sharing fast prefill (a request needs prompt logprobs "
+                        "or opted out)")
             cc.kv_sharing_fast_prefill = False
             try:
                 out = super().execute_model(scheduler_output, *args, **kwargs)
@@ -132,6 +133,32 @@ class OmniCacheRunnerMixin:
         )
         logger.info("omni-cache: hidden-state prefix cache active (KV group %d, block %d, %d blocks)",
                     group, cfg.block_size, self.kv_cache_config.num_blocks)
+
+
+#: ``SamplingParams.extra_args`` key of a request whose steps run without KV-sharing fast
+#: prefill (the whole batch of each step that schedules it, as for prompt logprobs): the slow
+#: path's computation chosen per request, so one fast-prefill engine also gives its reference
+#: (tests, audits)
+NO_FAST_PREFILL = "omni_cache_no_fast_prefill"
+
+
+def _batch_needs_full_prefill(runner, scheduler_output) -> bool:
+    """Whether this step must run without fast prefill: a request pending prompt logprobs, or
+    one scheduled with :data:`NO_FAST_PREFILL`."""
+    return _batch_has_prompt_logprobs(runner, scheduler_output) or _batch_opted_out(runner, scheduler_output)
+
+
+def _opted_out(sampling_params) -> bool:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return bool(extra.get(NO_FAST_PREFILL))
+
+
+def _batch_opted_out(runner, scheduler_output) -> bool:
+    if any(_opted_out(nr.sampling_params) for nr in scheduler_output.scheduled_new_reqs):
+        return True
+    states = getattr(runner, "requests", {}) or {}
+    return any(_opted_out(getattr(states.get(rid), "sampling_params", None))
+               for rid in scheduler_output.num_scheduled_tokens)
 
 
 def _batch_has_prompt_logprobs(runner, scheduler_output) -> bool:

@@ -38,6 +38,19 @@ from omni_cache.engine.runner import full_attention_group
 logger = logging.getLogger(__name__)
 
 
+#: ``SamplingParams.extra_args`` key that marks a request whose hidden rows the scheduler must
+#: not vouch for — fault injection for tests: the rows are treated as lost, so every later hit
+#: on the request's blocks is capped and recomputed (chosen per request, so one engine serves
+#: both a normal and a "lost rows" workload)
+FORGET_ROWS = "omni_cache_test_forget_rows"
+
+
+def rows_forgotten(request) -> bool:
+    """Whether ``request`` (a vLLM ``Request``) carries :data:`FORGET_ROWS`."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    return bool(extra.get(FORGET_ROWS))
+
+
 @dataclass
 class SchedulerCapState:
     """What the capped scheduler knows between steps.
@@ -49,9 +62,8 @@ class SchedulerCapState:
         truncates: KV-sharing fast prefill truncates this stage's prefill rows.
         hit_needs: what a hit needs (:class:`RowValidity`; ``CAPTURED_ONLY`` for a KV-shared
             thinker that hands off captured layers only).
-        forget_left: fault injection (``OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS``): requests
-            whose writes are still to be forgotten.
-        forgotten: requests whose writes are not recorded (fault injection).
+        forgotten: requests whose writes are not recorded (fault injection:
+            :data:`FORGET_ROWS` in the request's ``SamplingParams.extra_args``).
         truncated_spans: request → ``[(start, end)]`` token spans written under fast prefill.
         lookup: request → ``(capped, same_step)`` tokens of its latest lookup; a waiting
             request is looked up again every step until admitted, so the counters take only
@@ -74,7 +86,6 @@ class SchedulerCapState:
     block_size: int
     truncates: bool
     hit_needs: RowValidity
-    forget_left: int = 0
     forgotten: set[str] = field(default_factory=set)
     truncated_spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     lookup: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -105,8 +116,7 @@ class OmniCacheSchedulerMixin:
             st = self._oc_state = SchedulerCapState(
                 written=WrittenBlocks(), group=group,
                 block_size=self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size,
-                truncates=truncates, hit_needs=hit_needs,
-                forget_left=settings.TEST_FORGET_FIRST_N_REQUESTS.get_int())
+                truncates=truncates, hit_needs=hit_needs)
             self._oc_metrics = MetricsFile("scheduler")
         return st
 
@@ -165,12 +175,10 @@ class OmniCacheSchedulerMixin:
         validity is ``CAPTURED_ONLY`` (conservative: as for a prefill chunk).
         """
         g, bs = st.group, st.block_size
-        if st.forget_left > 0:  # fault injection pending: do not vouch for anything new
-            return {}
         validity = RowValidity.CAPTURED_ONLY if st.truncates else RowValidity.ALL_KEYS
         out = {}
         for req in self.running:
-            if req.request_id in st.forgotten:
+            if rows_forgotten(req):
                 continue
             blocks = self.kv_cache_manager.get_blocks(req.request_id).blocks[g]
             for b in blocks[req.num_computed_tokens // bs:]:
@@ -217,9 +225,8 @@ class OmniCacheSchedulerMixin:
         if admitted:  # rare (a capped, same-step or resumed hit): publish now, not only at shutdown
             self._publish_scheduler_metrics()
         for rid, start in starts.items():
-            if st.forget_left > 0 and rid not in st.forgotten and rid in new_ids:
+            if rid in new_ids and rows_forgotten(self.requests[rid]):
                 st.forgotten.add(rid)
-                st.forget_left -= 1
             if rid in st.forgotten:
                 continue
             end = start + out.num_scheduled_tokens.get(rid, 0)

@@ -1,13 +1,17 @@
-"""omni-cache on the real pipeline: cache on vs off, bitwise.
+"""omni-cache on the real pipeline (non-streaming hand-off): cache on vs a cache-off reference,
+bitwise.
 
-The same workload runs on two real pipelines started from the CPU stage config: thinker
-prefix caching off, and on with omni-cache. Every request's thinker→talker tensors (final
-hidden + captured layers, recorded at the hand-off seam), sampled thinker tokens and
-code2wav audio must be bitwise equal; the hit requests must actually hit (otherwise the
-comparison would prove nothing), and omni-cache's own counters must show served rows.
-Capped hits (a request's rows declared lost) are tested on the streaming path only
-(``test_streaming_equality.py``): the cap is the scheduler's decision, the same whichever way
-the thinker hands off, and one pipeline start less keeps the suite inside its time budget.
+One engine (``sync_omni``: the CPU stage config, omni-cache on the thinker, the talker's prefix
+cache on) runs the workload, then runs the same prompts again as cache-off references:
+``skip_reading_prefix_cache`` on the thinker and the talker, so vLLM reads no cached block and
+every prompt row is computed (:func:`tests.pipeline.engines.reference_params`). Every
+request's thinker→talker tensors (final hidden + captured layers, recorded at the hand-off
+seam: what the talker received), sampled thinker tokens and code2wav audio must be bitwise
+equal to its reference's; the hit requests must actually hit (otherwise the comparison would
+prove nothing), and omni-cache's own counters must show served rows. A real cache-off engine
+is compared on the streaming path (``test_streaming_equality.py``, ``stream_off``). Capped
+hits (a request's rows declared lost) are tested on the streaming path only: the cap is the
+scheduler's decision, the same whichever way the thinker hands off.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pytest
 import torch
 
 from omni_cache.driver.inputs import build_request
+from tests.pipeline.engines import reference_params
 from tests.pipeline.workloads import (
     BLOCK,
     FIRST,
@@ -26,11 +31,10 @@ from tests.pipeline.workloads import (
     REPEAT,
     STEP_BUDGET,
     assert_talker_workload,
-    recorded_by_request,
     run_talker_workload,
     run_workload,
 )
-from tests.util import assert_batch_rows, variant_stage_config
+from tests.util import assert_batch_rows, read_metrics, records_of
 
 pytestmark = pytest.mark.pipeline
 
@@ -50,33 +54,33 @@ def test_code2wav_rate_from_the_model_config(tiny_model_dir):
     assert _code2wav_rate(tiny_model_dir) == SAMPLE_RATE
 
 
-def _handoffs(out_dir):
-    """Recorded thinker→talker tensors in hand-off order (requests are sent one by one)."""
-    return [torch.load(p) for p in sorted((out_dir / "handoff").glob("*.pt"))]
+def _handoff(d, r) -> dict:
+    """The one thinker→talker hand-off recorded for result ``r`` (non-streaming: one a request)."""
+    recs = records_of(d, r.request_id)
+    assert len(recs) == 1, (r.request_id, len(recs))
+    return recs[0]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir):
-    from omni_cache.driver.pipeline import OmniPipeline
-
-    out = {}
-    for variant in ("off", "omni_cache"):
-        d = tmp_path_factory.mktemp(variant)
-        cfg = variant_stage_config(d, variant, thinker={"max_num_batched_tokens": STEP_BUDGET})
-        with OmniPipeline(tiny_model_dir, cfg) as pipe:
-            named, t1_len, batch = run_workload(pipe, tiny_model_dir)
-            out[f"talker-{variant}"] = run_talker_workload(pipe, tiny_model_dir,
-                                                           placeholder_demo=variant == "omni_cache")
-            if variant == "off":  # the control: the same request twice without tts_local_seed
-                sp = pipe.default_sampling_params()
-                sp[1].extra_args = {}
-                out["unseeded"] = [pipe.generate([build_request(FIRST_PROMPT)], sp)[0] for _ in range(2)]
-        out[variant] = (d, named, t1_len, batch)
-    return out
+@pytest.fixture(scope="session")
+def runs(sync_omni):
+    """The workload and the talker workload with the cache on, then both again as cache-off
+    references in the same engine; then the unseeded control."""
+    pipe, model_dir = sync_omni.pipe, sync_omni.model_dir
+    named, t1_len, batch, sent = run_workload(pipe, model_dir)
+    talker_on = run_talker_workload(pipe, model_dir, placeholder_demo=True)
+    refs = reference_params(pipe)
+    off_named, _, off_batch, _ = run_workload(pipe, model_dir, refs, replay=sent)
+    talker_off = run_talker_workload(pipe, model_dir, sampling_params_list=refs, replay=talker_on[2])
+    # the control: the same request twice without tts_local_seed (cache-off references)
+    sp = reference_params(pipe)
+    sp[1].extra_args = {}
+    unseeded = [pipe.generate([build_request(FIRST_PROMPT)], sp)[0] for _ in range(2)]
+    return {"dir": sync_omni.dir, "omni_cache": (named, t1_len, batch), "off": (off_named, t1_len, off_batch),
+            "talker-omni_cache": talker_on[:2], "talker-off": talker_off[:2], "unseeded": unseeded}
 
 
 def test_hits_happen_and_omni_cache_served_them(runs):
-    d, named, t1_len, batch = runs["omni_cache"]
+    d, (named, t1_len, batch) = runs["dir"], runs["omni_cache"]
     hits = {n: r.num_cached_tokens for n, r in named}
     for n, r in named:
         if n.endswith("second, please?"):
@@ -85,23 +89,21 @@ def test_hits_happen_and_omni_cache_served_them(runs):
         assert r.num_cached_tokens % BLOCK == 0 and r.num_cached_tokens < r.num_prompt_tokens, (n, hits)
     # the second turn hits the first turn's answer tokens (block filled by decode)
     assert hits["chat:turn2"] > t1_len, (hits, t1_len)
-    assert all(r.num_cached_tokens == 0 for _, r in runs["off"][1])
-    metrics = [json.loads(p.read_text()) for p in (d / "metrics").glob("metrics-*.json")]
-    assert metrics, "omni-cache wrote no metrics: its manager did not run"
-    m = metrics[0]
-    assert m["hits_served"] >= 4 and m["rows_read"] > 0 and m["hits_refused"] == 0
+    # the references read no cached block
+    assert all(r.num_cached_tokens == 0 for _, r in runs["off"][0]) and all(r.num_cached_tokens == 0 for r in runs["off"][2])
+    assert all(r.num_cached_tokens == 0 for _, r in runs["talker-off"][0]) and all(r.num_cached_tokens == 0 for r in runs["unseeded"])
     talker_workload = sum(r.num_cached_tokens for _, r in runs["talker-omni_cache"][0])  # sent after the batch
-    assert m["hit_tokens"] == sum(hits.values()) + sum(r.num_cached_tokens for r in batch) + talker_workload, (
-        hits, [(r.num_prompt_tokens, r.num_cached_tokens) for r in batch], talker_workload)
+    expected = sum(hits.values()) + sum(r.num_cached_tokens for r in batch) + talker_workload
+    m = read_metrics(d, "metrics", until=lambda m: m["hit_tokens"] >= expected)
+    assert m["hits_served"] >= 4 and m["rows_read"] > 0 and m["hits_refused"] == 0
+    assert m["hit_tokens"] == expected, (hits, [(r.num_prompt_tokens, r.num_cached_tokens) for r in batch], talker_workload)
 
 
 def test_cache_on_equals_cache_off_bitwise(runs):
-    d_off, off, _, _ = runs["off"]
-    d_on, on, _, _ = runs["omni_cache"]
+    d, off, on = runs["dir"], runs["off"][0], runs["omni_cache"][0]
     assert [n for n, _ in off] == [n for n, _ in on]
-    ho_off, ho_on = _handoffs(d_off)[: len(off)], _handoffs(d_on)[: len(on)]
-    assert len(ho_off) == len(ho_on) == len(off)
-    for (name, r_off), (_, r_on), h_off, h_on in zip(off, on, ho_off, ho_on):
+    for (name, r_off), (_, r_on) in zip(off, on):
+        h_off, h_on = _handoff(d, r_off), _handoff(d, r_on)
         assert r_off.error is None and r_on.error is None
         assert r_on.num_prompt_tokens == r_off.num_prompt_tokens
         assert r_on.token_ids == r_off.token_ids, name
@@ -122,7 +124,7 @@ def test_a_request_sent_again_gets_the_same_audio(runs):
     the comparison can fail: sent twice without ``tts_local_seed`` (the talker's residual
     codebooks then come from its process's global RNG), the same request's waveforms differ."""
     for variant in ("off", "omni_cache"):
-        named = dict(runs[variant][1])
+        named = dict(runs[variant][0])
         assert np.array_equal(named[REPEAT].audio, named[FIRST].audio), variant
     a, b = runs["unseeded"]
     assert a.token_ids == b.token_ids and not np.array_equal(a.audio, b.audio)
@@ -136,20 +138,17 @@ def test_same_step_hit_is_served_and_exact(runs):
     of both equal cache off within batch variance (``assert_batch_rows``: cache on changes the
     step's batch and the CPU kernels are not batch-invariant). Audio of a batch is not
     compared: the talker's sampling is not batch-invariant."""
-    d, _, _, batch_on = runs["omni_cache"]
-    d_off, _, _, batch_off = runs["off"]
+    d, batch_on, batch_off = runs["dir"], runs["omni_cache"][2], runs["off"][2]
     a, b = batch_on
     # A's document is new (A hits at most the system prompt of earlier requests)
     assert a.num_cached_tokens < STEP_BUDGET // 4 and b.num_prompt_tokens > a.num_prompt_tokens > STEP_BUDGET + BLOCK
     # B hits beyond A's first step: the blocks A completes in B's own first step are served
     assert b.num_cached_tokens > STEP_BUDGET, (b.num_cached_tokens, a.num_prompt_tokens)
     assert b.num_cached_tokens >= (a.num_prompt_tokens - 40) // BLOCK * BLOCK
-    sched = [json.loads(p.read_text()) for p in (d / "metrics").glob("scheduler-*.json")]
-    assert sched and sched[0]["same_step_hit_tokens"] > 0, sched
-    # the batch's two hand-offs follow the named requests' (the off run's control requests come after)
-    n = len(runs["omni_cache"][1])
-    ho_on = sorted(_handoffs(d)[n:n + 2], key=lambda h: h["hidden"].shape[0])
-    ho_off = sorted(_handoffs(d_off)[n:n + 2], key=lambda h: h["hidden"].shape[0])
+    sched = read_metrics(d, "scheduler", until=lambda m: m["same_step_hit_tokens"] > 0)
+    assert sched["same_step_hit_tokens"] > 0, sched
+    # batches sorted by prompt length (A, B)
+    ho_on, ho_off = [_handoff(d, r) for r in batch_on], [_handoff(d, r) for r in batch_off]
     for r_on, r_off in zip(batch_on, batch_off):
         assert r_on.error is None and r_off.error is None
         assert r_on.num_prompt_tokens == r_off.num_prompt_tokens
@@ -172,12 +171,10 @@ def test_talker_prefix_cache_exact_and_content_keyed(runs):
     (on, keys), (off, _) = runs["talker-omni_cache"], runs["talker-off"]
     on, off = dict(on), dict(off)
     assert_talker_workload(on, off, keys)
-    n_main = len(runs["omni_cache"][1]) + 2  # the main workload's requests, then its batch of two
-    n_talker = sum(1 for n in on if not n.startswith("placeholder:"))
-    c_on, c_off = recorded_by_request(runs["omni_cache"][0]), recorded_by_request(runs["off"][0])
-    alone = list(range(len(runs["omni_cache"][1]))) + list(range(n_main, n_main + n_talker))
-    assert len(c_on) >= n_main + n_talker and len(c_off) >= n_main + n_talker
-    for i in alone:
-        assert len(c_on[i]) == len(c_off[i]) == 1, i
-        assert torch.equal(c_on[i][0]["codes.audio"], c_off[i][0]["codes.audio"]), i
+    alone = [(r_on, dict(runs["off"][0])[n]) for n, r_on in runs["omni_cache"][0]]
+    alone += [(r_on, off[n]) for n, r_on in on.items() if not n.startswith("placeholder:")]
+    for r_on, r_off in alone:
+        c_on, c_off = records_of(runs["dir"], r_on.request_id, "codec"), records_of(runs["dir"], r_off.request_id, "codec")
+        assert len(c_on) == len(c_off) == 1, (r_on.request_id, len(c_on), len(c_off))
+        assert torch.equal(c_on[0]["codes.audio"], c_off[0]["codes.audio"]), r_on.request_id
 

@@ -3,7 +3,8 @@
 many concurrent requests, mixed modalities, a KV pool small enough to force eviction and
 preemption (requests preempted after their first chunk went to the talker, then resumed),
 chunked prefill, client aborts at random moments and right after a request's first audio
-packet — omni-cache vs cache off.
+packet — omni-cache (``stress_omni``: its thinker KV pool is 512 KiB) vs the real cache-off
+engine ``stream_off`` (shared with ``test_streaming_equality``), the same seeded workload on both.
 
 Every request that was not aborted must hand the talker the same rows with omni-cache as
 without a cache: its first streamed hand-off (prompt rows, exactly one per request — a
@@ -24,7 +25,6 @@ import pytest
 import torch
 
 from omni_cache.driver.inputs import build_request, sample_path
-from tests.util import variant_stage_config
 
 pytestmark = pytest.mark.pipeline
 
@@ -40,16 +40,6 @@ PREFIXES = [
 ]
 
 
-def _small_pool(path):
-    from omni_cache.driver.variants import derive_stage_config
-
-    return derive_stage_config(path, path, stages={0: {
-        "kv_cache_memory_bytes": 1 << 19,  # 512 KiB: 1,024 tokens (32 blocks) of the tiny thinker's KV
-        "max_model_len": 960,
-        "max_num_batched_tokens": 256,  # chunked prefill
-    }}, sampling={0: {"max_tokens": 48}})  # decode grows blocks -> preemption
-
-
 def _workload():
     """``[(request_id, text, media, abort_after_s | None)]``, seeded."""
     rng = random.Random(SEED)
@@ -62,7 +52,7 @@ def _workload():
     return reqs
 
 
-async def _one(omni, sem, rid, text, media, abort_after):
+async def _one(omni, sem, rid, text, media, abort_after, sps=None):
     """Run one request; ``abort_after`` seconds after submission (or, with
     :data:`FIRST_PACKET`, when its first audio packet arrives) the client aborts it.
     Returns ``(completed, num_cached_tokens, num_prompt_tokens, thinker token ids)``."""
@@ -72,7 +62,7 @@ async def _one(omni, sem, rid, text, media, abort_after):
         first_packet = asyncio.Event()
 
         async def consume():
-            async for o in omni.generate(prompt, request_id=rid):
+            async for o in omni.generate(prompt, request_id=rid, **({"sampling_params_list": sps} if sps else {})):
                 outs.append(o)
                 if o.final_output_type == "audio":
                     first_packet.set()
@@ -105,22 +95,15 @@ async def _one(omni, sem, rid, text, media, abort_after):
         return any(o.final_output_type == "audio" for o in outs), cached, n_prompt, tokens
 
 
-async def _drive(model_dir, cfg):
-    from vllm_omni.entrypoints.async_omni import AsyncOmni
-
-    from omni_cache.engine.plugin import register
-
-    register()
-    omni = AsyncOmni(model=str(model_dir), deploy_config=str(cfg), stage_init_timeout=900, init_timeout=1200)
-    try:
-        sem = asyncio.Semaphore(CONCURRENCY)
-        work = _workload()
-        res = await asyncio.gather(*(_one(omni, sem, *w) for w in work))
-        status = {w[0]: r for w, r in zip(work, res)}
-        alive = await _one(omni, asyncio.Semaphore(1), "alive", "Still alive?", {}, None)
-        return status, alive
-    finally:
-        omni.shutdown()
+async def _drive(omni, sps=None):
+    """The seeded workload at :data:`CONCURRENCY`, then one request alone; ``sps``: the
+    per-stage sampling params (None: the engine's defaults)."""
+    sem = asyncio.Semaphore(CONCURRENCY)
+    work = _workload()
+    res = await asyncio.gather(*(_one(omni, sem, *w, sps=sps) for w in work))
+    status = {w[0]: r for w, r in zip(work, res)}
+    alive = await _one(omni, asyncio.Semaphore(1), "alive", "Still alive?", {}, None, sps=sps)
+    return status, alive
 
 
 def _chunks_for(d, request_id) -> tuple[dict, torch.Tensor | None]:
@@ -136,13 +119,13 @@ def _chunks_for(d, request_id) -> tuple[dict, torch.Tensor | None]:
     return chunks[0], torch.cat(dec) if dec else None
 
 
-@pytest.fixture(scope="module")
-def stress(tmp_path_factory, tiny_model_dir):
-    runs = {}
-    for variant in ("off", "omni_cache"):
-        d = tmp_path_factory.mktemp(f"stress_{variant}")
-        cfg = _small_pool(variant_stage_config(d, variant, streaming=True))
-        runs[variant] = (d, *asyncio.run(_drive(tiny_model_dir, cfg)))
+@pytest.fixture(scope="session")
+def stress(stress_omni, stream_off):
+    runs = {"omni_cache": (stress_omni.dir, *stress_omni.pipe.run_async(_drive(stress_omni.pipe.omni)))}
+    # the cache-off engine answers with the stress engine's thinker budget (max_tokens 48)
+    sps = stream_off.pipe.default_sampling_params()
+    sps[0].max_tokens = stress_omni.pipe.default_sampling_params()[0].max_tokens
+    runs["off"] = (stream_off.dir, *stream_off.pipe.run_async(_drive(stream_off.pipe.omni, sps)))
     return runs
 
 

@@ -5,8 +5,15 @@ compose exactly, per modality.
 shipped): the embedded Gemma-4-style thinker (4 of 7 layers KV-shared, sliding + full KV
 groups, vision and audio towers, Gemma 4's processor) feeds the Qwen3-Omni talker and
 code2wav through the streamed stage-input adapter, in all four combinations of
-{``kv_sharing_fast_prefill`` off/on} x {prefix caching + omni-cache off/on}, one pipeline at a
-time. The same sequential workload — text, image, audio, image + audio (each twice, the second
+{``kv_sharing_fast_prefill`` off/on} x {prefix caching + omni-cache off/on}, chosen per request
+in one engine (``gemma4``: fast prefill and the cache on): fast prefill off = omni-cache's
+per-request opt-out (``NO_FAST_PREFILL``: every step that schedules the request runs
+untruncated), cache off = vLLM's ``skip_reading_prefix_cache`` on the thinker and the talker
+(no cached block read). Each combination is one pass of the workload; the passes with the
+cache on run on their own prompts and media (a "salt": another system-prompt opening, other
+pixels and samples of the same sizes), so their hits and encodes are those of a fresh cache,
+and each is compared with the slow-path pass (fast off, cache off) of the same prompts. The
+same sequential workload — text, image, audio, image + audio (each twice, the second
 hitting the first), an image of the same size but other pixels and an audio of the same length
 but other samples after the first (no hit past the media start: the media identifier is in the
 block hashes), a two-turn chat over an image whose second turn hits the first answer's
@@ -23,7 +30,7 @@ cache's doing; what it shows is that a hit never re-runs the towers for its medi
 
 **Gemma 3n** (text only, ``stage_configs/gemma3n_yoco_cpu.yaml``, non-streamed adapter) is
 kept for what Gemma 4 lacks: AltUp (its captured rows are the active stream of a
-``[altup_num_inputs, tokens, hidden]`` state). One pipeline with fast prefill and the cache on:
+``[altup_num_inputs, tokens, hidden]`` state). One engine (``gemma3n``) with fast prefill and the cache on:
 per prompt (a single request, a chunked prefill, a two-turn chat) the fast-prefill request and
 a full hit are compared with a slow-path request of the same prompt in the same pipeline (with
 prompt logprobs: no prefix-cache read, fast prefill disarmed for its batch).
@@ -38,7 +45,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.util import REPO, assert_handoff_equal, assert_same_chunks, recorded_chunks
+from omni_cache.engine.runner import NO_FAST_PREFILL
+from tests.pipeline.engines import reference_params, thinker_params
+from tests.util import assert_handoff_equal, assert_same_chunks, records_of
 
 pytestmark = pytest.mark.pipeline
 
@@ -49,28 +58,13 @@ OTHER = "Here is a different shared preamble about rivers, bridges and the old h
 CAPTAIN = "Answer as a careful ship's captain who has sailed through many storms at night. " * 6
 STORY = "Once upon a time a small robot learned to paint the sky in many colours each night. " * 15
 COMBOS = [(f, c) for f in ("off", "on") for c in ("off", "on")]  # (fast prefill, cache)
-STEP_BUDGET = 512  # long prompts are prefilled in chunks
+#: pass order in the one engine: (combination, salt); a cache-on pass has its own salt
+PASSES = [(("on", "on"), 0), (("on", "off"), 0), (("off", "off"), 0), (("off", "on"), 1), (("off", "off"), 1)]
 
 # ---- Gemma 4: multimodal, streamed ---------------------------------------------------
 
-G4_CONFIG = REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
 #: requests whose media lie wholly inside their prefix hit (cache on: the towers must not run)
 MEDIA_HITS = ("image:second", "audio:second", "image+audio:second", "chunked:second", "chat:turn2")
-
-
-def _variant(config, out_dir, fast: str, cache: str, **stage0):
-    """``config`` with fast prefill / prefix caching as named, chunked prefill (STEP_BUDGET),
-    hand-off recording and metrics into ``out_dir``; ``stage0``: more thinker keys."""
-    from omni_cache import settings
-    from omni_cache.driver.variants import derive_stage_config
-
-    return derive_stage_config(
-        config, out_dir / f"stage_config_fast-{fast}_cache-{cache}.yaml",
-        stages={0: {"kv_sharing_fast_prefill": fast == "on", "enable_prefix_caching": cache == "on",
-                    "max_num_batched_tokens": STEP_BUDGET, **stage0}},
-        env={0: {settings.HANDOFF_DUMP.name: str(out_dir / "handoff"),
-                 settings.METRICS_DIR.name: str(out_dir / "metrics")}},
-        sampling={0: {"max_tokens": 12}, 1: {"max_tokens": 12}})
 
 
 def _metrics(d, prefix: str) -> dict:
@@ -79,43 +73,71 @@ def _metrics(d, prefix: str) -> dict:
     return json.loads(files[0].read_text())
 
 
-def _media():
+def _media(salt: int = 0):
+    """``(image, other image, (audio, rate), (other audio, rate))``; ``salt`` 1: other pixels
+    and samples of the same sizes (upside down, half amplitude), so vLLM's encoder cache has
+    not seen them."""
     from PIL import ImageOps
 
     from omni_cache.driver.inputs import load_audio, load_image, sample_path
 
     img = load_image(sample_path("astronaut.jpg"))
     wav, sr = load_audio(sample_path("speech.wav"))
+    if salt:
+        img, wav = ImageOps.flip(img), np.ascontiguousarray(wav * 0.5)
     # same size / same length, other content: only the media identifier can tell them apart
     return img, ImageOps.mirror(img), (wav, sr), (np.ascontiguousarray(wav[::-1]), sr)
 
 
-def _g4_workload(pipe, model_dir, out_dir):
-    """Returns ``[(name, result, media items sent, media items the towers encoded for it)]``
-    and the thinker tokenizer."""
+def _combo_params(pipe, combo) -> list | None:
+    """Per-stage sampling params of a combination (fast prefill, cache) in the one engine."""
+    fast, cache = combo
+    opt_out = {} if fast == "on" else {NO_FAST_PREFILL: True}
+    if cache == "off":
+        return reference_params(pipe, thinker_extra=opt_out)
+    return thinker_params(pipe, **opt_out) if opt_out else None
+
+
+def _yoco_counters(pipe, d) -> dict:
+    """The thinker's YOCO counters, current: a one-token request with fast prefill opted out
+    first (its untruncated step publishes the counters at once; they are otherwise published
+    at most every 0.5 s)."""
+    from omni_cache.driver.inputs import OmniRequest, Turn
+
+    flush = reference_params(pipe, thinker_extra={NO_FAST_PREFILL: True}, max_tokens=2)
+    (r,) = pipe.generate([OmniRequest([Turn("user", "Counters, please.")], family="gemma4")], flush)
+    assert r.error is None, r.error
+    return _metrics(d, "yoco")
+
+
+def _g4_workload(pipe, model_dir, out_dir, sps=None, salt: int = 0):
+    """One pass: ``sps`` the per-stage sampling params of every request (:func:`_combo_params`),
+    ``salt`` its prompts and media (0 or 1). Returns ``[(name, result, media items sent, media
+    items the towers encoded for it)]`` and the thinker tokenizer."""
     from transformers import AutoTokenizer
 
     from omni_cache.driver.inputs import OmniRequest, Turn
 
     tok = AutoTokenizer.from_pretrained(model_dir / "thinker")
-    img, img_other, wav, wav_other = _media()
+    img, img_other, wav, wav_other = _media(salt)
+    opening = "This is the second pass. " if salt else ""
     named = []
 
     def encoded() -> int:
         f = list((out_dir / "metrics").glob("yoco-*.json"))
         return json.loads(f[0].read_text()).get("encoder_items", 0) if f else 0
 
-    def send(name, request, sps=None):
+    def send(name, request, params=None):
         mm = request.to_engine_prompt() if isinstance(request, OmniRequest) else request
         n_media = sum(len(v) if isinstance(v, list) else 1 for v in mm.get("multi_modal_data", {}).values())
         before = encoded()
-        (r,) = pipe.generate([request], sps)
+        (r,) = pipe.generate([request], params or sps)
         assert r.error is None, (name, r.error)
         named.append((name, r, n_media, encoded() - before))
         return r
 
     def req(text, system=LONG, image=None, audio=None, history=()):
-        turns = [Turn("system", system), *history, Turn("user", text, image=image, audio=audio)]
+        turns = [Turn("system", opening + system), *history, Turn("user", text, image=image, audio=audio)]
         return OmniRequest(turns=turns, family="gemma4")
 
     send("text:first", req("What is first?"))
@@ -144,44 +166,44 @@ def _g4_workload(pipe, model_dir, out_dir):
     # a prompt of ~1,500 tokens prefilled over several steps of STEP_BUDGET, an image inside
     send("chunked:first", req(AFTER + "Continue the story.", system=STORY, image=img))
     send("chunked:second", req(AFTER + "Who is the hero?", system=STORY, image=img))
-    sps = pipe.default_sampling_params()
-    sps[0].prompt_logprobs = 1
-    # SamplingParams derives this from prompt_logprobs only at construction; vLLM computes
-    # prompt logprobs only for the tokens it computes, so such a request must not hit
-    sps[0].skip_reading_prefix_cache = True
-    send("logprobs", req(AFTER + "Score this prompt.", image=img), sps)
+    # vLLM computes prompt logprobs only for the tokens it computes, so such a request must
+    # not hit (SamplingParams derives skip_reading_prefix_cache only at construction)
+    logprobs = reference_params(pipe, prompt_logprobs=1)
+    logprobs[0].extra_args = (sps[0].extra_args if sps else None) or {}
+    send("logprobs", req(AFTER + "Score this prompt.", image=img), logprobs)
     send("after-logprobs", req(AFTER + "Still there?", image=img))
     return named, tok
 
 
-@pytest.fixture(scope="module")
-def g4_model_dir():
-    from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
-
-    return build_gemma_omni(default_gemma_dir("tiny", family="gemma4"), "tiny", family="gemma4")
-
-
-@pytest.fixture(scope="module")
-def g4_runs(tmp_path_factory, g4_model_dir):
-    from omni_cache.driver.pipeline import OmniPipeline
-
+@pytest.fixture(scope="session")
+def g4_runs(gemma4):
+    """Every pass of :data:`PASSES` on the one engine: ``{(combination, salt): (named, chunks
+    per request, tokenizer, YOCO counter deltas of the pass)}``."""
+    pipe, d = gemma4.pipe, gemma4.dir
     out = {}
-    for fast, cache in COMBOS:
-        d = tmp_path_factory.mktemp(f"gemma4-fast-{fast}-cache-{cache}")
-        with OmniPipeline(g4_model_dir, _variant(G4_CONFIG, d, fast, cache,
-                                                   # the workload's most per prompt (start-up profiles the limit)
-                                                   limit_mm_per_prompt={"image": 2, "audio": 2, "video": 0})) as pipe:
-            named, tok = _g4_workload(pipe, g4_model_dir, d)
-        out[(fast, cache)] = (d, named, recorded_chunks(d), tok)
+    before = _yoco_counters(pipe, d)
+    for combo, salt in PASSES:
+        named, tok = _g4_workload(pipe, gemma4.model_dir, d, _combo_params(pipe, combo), salt)
+        after = _yoco_counters(pipe, d)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        delta["fallback_forwards"] -= 1  # the flush request's own untruncated step
+        delta["full_forwards"] = delta.get("full_forwards", 0) - 1
+        out[(combo, salt)] = (named, [records_of(d, r.request_id) for _, r, *_ in named], tok, delta)
+        before = after
     return out
+
+
+def _pass(g4_runs, combo):
+    """The pass of ``combo`` and the slow-path pass of the same prompts."""
+    salt = next(s for c, s in PASSES if c == combo)
+    return g4_runs[(combo, salt)], g4_runs[(("off", "off"), salt)]
 
 
 @pytest.mark.parametrize("combo", COMBOS[1:], ids=lambda c: f"fast-{c[0]}_cache-{c[1]}")
 def test_gemma4_equal_to_slow_path_bitwise(g4_runs, combo):
     """Per modality: sampled tokens, every streamed thinker→talker chunk, prompt logprobs and
     audio equal fast-off/cache-off bitwise."""
-    _, ref, ref_chunks, _ = g4_runs[("off", "off")]
-    _, got, got_chunks, _ = g4_runs[combo]
+    (got, got_chunks, _, _), (ref, ref_chunks, _, _) = _pass(g4_runs, combo)
     assert [n for n, *_ in ref] == [n for n, *_ in got]
     assert len(ref_chunks) == len(got_chunks) == len(ref), (len(ref_chunks), len(got_chunks))
     for (name, r0, *_), (_, r1, *_), c0, c1 in zip(ref, got, ref_chunks, got_chunks):
@@ -216,13 +238,12 @@ def test_gemma4_runs_exercise_fast_prefill_hits_and_towers(g4_runs, combo):
     from omni_cache.driver.inputs import PLACEHOLDERS
 
     fast, cache = combo
-    d, named, _, tok = g4_runs[combo]
-    y = _metrics(d, "yoco")
+    (named, _, tok, y), _ = _pass(g4_runs, combo)
     if fast == "on":
         assert y["truncated_forwards"] > 0 and y["rows_skipped_by_cross_decoder"] > 0, y
-        assert y["fallback_forwards"] > 0, y
-    else:
-        assert y["truncated_forwards"] == 0 and y["fallback_forwards"] == 0, y
+        assert y["fallback_forwards"] > 0, y  # the prompt-logprobs request
+    else:  # every forward of the pass ran untruncated (the opt-out)
+        assert y["truncated_forwards"] == 0 and y["fallback_forwards"] == y["full_forwards"] > 0, y
     hits = {n: r.num_cached_tokens for n, r, *_ in named}
     enc = {n: e for n, _, _, e in named}
     n_media = {n: k for n, _, k, _ in named}
@@ -248,18 +269,24 @@ def test_gemma4_runs_exercise_fast_prefill_hits_and_towers(g4_runs, combo):
     image_ph, audio_ph = PLACEHOLDERS["gemma4"]
     from omni_cache.driver.inputs import OmniRequest, Turn
 
-    text = OmniRequest([Turn("system", LONG), Turn("user", AFTER, image=object())], family="gemma4").prompt_text()
+    opening = "This is the second pass. " if fast == "off" else ""
+    text = OmniRequest([Turn("system", opening + LONG), Turn("user", AFTER, image=object())], family="gemma4").prompt_text()
     assert hits["image:other"] <= _media_start(tok, text, image_ph) // BLOCK * BLOCK, hits
-    text = OmniRequest([Turn("system", LONG), Turn("user", AFTER, audio=object())], family="gemma4").prompt_text()
+    text = OmniRequest([Turn("system", opening + LONG), Turn("user", AFTER, audio=object())], family="gemma4").prompt_text()
     assert hits["audio:other"] <= _media_start(tok, text, audio_ph) // BLOCK * BLOCK, hits
-    m = _metrics(d, "metrics")
-    assert m["hits_refused"] == 0 and m["hits_served"] >= 8, m
-    assert m["hit_tokens"] == sum(hits.values()), (m, hits)
+
+
+def test_gemma4_omni_cache_served_every_hit(g4_runs, gemma4):
+    """omni-cache's counters over the whole engine: every hit of the cache-on passes served
+    (none refused); the cache-off passes and the flush requests read nothing."""
+    hits = sum(r.num_cached_tokens for (combo, _), (named, *_) in g4_runs.items() for _, r, *_ in named)
+    m = _metrics(gemma4.dir, "metrics")
+    assert m["hits_refused"] == 0 and m["hits_served"] >= 16, m
+    assert m["hit_tokens"] == hits, (m, hits)
 
 
 # ---- Gemma 3n: text, AltUp, non-streamed, one pipeline -----------------------------------
 
-G3N_CONFIG = REPO / "stage_configs" / "gemma3n_yoco_cpu.yaml"
 
 
 def _chat(tok, system: str, user: str) -> list[int]:
@@ -317,15 +344,9 @@ def _g3n_workload(pipe, model_dir, out_dir):
     return out
 
 
-@pytest.fixture(scope="module")
-def g3n_run(tmp_path_factory):
-    from omni_cache.driver.pipeline import OmniPipeline
-    from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
-
-    model_dir = build_gemma_omni(default_gemma_dir("tiny"), "tiny")
-    d = tmp_path_factory.mktemp("gemma3n-fast-on-cache-on")
-    with OmniPipeline(model_dir, _variant(G3N_CONFIG, d, "on", "on")) as pipe:
-        return d, _g3n_workload(pipe, model_dir, d)
+@pytest.fixture(scope="session")
+def g3n_run(gemma3n):
+    return gemma3n.dir, _g3n_workload(gemma3n.pipe, gemma3n.model_dir, gemma3n.dir)
 
 
 def test_gemma3n_fast_prefill_and_hits_equal_the_slow_path_bitwise(g3n_run):

@@ -34,10 +34,40 @@ def _two_turn_ids(tok, answer_ids: list[int] | None):
     return t1 + [t for t in answer_ids if t != im_end] + [im_end] + tail
 
 
-def run_workload(pipe, model_dir):
+def send(pipe, requests: list, sampling_params_list=None) -> list:
+    """``requests`` as one batch through ``pipe`` — an :class:`~omni_cache.driver.pipeline.OmniPipeline`
+    (one ``generate`` call) or a :class:`~omni_cache.driver.streaming.StreamingPipeline` (in
+    flight together) — with ``sampling_params_list`` (None: the stage config's defaults)."""
+    if hasattr(pipe, "run_many"):
+        return pipe.run_many(requests, sampling_params_list=sampling_params_list)
+    return pipe.generate(requests, sampling_params_list)
+
+
+def run_workload(pipe, model_dir, sampling_params_list=None, replay: list | None = None):
     """Text, image, audio (each twice, the second hitting the first), a two-turn chat, the
-    first request again (a whole-prompt hit; same audio), a batch of two with a same-step hit. Returns ``(named results, turn-1 prompt length, batch
-    results sorted by prompt length)``."""
+    first request again (a whole-prompt hit; same audio), a batch of two with a same-step hit.
+
+    ``replay``: the ``sent`` list of an earlier call: the same prompts again (e.g. as cache-off
+    references with ``sampling_params_list`` from :func:`tests.pipeline.engines.reference_params`).
+    Returns ``(named results, turn-1 prompt length, batch results sorted by prompt length,
+    sent)``; ``sent``: ``[(name, [request, ...])]`` in the order sent (the batch is ``"batch"``)."""
+    sent: list = []
+
+    def go(name: str, requests: list) -> list:
+        sent.append((name, requests))
+        return send(pipe, requests, sampling_params_list)
+
+    if replay is not None:
+        named, batch = [], []
+        for name, requests in replay:
+            results = go(name, requests)
+            if name == "batch":
+                batch = results
+            else:
+                named.append((name, results[0]))
+        t1 = next(r for n, r in replay if n == "chat:turn1")[0]["prompt_token_ids"]
+        return named, len(t1), sorted(batch, key=lambda r: r.num_prompt_tokens), sent
+
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -45,21 +75,21 @@ def run_workload(pipe, model_dir):
     named = []
     for name, media in (("text", {}), ("image", {"image": img}), ("audio", {"audio": wav})):
         for q in ("What is first?", "And what comes second, please?"):
-            (r,) = pipe.generate([build_request(LONG + q, **media)])
+            (r,) = go(f"{name}:{q}", [build_request(LONG + q, **media)])
             named.append((f"{name}:{q}", r))
     t1 = _two_turn_ids(tok, None)
-    (r1,) = pipe.generate([{"prompt_token_ids": t1}])
+    (r1,) = go("chat:turn1", [{"prompt_token_ids": t1}])
     named.append(("chat:turn1", r1))
     t2 = _two_turn_ids(tok, r1.token_ids)
-    (r2,) = pipe.generate([{"prompt_token_ids": t2}])
+    (r2,) = go("chat:turn2", [{"prompt_token_ids": t2}])
     named.append(("chat:turn2", r2))
     # the first request again, after every other one: its talker samples from its own seeded
     # generators (omni_cache.engine.talker), so its audio must be the first one's
-    (r,) = pipe.generate([build_request(FIRST_PROMPT)])
+    (r,) = go(REPEAT, [build_request(FIRST_PROMPT)])
     named.append((REPEAT, r))
-    batch = pipe.generate([build_request(SAME_STEP_DOC + "Why?"),
-                           build_request(SAME_STEP_DOC + "And which of the details did you notice first, and why?")])
-    return named, len(t1), sorted(batch, key=lambda r: r.num_prompt_tokens)
+    batch = go("batch", [build_request(SAME_STEP_DOC + "Why?"),
+                         build_request(SAME_STEP_DOC + "And which of the details did you notice first, and why?")])
+    return named, len(t1), sorted(batch, key=lambda r: r.num_prompt_tokens), sent
 
 
 # ---- talker prefix caching (content-keyed talker blocks) ----
@@ -105,43 +135,52 @@ def talker_negative_requests(tok):
             ("B:words", conv(question=_same_length_swap(tok, NEGATIVE_QUESTION, swaps[3:])))]
 
 
-def run_talker_workload(pipe, model_dir, *, placeholder_demo: bool = False):
+def run_talker_workload(pipe, model_dir, *, placeholder_demo: bool = False, sampling_params_list=None,
+                        replay: list | None = None):
     """The voice chat (3 turns) and the negative conversations, one request at a time.
     ``placeholder_demo``: then, with the talker identity hook keying blocks by index only
-    (vLLM's hash of placeholder prompts), A and the B's again. Returns ``(named results,
-    {name: talker block keys})``; the demo's results are named ``placeholder:<name>``."""
-    from transformers import AutoTokenizer
-
-    from omni_cache.driver.inputs import Turn
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    (vLLM's hash of placeholder prompts), A and the B's again. ``replay``/``sampling_params_list``:
+    as for :func:`run_workload` (a replay sends no placeholder demo). Returns ``(named results,
+    {name: talker block keys}, sent)``; the demo's results are named ``placeholder:<name>``."""
     hook = pipe.hooks.talker_identity
-    named, keys = [], {}
+    named, keys, sent = [], {}, []
 
-    def send(name, req):
-        (r,) = pipe.generate([req])
+    def go(name, req):
+        sent.append((name, req))
+        (r,) = send(pipe, [req], sampling_params_list)
         named.append((name, r))
         if hook is not None:
             keys[name] = hook.keys.get(r.request_id)
         return r
 
+    if replay is not None:
+        for name, req in replay:
+            if not name.startswith("placeholder:"):
+                go(name, req)
+        return named, keys, sent
+
+    from transformers import AutoTokenizer
+
+    from omni_cache.driver.inputs import Turn
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
     history: list = []
     for k, (text, media) in enumerate(TALKER_CHAT):
         req = build_request(text, history=history, **{m: sample_path(f) for m, f in media.items()})
-        r = send(f"talker-chat:turn{k + 1}", req)
+        r = go(f"talker-chat:turn{k + 1}", req)
         history = req.turns[1:] + [Turn("assistant", r.text)]
     negatives = talker_negative_requests(tok)
     for name, req in negatives:
-        send(name, req)
+        go(name, req)
     if placeholder_demo and hook is not None:
         hook.scheme = "placeholder"
         try:
             for name, req in negatives:
                 if name != "B:system":
-                    send(f"placeholder:{name}", req)
+                    go(f"placeholder:{name}", req)
         finally:
             hook.scheme = "content"
-    return named, keys
+    return named, keys, sent
 
 
 def recorded_by_request(out_dir, sub: str = "codec") -> list[list[dict]]:

@@ -42,15 +42,19 @@ def scheduler_kwargs(cfg, num_blocks: int) -> dict:
     return dict(vllm_config=cfg, kv_cache_config=kv, block_size=BS, structured_output_manager=StructuredOutputManager(cfg))
 
 
-def request(rid: str, prompt: list[int], max_tokens: int):
-    """A vLLM ``Request`` with vLLM's own block hasher (sha256)."""
+def request(rid: str, prompt: list[int], max_tokens: int, *, forget_rows: bool = False):
+    """A vLLM ``Request`` with vLLM's own block hasher (sha256); ``forget_rows``: marked for the
+    capped scheduler's fault injection (:data:`omni_cache.engine.scheduler.FORGET_ROWS`)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+    from omni_cache.engine.scheduler import FORGET_ROWS
+
+    extra = {FORGET_ROWS: True} if forget_rows else None
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra), None,
                    block_hasher=get_request_block_hasher(BS, sha256))
 
 

@@ -124,8 +124,8 @@ def test_talker_prefix_caching_without_content_identity_is_refused(tmp_path):
 
 
 def test_setting_values_and_scope_are_checked_against_the_registry(tmp_path):
-    p = _write(tmp_path, lambda r: r["stages"][0]["env"].update(OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS="two"))
-    with pytest.raises(StageConfigError, match="OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS.*non-negative integer"):
+    p = _write(tmp_path, lambda r: r["stages"][0]["env"].update(OMNI_CACHE_CPU_IDLE_BACKOFF_MS="two"))
+    with pytest.raises(StageConfigError, match="OMNI_CACHE_CPU_IDLE_BACKOFF_MS.*non-negative integer"):
         load_stage_config(p)
     p = _write(tmp_path, lambda r: r["stages"][0]["env"].update(OMNI_CACHE_HOME="/tmp"))
     with pytest.raises(StageConfigError, match="OMNI_CACHE_HOME.*not a per-stage setting"):

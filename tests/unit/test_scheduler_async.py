@@ -8,7 +8,7 @@ block table from the scheduler outputs, writes every scheduled token's row at it
 step runs — the row's content is the token prefix it was computed from, as a causal model's
 is — and, after the step's writes, checks every prefix hit the step serves: each hit row must
 hold exactly the hitting request's own prefix. Rows of "lost" requests are never written
-(fault injection, paired with ``OMNI_CACHE_TEST_FORGET_FIRST_N_REQUESTS`` for the scheduler).
+(fault injection: such a request carries the scheduler's ``FORGET_ROWS`` marker).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _workload(s, runner: Runner, *, max_steps: int = 400) -> None:
     prev = None
     for step in range(max_steps):
         for rid, prompt, n in plan.pop(step, []):
-            s.add_request(_request(rid, prompt, n))
+            s.add_request(_request(rid, prompt, n, forget_rows=rid in runner.lost))
             runner.add(rid, prompt)
         if step > 4 and "C" in s.requests and len(runner.tokens["C"]) > 95:
             s.finish_requests("C", RequestStatus.FINISHED_ABORTED)
@@ -156,7 +156,6 @@ def _workload(s, runner: Runner, *, max_steps: int = 400) -> None:
 
 
 def test_async_hits_are_exact_across_decode_blocks_preemption_and_aborts(vllm_config, monkeypatch):
-    monkeypatch.delenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, raising=False)
     s = _scheduler(vllm_config)
     runner = Runner()
     _workload(s, runner)
@@ -171,7 +170,6 @@ def test_async_hits_are_exact_across_decode_blocks_preemption_and_aborts(vllm_co
 def test_async_hits_on_lost_rows_are_capped(vllm_config, monkeypatch):
     """A's rows are lost (not written) and the scheduler is told so: D's and B's hits on A's
     blocks are capped and recomputed; every hit served is still exact."""
-    monkeypatch.setenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, "1")
     s = _scheduler(vllm_config)
     runner = Runner(lost={"A"})
     _workload(s, runner)

@@ -34,12 +34,13 @@ A_PROMPT = list(range(1, 81))  # 5 full blocks
 B_PROMPT = A_PROMPT[:64] + list(range(500, 580))  # shares A's first 4 blocks (64 tokens)
 
 
-def _run(s, abort_b: bool = False, max_steps: int = 40):
+def _run(s, abort_b: bool = False, max_steps: int = 40, lose_a: bool = False):
     """A decodes (holding 6 of 10 blocks) while B waits for KV blocks and is looked up every
-    step; returns ``(steps B waited, B's num_computed_tokens at admission or None)``."""
+    step; returns ``(steps B waited, B's num_computed_tokens at admission or None)``.
+    ``lose_a``: A's rows are "lost" (fault injection): its blocks are not covered."""
     from vllm.v1.request import RequestStatus
 
-    s.add_request(_request("A", A_PROMPT, 16))
+    s.add_request(_request("A", A_PROMPT, 16, forget_rows=lose_a))
     assert _step(s).num_scheduled_tokens == {"A": 80}
     s.add_request(_request("B", B_PROMPT, 1))
     for waited in range(max_steps):
@@ -55,10 +56,9 @@ def _run(s, abort_b: bool = False, max_steps: int = 40):
 
 
 def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch, tmp_path):
-    monkeypatch.setenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, "1")  # A's rows are "lost": its blocks are not covered
     monkeypatch.setenv(settings.METRICS_DIR.name, str(tmp_path))
     s = _scheduler(vllm_config)
-    waited, b_start = _run(s)
+    waited, b_start = _run(s, lose_a=True)  # A's rows are "lost": its blocks are not covered
     st = s._omni_cache_state()
     assert waited >= 5, waited  # B was looked up (and capped) in every one of these steps
     assert b_start == 0  # the 64-token KV hit was capped to the covered prefix: nothing
@@ -70,7 +70,6 @@ def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch, tmp_
 
 
 def test_covered_hit_is_served_and_nothing_capped(vllm_config, monkeypatch):
-    monkeypatch.delenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, raising=False)
     s = _scheduler(vllm_config)
     waited, b_start = _run(s)
     assert waited >= 5 and b_start == 64  # A's 4 shared blocks are written: the hit stands
@@ -78,9 +77,8 @@ def test_covered_hit_is_served_and_nothing_capped(vllm_config, monkeypatch):
 
 
 def test_request_aborted_while_waiting_is_not_counted(vllm_config, monkeypatch):
-    monkeypatch.setenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, "1")
     s = _scheduler(vllm_config)
-    waited, b_start = _run(s, abort_b=True)
+    waited, b_start = _run(s, abort_b=True, lose_a=True)
     st = s._omni_cache_state()
     assert b_start is None and "B" not in s.requests  # never admitted
     assert st.capped_tokens == 0 and st.lookup == {}, st
