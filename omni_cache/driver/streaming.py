@@ -48,6 +48,18 @@ class StreamedResult(RequestResult):
     audio_packets: int = 0
 
 
+def _thinker_outputs_are_deltas(sampling_params_list: Sequence | None) -> bool:
+    """Whether ``AsyncOmni`` will stream the thinker's outputs as deltas (new tokens only) for
+    a request sent with ``sampling_params_list``: given none, it coerces the stage defaults to
+    ``RequestOutputKind.DELTA`` (``coerce_param_message_types``); given a list, the thinker's
+    ``output_kind`` stands (vLLM's default: cumulative)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    if sampling_params_list is None:
+        return True
+    return getattr(sampling_params_list[0], "output_kind", None) == RequestOutputKind.DELTA
+
+
 class StreamingPipeline:
     """vLLM-Omni's async multi-stage pipeline, started from a stage config; requests are run
     one at a time with :meth:`run`.
@@ -134,6 +146,7 @@ class StreamingPipeline:
         audio = np.zeros(0, dtype=np.float32)
         prompt = request.to_engine_prompt() if isinstance(request, OmniRequest) else request
         kw = {} if sampling_params_list is None else {"sampling_params_list": list(sampling_params_list)}
+        delta = _thinker_outputs_are_deltas(sampling_params_list)
         async for o in self.omni.generate(prompt, request_id=request_id, **kw):
             now = time.perf_counter() - t0
             if o.error:
@@ -144,8 +157,11 @@ class StreamingPipeline:
                 if comp is not None and comp.token_ids:
                     if res.ttft_s is None:
                         res.ttft_s = now
-                    res.token_ids = list(comp.token_ids)  # cumulative outputs
-                    res.text = comp.text or ""
+                    if delta:  # each output carries the new tokens only
+                        res.token_ids += list(comp.token_ids)
+                        res.text += comp.text or ""
+                    else:
+                        res.token_ids, res.text = list(comp.token_ids), comp.text or ""
                 res.num_prompt_tokens = len(o.prompt_token_ids or []) or res.num_prompt_tokens
                 res.num_cached_tokens = max(res.num_cached_tokens, int(o.num_cached_tokens or 0))
             if o.final_output_type == "audio":

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tests.conftest import count_pipeline_start
 from tests.util import REPO, in_process_stages, variant_stage_config
 
 #: the thinker's token budget per step in the equality engines: the ~1,450-token shared prefix
@@ -164,6 +165,7 @@ class EngineRegistry:
         else:
             from omni_cache.driver.pipeline import OmniPipeline as Pipeline
         pipe = Pipeline(model_dir, cfg)
+        count_pipeline_start()
         print(f"\n[engines] {name} started in {pipe.start_s:.1f} s")
         engine = self._running[name] = Engine(name, pipe, d, model_dir, pipe.start_s)
         return engine

@@ -39,9 +39,11 @@ from collections import defaultdict
 import pytest
 import torch
 
-from tests.util import variant_stage_config
+from tests.util import in_process_stages, variant_stage_config
 
 pytestmark = pytest.mark.pipeline
+#: full pipeline starts in this module (the suite's time table, tests/conftest.py)
+PIPELINE_STARTS = 2  # in-process replicas, distributed mode
 
 BLOCK = 32
 CONVS, TURNS = 3, 3
@@ -102,7 +104,8 @@ def _chunks_by_request(out_dir) -> dict[str, list[dict]]:
 
 def _setup(tmp_path_factory, model_dir, name: str):
     """The thinker tokenizer, a fresh folder and the streaming CPU config with two thinker
-    replicas, omni-cache on and ``OMNI_CACHE_ROUTING: prefix``."""
+    replicas, omni-cache on and ``OMNI_CACHE_ROUTING: prefix``, every stage on vLLM's ``uni``
+    executor (the pipelines under test are vLLM-Omni's; the process layout is not)."""
     from transformers import AutoTokenizer
 
     from omni_cache import settings
@@ -110,7 +113,7 @@ def _setup(tmp_path_factory, model_dir, name: str):
 
     d = tmp_path_factory.mktemp(name)
     cfg = variant_stage_config(d, "omni_cache", thinker={"num_replicas": 2}, streaming=True)
-    cfg = derive_stage_config(cfg, cfg, env={0: {settings.ROUTING.name: "prefix"}})
+    cfg = in_process_stages(derive_stage_config(cfg, cfg, env={0: {settings.ROUTING.name: "prefix"}}))
     return AutoTokenizer.from_pretrained(model_dir), d, cfg
 
 

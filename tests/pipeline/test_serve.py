@@ -1,37 +1,38 @@
 """vLLM-Omni's OpenAI-compatible server with omni-cache, driven by the official ``openai`` client.
 
-Two real servers, one after the other (never both at once): the bundled CPU stage config
-(thinker prefix cache on, omni-cache), then the same config with the thinker's prefix cache
-off. Both are started by :class:`omni_cache.driver.server.OmniServer` on 127.0.0.1 (free port), exactly
-as ``omni-cache serve`` starts them. Checked:
+One real server: the bundled CPU stage config (thinker prefix cache on, omni-cache; the
+talker's content-keyed prefix cache on), started by :class:`omni_cache.driver.server.OmniServer`
+on 127.0.0.1 (free port), exactly as ``omni-cache serve`` starts it, in vLLM's default process
+layout. The cache-off references are requests to the same server: vLLM-Omni's per-stage
+``sampling_params_list`` with ``skip_reading_prefix_cache`` on the thinker and the talker (no
+cached block read, every prompt row computed; a real cache-off engine is compared on the
+streaming path in ``test_streaming_equality.py``). Checked:
 
 - text, text+image, text+audio chat completions answer with text and a WAV;
 - a two-turn chat (system prompt, image, audio, turn 1's answer repeated in turn 2) gets a
   thinker prefix hit that covers the first answer's tokens — the exact hit expected from the
   token ids the server returns — and the same hit shows in ``/metrics`` (stage 0 counters);
-- that chat's text and audio are bitwise equal to the cache-off server's (same seed);
+- that chat's text and audio are bitwise equal to its cache-off reference's (same seed);
 - streamed (``stream=True``, the bundled config's ``async_chunk: true``): text, text+image and
   text+audio chat completions answer with text deltas and audio packets (a WAV each, the first
   one — the initial codec chunk — arriving before the rest); the same two-turn chat streamed
   gets the same exact hit and its text, token ids and every audio packet are bitwise equal to
-  the cache-off server's;
+  its cache-off reference's;
 - a non-image in ``image_url``, undecodable audio, and a prompt longer than ``max_model_len``
   answer HTTP 400 with a message naming the problem, and the next request is served;
-- the servers stop cleanly (exit code 0, port closed).
+- the server stops cleanly (exit code 0, port closed).
 
 Two properties of the setup the checks depend on:
 
-- Both servers answer the same requests in the same order before anything is compared
-  (the non-streamed two-turn chat, then the streamed one).
 - The embedded tokenizer cannot re-encode the random model's pseudo-words (they are
   vocabulary entries without merges, docs/cpu.md), so a free answer never re-tokenizes to the
   ids it was sampled as and turn 2 could not hit past turn 1's prompt. The two-turn chat
   therefore restricts the thinker to digit tokens through vLLM-Omni's per-stage
   ``sampling_params_list`` (``allowed_token_ids``); digits re-encode one token each.
 - vLLM-Omni's Qwen3-Omni talker samples the residual codebooks from the process-wide torch
-  RNG (its code predictor gets no per-request generator), so a request's audio depends on the
-  requests the talker process served before it. The two-turn chat is therefore the first
-  thing each server answers (same history on both).
+  RNG; omni-cache's talker gives each request its own generator (``tts_local_seed`` in the
+  bundled config's talker defaults, kept in the references' talker params), so a request's
+  audio does not depend on the requests served before it.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ import soundfile as sf
 
 from omni_cache.driver.inputs import sample_path
 from omni_cache.driver.server import OmniServer
-from omni_cache.driver.variants import derive_stage_config
 from tests.util import CPU_STAGE_CONFIG
 
 pytestmark = pytest.mark.pipeline
+#: full pipeline starts in this module (the suite's time table, tests/conftest.py)
+PIPELINE_STARTS = 1  # one OmniServer
 
 BLOCK = 32  # thinker block_size in the bundled CPU stage config
 SEED = 1234
@@ -71,28 +73,49 @@ def _client(server: OmniServer):
     return OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
 
 
-def _chat(server: OmniServer, messages: list, max_tokens: int | None = None, thinker_params: dict | None = None) -> dict:
+def _stage_params(thinker_params: dict | None, reference: bool) -> list | None:
+    """vLLM-Omni's per-stage ``sampling_params_list`` of a request: the thinker's parameters
+    (None: the stage config's defaults) and, for a cache-off ``reference``, the talker's
+    stage-config defaults, both with ``skip_reading_prefix_cache`` (code2wav keeps its
+    defaults)."""
+    import yaml
+
+    if not reference:
+        return None if thinker_params is None else [thinker_params]
+    stages = {st["stage_id"]: st for st in yaml.safe_load(CPU_STAGE_CONFIG.read_text())["stages"]}
+    thinker = dict(thinker_params if thinker_params is not None else stages[0]["default_sampling_params"])
+    talker = dict(stages[1]["default_sampling_params"])
+    return [{**thinker, "skip_reading_prefix_cache": True}, {**talker, "skip_reading_prefix_cache": True}]
+
+
+def _chat(server: OmniServer, messages: list, max_tokens: int | None = None, thinker_params: dict | None = None,
+          reference: bool = False) -> dict:
     """One non-streaming chat completion with text + audio out; the response as a dict.
     ``thinker_params``: the thinker's sampling parameters (vLLM-Omni's ``sampling_params_list``;
-    the talker and code2wav keep their stage-config defaults)."""
+    the talker and code2wav keep their stage-config defaults); ``reference``: a cache-off
+    reference (:func:`_stage_params`)."""
     kw = {"max_tokens": max_tokens} if max_tokens else {}
     extra = {"return_token_ids": True}
-    if thinker_params is not None:
-        extra["sampling_params_list"] = [thinker_params]
+    params = _stage_params(thinker_params, reference)
+    if params is not None:
+        extra["sampling_params_list"] = params
     r = _client(server).chat.completions.create(
         model=server.model_name(), messages=messages, modalities=["text", "audio"], seed=SEED,
         extra_body=extra, **kw)
     return r.model_dump()
 
 
-def _chat_stream(server: OmniServer, messages: list, thinker_params: dict | None = None) -> dict:
+def _chat_stream(server: OmniServer, messages: list, thinker_params: dict | None = None,
+                 reference: bool = False) -> dict:
     """One streamed chat completion (``stream=True``) with text + audio out, collected:
     ``prompt_token_ids``, ``token_ids`` and ``text`` (text deltas joined), ``packets`` (each audio
     delta decoded: int16 ``[num_samples]``), ``sample_rate``, ``cached_tokens`` (final usage
-    chunk), and the client-clock seconds ``t_first_text``, ``t_first_audio``, ``t_end``."""
+    chunk), and the client-clock seconds ``t_first_text``, ``t_first_audio``, ``t_end``.
+    ``reference``: as for :func:`_chat`."""
     extra = {"return_token_ids": True}
-    if thinker_params is not None:
-        extra["sampling_params_list"] = [thinker_params]
+    params = _stage_params(thinker_params, reference)
+    if params is not None:
+        extra["sampling_params_list"] = params
     t0 = time.perf_counter()
     out = {"prompt_token_ids": None, "token_ids": [], "text": "", "packets": [], "sample_rate": None,
            "cached_tokens": None, "t_first_text": None, "t_first_audio": None, "modalities": []}
@@ -163,17 +186,20 @@ def _turn1(stream: bool = False) -> list:
     ]
 
 
-def _two_turn_chat(server: OmniServer, model_dir, stream: bool = False) -> dict:
+def _two_turn_chat(server: OmniServer, model_dir, stream: bool = False, reference: bool = False) -> dict:
     """Turn 1, then turn 2 repeating system prompt, media and turn 1's answer; /metrics read
-    around turn 2. ``stream``: both turns streamed (:func:`_chat_stream`)."""
+    around turn 2. ``stream``: both turns streamed (:func:`_chat_stream`); ``reference``: both
+    turns as cache-off references (no /metrics read)."""
+    ask = _chat_stream if stream else _chat
     # 48 > BLOCK: turn 1's answer fills at least one block by decode.
-    r1 = (_chat_stream if stream else _chat)(server, _turn1(stream), thinker_params=_digit_params(model_dir, 48))
+    r1 = ask(server, _turn1(stream), thinker_params=_digit_params(model_dir, 48), reference=reference)
     answer = r1["text"] if stream else r1["choices"][0]["message"]["content"]
+    turn2 = _turn1(stream) + [{"role": "assistant", "content": answer},
+                              {"role": "user", "content": "And what would you do next?"}]
+    if reference:
+        return {"r1": r1, "r2": ask(server, turn2, thinker_params=_digit_params(model_dir, 16), reference=True)}
     before, talker_before = _prefix_counters(server), _prefix_counters(server, stage="1")
-    r2 = (_chat_stream if stream else _chat)(server, _turn1(stream) + [
-        {"role": "assistant", "content": answer},
-        {"role": "user", "content": "And what would you do next?"},
-    ], thinker_params=_digit_params(model_dir, 16))
+    r2 = ask(server, turn2, thinker_params=_digit_params(model_dir, 16))
     after = _prefix_counters(server, wait_for_change_from=before)
     talker_after = _prefix_counters(server, stage="1", wait_for_change_from=talker_before)
     return {"r1": r1, "r2": r2, "metrics_before": before, "metrics_after": after,
@@ -241,28 +267,22 @@ def streamed_on(server_on):
 
 
 @pytest.fixture(scope="module")
-def chat_off(server_on, chat_on, streamed_on, tiny_model_dir, tmp_path_factory):
-    """The same two-turn chat on a cache-off server, started after the cache-on server stopped
-    (one server at a time)."""
-    rc = server_on.stop()
-    assert rc == 0, f"cache-on server exited with {rc}"
-    d = tmp_path_factory.mktemp("serve_off")
-    cfg = derive_stage_config(CPU_STAGE_CONFIG, d / "stage_config_off.yaml",
-                              stages={0: {"enable_prefix_caching": False}})
-    srv = OmniServer(tiny_model_dir, cfg, log_path=d / "server.log").start()
-    try:
-        srv.wait_ready(timeout=1500)
-        result = _two_turn_chat(srv, tiny_model_dir)
-        result["streamed"] = _two_turn_chat(srv, tiny_model_dir, stream=True)
-    finally:
-        rc = srv.stop()
-    assert rc == 0, f"cache-off server exited with {rc}"
+def chat_off(server_on, chat_on, streamed_on, tiny_model_dir):
+    """The same two-turn chats as cache-off references on the same server, after them."""
+    result = _two_turn_chat(server_on, tiny_model_dir, reference=True)
+    result["streamed"] = _two_turn_chat(server_on, tiny_model_dir, stream=True, reference=True)
     return result
 
 
+@pytest.fixture(scope="module")
+def stopped(server_on, chat_off):
+    """The server's exit code after SIGTERM (taken after every request)."""
+    return server_on.stop()
+
+
 # ----------------------------------------------------------------------------- tests
-# Order matters: the first test that takes ``chat_off`` stops the cache-on server, so every
-# test that talks to ``server_on`` stands above it (pytest runs a module's tests in file order).
+# Order matters: ``stopped`` stops the server, so it is taken by the last test only (pytest
+# runs a module's tests in file order).
 def test_models_and_health(server_on):
     assert server_on.get("/health")[0] == 200
     assert server_on.model_name() == str(server_on.model)
@@ -355,7 +375,7 @@ def test_bad_request_is_4xx_and_server_keeps_serving(server_on, name):
     _check_text_and_audio(_chat(server_on, [{"role": "user", "content": "Still there?"}]))
 
 
-def test_cache_off_server_gives_identical_text_and_audio(chat_on, chat_off):
+def test_cache_off_reference_gives_identical_text_and_audio(chat_on, chat_off):
     for turn in ("r1", "r2"):
         on, off = chat_on[turn], chat_off[turn]
         assert on["choices"][0]["token_ids"] == off["choices"][0]["token_ids"], turn
@@ -386,7 +406,7 @@ def test_streamed_two_turn_chat_hit_and_equal_to_cache_off(streamed_on, chat_off
             assert a.shape == b.shape and np.array_equal(a, b), (turn, k)
 
 
-def test_server_stopped_cleanly(server_on, chat_off):
-    # chat_off stopped the cache-on server (exit code asserted there) and its own.
+def test_server_stopped_cleanly(server_on, stopped):
+    assert stopped == 0, f"the server exited with {stopped}"
     assert not server_on.alive()
     assert server_on.get("/health")[0] == 0

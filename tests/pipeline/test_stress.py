@@ -89,8 +89,9 @@ async def _one(omni, sem, rid, text, media, abort_after, sps=None):
         cached = max((int(o.num_cached_tokens or 0) for o in thinker), default=0)
         errors = [o.error for o in outs if o.error]
         assert not errors, f"request {rid}: {errors}"
-        # cumulative outputs: the longest token list is the answer
-        tokens = max((list(o.outputs[0].token_ids or []) for o in thinker if o.outputs), key=len, default=[])
+        # AsyncOmni streams the thinker's tokens as deltas (its stage defaults are coerced to
+        # RequestOutputKind.DELTA): the answer is their concatenation
+        tokens = [t for o in thinker if o.outputs for t in (o.outputs[0].token_ids or [])]
         n_prompt = max((len(o.prompt_token_ids or []) for o in thinker), default=0)
         return any(o.final_output_type == "audio" for o in outs), cached, n_prompt, tokens
 

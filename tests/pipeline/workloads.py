@@ -135,6 +135,19 @@ def talker_negative_requests(tok):
             ("B:words", conv(question=_same_length_swap(tok, NEGATIVE_QUESTION, swaps[3:])))]
 
 
+def _talker_keys_of(hook, request_id: str) -> list[str] | None:
+    """The talker block keys the hook attached for ``request_id`` (the engine may add a suffix
+    to a request id the driver chose, e.g. ``run-3`` → ``run-3-<hex>``)."""
+    import re
+
+    if request_id in hook.keys:
+        return hook.keys[request_id]
+    pat = re.compile(rf"{re.escape(request_id)}[-_].*")
+    found = [v for k, v in hook.keys.items() if pat.fullmatch(k)]
+    assert len(found) <= 1, (request_id, [k for k in hook.keys if pat.fullmatch(k)])
+    return found[0] if found else None
+
+
 def run_talker_workload(pipe, model_dir, *, placeholder_demo: bool = False, sampling_params_list=None,
                         replay: list | None = None):
     """The voice chat (3 turns) and the negative conversations, one request at a time.
@@ -150,7 +163,7 @@ def run_talker_workload(pipe, model_dir, *, placeholder_demo: bool = False, samp
         (r,) = send(pipe, [req], sampling_params_list)
         named.append((name, r))
         if hook is not None:
-            keys[name] = hook.keys.get(r.request_id)
+            keys[name] = _talker_keys_of(hook, r.request_id)
         return r
 
     if replay is not None:
