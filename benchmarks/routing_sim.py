@@ -173,7 +173,7 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
 
 
 def _chain(tail: list[int], block_size: int, parent: int) -> list[int]:
-    from omni_cache.core.slots import chained_block_hashes
+    from omni_cache.core.block_hashes import chained_block_hashes
 
     return chained_block_hashes(tail, block_size, parent=parent)
 

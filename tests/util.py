@@ -115,3 +115,12 @@ def assert_same_chunks(got: list[dict], ref: list[dict], name: str) -> None:
         assert set(g) == set(r), (name, i, sorted(g), sorted(r))
         for k in r:
             assert g[k].shape == r[k].shape and torch.equal(g[k], r[k]), (name, i, k)
+
+
+def same_bits(a, b) -> bool:
+    """Two tensors have the same dtype, shape and bytes (bitwise equal: NaN payloads and
+    signed zeros included)."""
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

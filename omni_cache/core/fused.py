@@ -7,7 +7,7 @@ a Triton kernel (``grid = (blocks, keys)``, one program per (block, key): one co
 of ``(hi - lo) * row_bytes`` bytes from the key's rows to its pool block), instead of an index
 copy plus, per key, views and one or more ``index_copy_`` launches. Its arguments (a table of
 the keys' source / destination addresses and row sizes, and the block ids) are written into
-the pinned staging ring (:func:`~omni_cache.core.pool.staging_ring`) and read by the kernel in
+the pinned staging ring (:func:`~omni_cache.core.row_index.staging_ring`) and read by the kernel in
 place over PCIe: no host -> device copy, no other launch. Bytes move as int64 words, so the
 copy is bit-exact.
 
@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from omni_cache import settings
-from omni_cache.core.pool import HiddenPool, Tier, staging_ring
+from omni_cache.core.pool import HiddenPool, Tier
+from omni_cache.core.row_index import staging_ring
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +171,7 @@ class StepWriter:
         self.dst: dict[str, tuple] = {}
         self.pinned = any(p.tier is Tier.PINNED_HOST for p in pools)
         for p in pools:
-            store = p.storage if p.tier is Tier.DEVICE else p._gpu_dst[False][0]
-            self.dst[p.key] = (p.dtype, p.width, store.data_ptr(), p.row_bytes // 8,
+            self.dst[p.key] = (p.dtype, p.width, p.gpu_storage.data_ptr(), p.row_bytes // 8,
                                p if p.tier is Tier.PINNED_HOST else None)
 
     @staticmethod
@@ -211,12 +211,12 @@ class StepWriter:
         tab = ring.device_address(a)
         if tab is None:
             return False
-        struct.pack_into(f"{3 * k}q", ring.np, 8 * a, *table)
-        ring.np[a + 3 * k:a + 3 * k + u] = ids
+        struct.pack_into(f"{3 * k}q", ring.host, 8 * a, *table)
+        ring.host[a + 3 * k:a + 3 * k + u] = ids
         launch(tab, tab + 24 * k, u, first_off, last_end, self.block_size, k,
                torch._C._cuda_getCurrentRawStream(dev.index))
         self.launches += 1
         if self.pinned:
             for key in tensors:
-                self.dst[key][4]._note_gpu(ids, owned=True)  # ids: the cache's, made for this call
+                self.dst[key][4].note_gpu_work(ids, owned=True)  # ids: the cache's, made for this call
         return True

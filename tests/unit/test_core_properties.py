@@ -22,7 +22,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, chained_block_hashes
+from omni_cache.core import BlockLedger, HiddenStateCache, KeySpec, StaleRowsError, chained_block_hashes
+from omni_cache.core.ledger_state import BlockWrite
+from tests.util import same_bits
 
 BS = 4
 NUM_BLOCKS = 12
@@ -45,11 +47,6 @@ def model_row(content: tuple, key: str) -> torch.Tensor:
     digest = hashlib.blake2b(repr((key, content)).encode(), digest_size=4 * width).digest()
     vals = np.frombuffer(digest, dtype="<u4").astype(np.float32) / np.float32(2**32) - 0.5
     return torch.from_numpy(vals).to(SPEC[key].dtype)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
-                                              b.contiguous().view(torch.uint8))
 
 
 @dataclass
@@ -376,16 +373,14 @@ def _assert_same(led, ref):
 def test_request_write_of_one_partial_block_on_the_array_path():
     """A one-block write [0, 1) on the array path fills to 1, not to block_size (a case the
     random test below found on one run of the GPU machine's seeds)."""
-    from omni_cache.core import BlockLedger
-
     for scalar_max in (0, 4):
         led = BlockLedger(LNB, LBS, KEYS)
         led.scalar_max = scalar_max
-        led.record_request_write(np.array([3]), 0, 1, np.array([0], np.uint64), np.array([False]),
-                                 led.key_mask(["hidden"]), owner="A")
+        led.record_request_write(BlockWrite(np.array([3]), 0, 1, np.array([0], np.uint64), np.array([False]),
+                                            led.key_mask(["hidden"]), owner="A"))
         assert [led.filled(3, k) for k in KEYS] == [1, 0, 0]
-        led.record_request_write(np.array([3, 5]), 1, 2, np.array([9, 0], np.uint64), np.array([True, False]),
-                                 led.key_mask(KEYS), owner="A")
+        led.record_request_write(BlockWrite(np.array([3, 5]), 1, 2, np.array([9, 0], np.uint64),
+                                            np.array([True, False]), led.key_mask(KEYS), owner="A"))
         assert [led.filled(3, k) for k in KEYS] == [LBS, 0, 0] and led.block_hash[3] == 9
         assert [led.filled(5, k) for k in KEYS] == [2, 2, 2] and led.block_hash[5] is None
 
@@ -398,11 +393,8 @@ def test_vectorised_ledger_matches_per_block_reference(scalar_max, data):
     and the same answers as the per-block reference, on the block-by-block path (small
     calls), the vectorised path (``scalar_max=0``) and a mix; interned owners are pruned
     often, so a pruned owner coming back must still be told apart."""
-    from omni_cache.core import BlockLedger
-
-    led, ref = BlockLedger(LNB, LBS, KEYS), RefLedger(LNB, LBS, KEYS)
+    led, ref = BlockLedger(LNB, LBS, KEYS, owner_floor=3), RefLedger(LNB, LBS, KEYS)
     led.scalar_max = led.scalar_max_read = scalar_max
-    led.owner_floor = led._owner_limit = 3
     owners = st.sampled_from([f"r{i}" for i in range(8)])
     maybe_hash = st.one_of(st.none(), st.sampled_from(HASHES))
     keys = st.sets(st.sampled_from(KEYS))
@@ -428,10 +420,11 @@ def test_vectorised_ledger_matches_per_block_reference(scalar_max, data):
             hs = [data.draw(maybe_hash) for _ in ids]
             ks = data.draw(keys)
             as_list = data.draw(st.booleans())
-            led.record_request_write(ids if as_list else np.array(ids), first, last,
-                                     [h or 0 for h in hs] if as_list else np.array([h or 0 for h in hs], np.uint64),
-                                     [h is not None for h in hs] if as_list else np.array([h is not None for h in hs]),
-                                     led.key_mask(ks), owner=owner)
+            led.record_request_write(BlockWrite(
+                ids if as_list else np.array(ids), first, last,
+                [h or 0 for h in hs] if as_list else np.array([h or 0 for h in hs], np.uint64),
+                [h is not None for h in hs] if as_list else np.array([h is not None for h in hs]),
+                led.key_mask(ks), owner=owner))
             for j, (b, h) in enumerate(zip(ids, hs)):
                 ref.record_write(b, h, first if j == 0 else 0, last if j == n - 1 else LBS, ks, owner)
         elif op == "cache":
