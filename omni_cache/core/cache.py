@@ -114,7 +114,8 @@ class HiddenStateCache:
         if self._writer is None:
             pools = list(self.pools.values())
             device = None if not pools else pools[0].device if self.tier is Tier.DEVICE else pools[0].gpu_device
-            if device is None or device.type != "cuda" or not StepWriter.covers(pools, device) or fused_kernel() is None:
+            if (device is None or device.type != "cuda" or not StepWriter.covers(pools, device)
+                    or fused_kernel() is None):
                 self._fused_maybe = False
                 return None
             self._writer = StepWriter(pools, self.block_size, device)

@@ -211,7 +211,8 @@ class BlockStates:
     def cache_blocks(self, ids: np.ndarray, block_hashes: np.ndarray, owner_id: int) -> None:
         """:meth:`cache_one` for distinct blocks ``ids`` (int64 ``[n]``) with ``block_hashes``
         (uint64 ``[n]``)."""
-        act = (self.owner.take(ids) == owner_id) & ~(self.cached.take(ids) & (self.block_hash.take(ids) == block_hashes))
+        already = self.cached.take(ids) & (self.block_hash.take(ids) == block_hashes)
+        act = (self.owner.take(ids) == owner_id) & ~already
         if not np.count_nonzero(act):
             return
         a = ids[act]

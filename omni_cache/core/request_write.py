@@ -156,7 +156,8 @@ def _many_blocks(req_id: str, block_ids: BlockIds, first: int, end: int, block_h
         return touched, hashes, True, ids_in_range, (), ()
     if hashed_count and not in_range(indices, len(block_ids)):
         raise ValueError(f"request {req_id!r}: block hashes for block indices outside a block table of "
-                         f"{len(block_ids)} blocks: {indices[(indices < 0) | (indices >= len(block_ids))].tolist()[:8]}")
+                         f"{len(block_ids)} blocks: "
+                         f"{indices[(indices < 0) | (indices >= len(block_ids))].tolist()[:8]}")
     touched_hashes = np.zeros(touched_count, dtype=np.uint64)
     hashed = np.zeros(touched_count, dtype=bool)
     inside = (indices >= first) & (indices < end)

@@ -181,7 +181,8 @@ def check_talker_seam() -> list[str]:
     pos, _ = _params(Qwen3OmniMoeForConditionalGeneration.talker_mtp)
     if pos[:4] != ("input_ids", "input_embeds", "last_talker_hidden", "text_step"):
         problems.append(f"Qwen3OmniMoeForConditionalGeneration.talker_mtp{pos} changed")
-    if "self.code_predictor(" not in inspect.getsource(Qwen3OmniMoeTalkerForConditionalGeneration.code_predictor_forward):
+    predictor_src = inspect.getsource(Qwen3OmniMoeTalkerForConditionalGeneration.code_predictor_forward)
+    if "self.code_predictor(" not in predictor_src:
         problems.append("Qwen3-Omni's code_predictor_forward no longer calls self.code_predictor(")
     params = inspect.signature(CodePredictorWrapper.forward).parameters
     problems += [f"CodePredictorWrapper.forward has no {p!r} parameter"

@@ -23,10 +23,10 @@ Import rule: engine-free (standard library + :mod:`omni_cache.core.block_hashes`
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
-from typing import Any, Callable
+from typing import Any
 
 from omni_cache.core.block_hashes import NONE_HASH, chained_block_hashes
 

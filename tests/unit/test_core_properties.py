@@ -40,7 +40,7 @@ SHARE = st.sampled_from((True, True, False))  # does a new prompt reuse an earli
 SPEC = {s.name: s for s in SPECS}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_row(content: tuple, key: str) -> torch.Tensor:
     """The model's deterministic output row for one position's content id."""
     width = SPEC[key].width

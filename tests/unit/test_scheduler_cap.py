@@ -11,8 +11,9 @@ import json
 import pytest
 
 from omni_cache import settings
-
-from tests.unit.sched_util import request as _request, scheduler_kwargs, step as _step
+from tests.unit.sched_util import request as _request
+from tests.unit.sched_util import scheduler_kwargs
+from tests.unit.sched_util import step as _step
 from tests.unit.sched_util import vllm_config as _vllm_config
 
 NUM_BLOCKS = 10  # A (80 prompt tokens + decode) holds 6 blocks; B (144 tokens) needs 9
@@ -55,7 +56,8 @@ def _run(s, abort_b: bool = False, max_steps: int = 40):
 
 
 def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch, tmp_path):
-    monkeypatch.setenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, "1")  # A's rows are "lost": its blocks are not covered
+    # A's rows are "lost": its blocks are not covered
+    monkeypatch.setenv(settings.TEST_FORGET_FIRST_N_REQUESTS.name, "1")
     monkeypatch.setenv(settings.METRICS_DIR.name, str(tmp_path))
     s = _scheduler(vllm_config)
     waited, b_start = _run(s)

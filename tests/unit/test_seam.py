@@ -27,7 +27,8 @@ def test_talker_seam_check_reports_a_predictor_without_generators(monkeypatch):
 
     from omni_cache.engine import seam
 
-    monkeypatch.setattr(CodePredictorWrapper, "forward", lambda self, layer0_code, layer0_embed, last_talker_hidden: None)
+    monkeypatch.setattr(CodePredictorWrapper, "forward",
+                        lambda self, layer0_code, layer0_embed, last_talker_hidden: None)
     problems = seam.check_talker_seam()
     assert any("'generators'" in p for p in problems), problems
 

@@ -18,7 +18,8 @@ from omni_cache.core.talker_keys import (
     talker_block_keys,
     talker_prompt_rows,
 )
-from tests.unit.sched_util import BS, scheduler_kwargs, step as _step
+from tests.unit.sched_util import BS, scheduler_kwargs
+from tests.unit.sched_util import step as _step
 from tests.unit.sched_util import vllm_config as _vllm_config
 
 IM_END, NL, IMAGE = 151645, 198, 151655
@@ -61,8 +62,8 @@ def test_the_layout_gives_vllm_omnis_talker_prompt_length():
         assert len(rows) + assistant == _talker_len(ids)
         assert assistant == 9
         # user rows come from user segments only, in order
-        assert all(ids[s + 1] == USER_TOKEN_ID for s in (max(i for i in range(int(r) + 1) if ids[i] == IM_START_TOKEN_ID)
-                                                        for r in rows))
+        segment_starts = (max(i for i in range(int(r) + 1) if ids[i] == IM_START_TOKEN_ID) for r in rows)
+        assert all(ids[s + 1] == USER_TOKEN_ID for s in segment_starts)
 
 
 def test_turn_two_shares_exactly_turn_ones_user_blocks():
