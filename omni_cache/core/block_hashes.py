@@ -16,6 +16,8 @@ from hashlib import blake2b
 import numpy as np
 import torch
 
+from omni_cache.core.slots import num_full_blocks
+
 #: bytes of one block hash (64 bits)
 HASH_BYTES = 8
 #: one past the largest block hash
@@ -64,7 +66,7 @@ def chained_block_hashes(
     Returns:
         ``len(token_ids) // block_size`` unsigned 64-bit ints, deterministic across processes.
     """
-    n_blocks = len(token_ids) // block_size
+    n_blocks = num_full_blocks(len(token_ids), block_size)
     if n_blocks == 0:
         return []
     if isinstance(token_ids, torch.Tensor):

@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -117,10 +118,10 @@ class _Launcher:
 
     @classmethod
     def get(cls, k) -> _Launcher:
-        la = cls._by_kernel.get(k)
-        if la is None:
-            la = cls._by_kernel[k] = cls(k)
-        return la
+        launcher = cls._by_kernel.get(k)
+        if launcher is None:
+            launcher = cls._by_kernel[k] = cls(k)
+        return launcher
 
     def launch(self, grid, stream: int, *args) -> None:
         c = self.compiled
@@ -152,6 +153,15 @@ class _Launcher:
                 self.direct, self.why = False, repr(exc)
 
 
+class _Destination(NamedTuple):
+    """Where one key's rows go."""
+
+    dtype: torch.dtype  #: the pool's dtype
+    address: int  #: device address of the pool's storage (its first row)
+    row_words: int  #: int64 words per row
+    pinned_pool: HiddenPool | None  #: the pool, where pinned (its GPU work is noted there)
+
+
 class StepWriter:
     """Writes one request's step rows of every key into its pool with one kernel launch.
 
@@ -167,12 +177,10 @@ class StepWriter:
         self.block_size = block_size
         self.ring = staging_ring(device)
         self.launches = 0  #: kernel launches so far
-        #: key -> (dtype, width, destination address, row words, pool if pinned else None)
-        self.dst: dict[str, tuple] = {}
+        #: key -> where its rows go
+        self.destinations = {p.key: _Destination(p.dtype, p.gpu_storage.data_ptr(), p.row_bytes // 8,
+                                                 p if p.tier is Tier.PINNED_HOST else None) for p in pools}
         self.pinned = any(p.tier is Tier.PINNED_HOST for p in pools)
-        for p in pools:
-            self.dst[p.key] = (p.dtype, p.width, p.gpu_storage.data_ptr(), p.row_bytes // 8,
-                               p if p.tier is Tier.PINNED_HOST else None)
 
     @staticmethod
     def covers(pools: Sequence[HiddenPool], device: torch.device) -> bool:
@@ -189,34 +197,34 @@ class StepWriter:
         ``tensors`` key -> ``[n, width]`` rows, ``n = u * block_size - first_off - (block_size
         - last_end)``; in-block offsets ``[first_off, ...)`` of ``ids[0]`` to ``[..., last_end)``
         of ``ids[-1]``. Returns ``False`` (nothing written) where the call is not covered."""
-        u, k = len(ids), len(tensors)
-        if not u or not k or 3 * k + u > self.ring.half:
+        units, n_keys = len(ids), len(tensors)
+        if not units or not n_keys or 3 * n_keys + units > self.ring.half:
             return False
         table = []
-        dev = self.device
+        device = self.device
         for key, rows in tensors.items():
-            dtype, width, dst, rw, _ = self.dst[key]
-            if rows.get_device() != dev.index:  # (-1 on the CPU)
+            destination = self.destinations[key]
+            if rows.get_device() != device.index:  # (-1 on the CPU)
                 return False
-            if rows.dtype != dtype or not rows.is_contiguous():
+            if rows.dtype != destination.dtype or not rows.is_contiguous():
                 # (a temporary: the caching allocator hands its memory only to work enqueued
                 # later on this stream, so the kernel reads it first)
-                rows = rows.to(dtype).contiguous()
+                rows = rows.to(destination.dtype).contiguous()
             ptr = rows.data_ptr()
             if ptr % 8:
                 return False
-            table += (ptr, dst, rw)
+            table += (ptr, destination.address, destination.row_words)
         ring = self.ring
-        a = ring.reserve(3 * k + u)
-        tab = ring.device_address(a)
-        if tab is None:
+        offset = ring.reserve(3 * n_keys + units)
+        table_address = ring.device_address(offset)
+        if table_address is None:
             return False
-        struct.pack_into(f"{3 * k}q", ring.host, 8 * a, *table)
-        ring.host[a + 3 * k:a + 3 * k + u] = ids
-        launch(tab, tab + 24 * k, u, first_off, last_end, self.block_size, k,
-               torch._C._cuda_getCurrentRawStream(dev.index))
+        struct.pack_into(f"{3 * n_keys}q", ring.host, 8 * offset, *table)
+        ring.host[offset + 3 * n_keys:offset + 3 * n_keys + units] = ids
+        launch(table_address, table_address + 24 * n_keys, units, first_off, last_end, self.block_size, n_keys,
+               torch._C._cuda_getCurrentRawStream(device.index))
         self.launches += 1
         if self.pinned:
             for key in tensors:
-                self.dst[key][4].note_gpu_work(ids, owned=True)  # ids: the cache's, made for this call
+                self.destinations[key].pinned_pool.note_gpu_work(ids, owned=True)  # ids: made for this call
         return True

@@ -192,7 +192,7 @@ class HiddenPool:
 
     def _store(self, ix: RowIndex, rows: torch.Tensor, flat: bool) -> None:
         """``rows`` ``[n, width]`` into the slots (``flat``) or blocks of ``ix``."""
-        ix.check(len(self._flat) if flat else self.num_blocks, "slot ids" if flat else "block ids")
+        ix.check(len(self._flat) if flat else self.num_blocks, "slot mapping" if flat else "block ids")
         if rows.device.type == "cuda" and self._gpu_views is not None:  # zero-copy from the GPU
             dst, words = self._gpu_views[flat]
             self.note_gpu_work(self._blocks(ix, flat))
@@ -292,7 +292,7 @@ class HiddenPool:
         return self._load(RowIndex.of(slot_mapping), out_device, flat=True)
 
     def _load(self, ix: RowIndex, out_device, flat: bool) -> torch.Tensor:
-        ix.check(len(self._flat) if flat else self.num_blocks, "slot ids" if flat else "block ids")
+        ix.check(len(self._flat) if flat else self.num_blocks, "slot mapping" if flat else "block ids")
         if self._gpu_work_seq is None:  # DEVICE / HOST tier: read on the storage device
             out = self._views[flat][0].index_select(0, ix.on(self.device))
             return out if out_device is None else out.to(_with_index(out_device))

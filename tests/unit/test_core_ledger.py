@@ -40,7 +40,7 @@ def test_ledger_partial_and_gaps_not_covered():
     assert led.uncovered_key(1, 6, KEYS) == "layer_0"
 
 
-def test_ledger_rewrite_truncates_and_seal_rules():
+def test_ledger_rewrite_truncates_and_caching_rules():
     led = BlockLedger(2, BS, KEYS)
     led.record_write(0, None, 0, 3, KEYS, owner="A")
     led.record_write(0, None, 1, 2, ["hidden"], owner="A")  # recompute from offset 1
@@ -48,9 +48,9 @@ def test_ledger_rewrite_truncates_and_seal_rules():
     led.record_write(0, 7, 0, BS, KEYS, owner="A")
     gen = led.generation[0]
     led.cache_full_block(0, 7, owner="B")  # prefix hit restating the same block_hash: no-op
-    led.cache_full_block(0, 9, owner="B")  # a non-owner cannot re-block_hash the block
+    led.cache_full_block(0, 9, owner="B")  # a non-owner cannot cache the block under another hash
     assert led.covered_blocks([0], [7], KEYS) == 1 and led.generation[0] == gen
-    led.cache_full_block(0, 9, owner="A")  # the owner re-block_hashes: old fill no longer vouched for
+    led.cache_full_block(0, 9, owner="A")  # the owner re-caches it under another hash: old fill no longer vouched for
     assert led.covered_blocks([0], [9], KEYS) == 0 and led.generation[0] == gen + 1
     led.record_write(0, 7, 0, BS, KEYS, owner="A")
     gen = led.generation[0]
