@@ -180,11 +180,8 @@ class HiddenStateCache:
         t0 = time.perf_counter()
         write = self._normalise(req_id, block_ids, start, tensors, block_hashes, num_tokens)
         validate_request_write(write, block_size=self.block_size, num_blocks=self.num_blocks)
-        if write.num_tokens:
-            self._store_rows(write)
-            self.ledger.defer_request_write(write.blocks)  # (its arrays were made for this call)
-        if len(write.other_block_ids):
-            self.ledger.cache_full_blocks(write.other_block_ids, write.other_block_hashes, owner=req_id)
+        self._store_rows(write)
+        self._update_ledger(write)
         self.metrics.seconds_write += time.perf_counter() - t0
 
     def _normalise(self, req_id: str, block_ids: BlockIds, start: int, tensors: Mapping[str, torch.Tensor],
@@ -199,6 +196,8 @@ class HiddenStateCache:
         """The rows of ``write`` into the pools (one launch where the fused writer covers the
         call, else per key); a failure leaves the touched blocks invalidated (rows of unknown
         state are never served) and is raised."""
+        if not write.num_tokens:
+            return
         ids = write.blocks.block_ids
         if type(ids) is list:
             ids = np.asarray(ids, dtype=np.int64)
@@ -208,6 +207,14 @@ class HiddenStateCache:
         except BaseException:
             self.ledger.invalidate_blocks(ids)
             raise
+
+    def _update_ledger(self, write: RequestWrite) -> None:
+        """Record ``write`` in the ledger: its touched blocks (deferred where large), and the
+        blocks it hashed without touching them (cached if ``req_id`` owns them)."""
+        if write.num_tokens:
+            self.ledger.defer_request_write(write.blocks)  # (its arrays were made for this call)
+        if len(write.other_block_ids):
+            self.ledger.cache_full_blocks(write.other_block_ids, write.other_block_hashes, owner=write.req_id)
 
     def settle(self) -> None:
         """Apply the ledger updates that writes deferred (:meth:`BlockLedger.settle`), e.g.

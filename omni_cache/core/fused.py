@@ -1,6 +1,6 @@
 """One kernel launch for all keys' rows of a request's step (Triton, optional).
 
-A step's write touches the consecutive blocks ``b0 .. b1 - 1`` of the request's block table:
+A step's write touches consecutive blocks of the request's block table (``units`` of them):
 rows from in-block offset ``first_off`` of the first block to ``last_end`` of the last, whole
 blocks between. :class:`StepWriter` copies them for every key of the step with one launch of
 a Triton kernel (``grid = (blocks, keys)``, one program per (block, key): one contiguous run

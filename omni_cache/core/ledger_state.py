@@ -212,15 +212,15 @@ class BlockStates:
         """:meth:`cache_one` for distinct blocks ``ids`` (int64 ``[n]``) with ``block_hashes``
         (uint64 ``[n]``)."""
         already = self.cached.take(ids) & (self.block_hash.take(ids) == block_hashes)
-        act = (self.owner.take(ids) == owner_id) & ~already
-        if not np.count_nonzero(act):
+        changes = (self.owner.take(ids) == owner_id) & ~already
+        if not np.count_nonzero(changes):
             return
-        a = ids[act]
-        was_cached = self.cached.take(a)
+        changed = ids[changes]
+        was_cached = self.cached.take(changed)
         if np.count_nonzero(was_cached):
-            self.reset(a[was_cached], owner_id)
-        self.block_hash[a] = block_hashes[act]
-        self.cached[a] = True
+            self.reset(changed[was_cached], owner_id)
+        self.block_hash[changed] = block_hashes[changes]
+        self.cached[changed] = True
 
     def first_uncovered_many(self, ids: np.ndarray, hashes: np.ndarray, valid: np.ndarray | None,
                              need: list[int]) -> int:

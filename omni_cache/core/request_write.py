@@ -75,10 +75,10 @@ def normalise_request_write(req_id: str, block_ids: BlockIds, start: int, rows: 
         ValueError: positions outside the block table; block hashes for block indices outside
             it, or not unsigned 64-bit ints.
     """
-    n, nblk = num_tokens, len(block_ids)
-    if start < 0 or (n and (start + n - 1) // block_size >= nblk):
+    n, table_blocks = num_tokens, len(block_ids)
+    if start < 0 or (n and (start + n - 1) // block_size >= table_blocks):
         raise ValueError(f"request {req_id!r}: positions [{start}, {start + n}) fall outside a "
-                         f"block table of {nblk} blocks x {block_size} tokens")
+                         f"block table of {table_blocks} blocks x {block_size} tokens")
     first = start // block_size
     end = (start + n - 1) // block_size + 1 if n else first
     last_end = start + n - (end - 1) * block_size  # in-block end of the write in its last block
@@ -247,9 +247,9 @@ def table_entries(block_ids: BlockIds, index: slice | np.ndarray) -> np.ndarray:
     return np.array([block_ids[i] for i in index.tolist()], dtype=np.int64)
 
 
-def _hash_pairs(block_hashes: BlockHashes, nblk: int, req_id: str) -> list[tuple[int, int]]:
+def _hash_pairs(block_hashes: BlockHashes, table_blocks: int, req_id: str) -> list[tuple[int, int]]:
     """``[(block index, block hash)]`` of a write's few ``block_hashes``, checked: indices in
-    ``[0, nblk)``, hashes unsigned 64-bit ints."""
+    ``[0, table_blocks)``, hashes unsigned 64-bit ints."""
     if isinstance(block_hashes, Mapping):
         pairs = list(block_hashes.items())
     else:
@@ -262,9 +262,9 @@ def _hash_pairs(block_hashes: BlockHashes, nblk: int, req_id: str) -> list[tuple
                 b = operator.index(b)
             except TypeError:
                 raise ValueError(f"block hash keys are block indices (ints), got {b!r}") from None
-        if not 0 <= b < nblk:
+        if not 0 <= b < table_blocks:
             raise ValueError(f"request {req_id!r}: block hashes for block indices outside a block "
-                             f"table of {nblk} blocks: {b!r}")
+                             f"table of {table_blocks} blocks: {b!r}")
         if type(h) is not int or not 0 <= h < U64_END:
             h = hash_value(h)
             if h is None:
