@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 CHUNK = 1024
 #: warps per program
 NUM_WARPS = 4
+#: bytes of an int64 word: rows move as words, so row sizes and addresses are multiples of it
+WORD_BYTES = 8
+#: int64 entries of the kernel's argument table per key: (source, destination, row words)
+TABLE_WORDS_PER_KEY = 3
 
 _KERNEL: list = []  # [the JIT kernel or None], filled on first use
 _INTERPRET: list = []  # [whether TRITON_INTERPRET=1], read with the kernel (Triton reads it at import)
@@ -178,7 +182,7 @@ class StepWriter:
         self.ring = staging_ring(device)
         self.launches = 0  #: kernel launches so far
         #: key -> where its rows go
-        self.destinations = {p.key: _Destination(p.dtype, p.gpu_storage.data_ptr(), p.row_bytes // 8,
+        self.destinations = {p.key: _Destination(p.dtype, p.gpu_storage.data_ptr(), p.row_bytes // WORD_BYTES,
                                                  p if p.tier is Tier.PINNED_HOST else None) for p in pools}
         self.pinned = any(p.tier is Tier.PINNED_HOST for p in pools)
 
@@ -187,7 +191,7 @@ class StepWriter:
         """Whether every pool can be written by the kernel: storage on ``device`` (``DEVICE``)
         or zero-copy pinned for it, rows of a multiple of 8 bytes."""
         return bool(pools) and all(
-            p.row_bytes % 8 == 0 and (
+            p.row_bytes % WORD_BYTES == 0 and (
                 (p.tier is Tier.DEVICE and p.device == device)
                 or (p.tier is Tier.PINNED_HOST and p.zero_copy and p.gpu_device == device))
             for p in pools)
@@ -198,7 +202,8 @@ class StepWriter:
         - last_end)``; in-block offsets ``[first_off, ...)`` of ``ids[0]`` to ``[..., last_end)``
         of ``ids[-1]``. Returns ``False`` (nothing written) where the call is not covered."""
         units, n_keys = len(ids), len(tensors)
-        if not units or not n_keys or 3 * n_keys + units > self.ring.half:
+        table_words = TABLE_WORDS_PER_KEY * n_keys
+        if not units or not n_keys or table_words + units > self.ring.half:
             return False
         table = []
         device = self.device
@@ -211,18 +216,18 @@ class StepWriter:
                 # later on this stream, so the kernel reads it first)
                 rows = rows.to(destination.dtype).contiguous()
             ptr = rows.data_ptr()
-            if ptr % 8:
+            if ptr % WORD_BYTES:
                 return False
             table += (ptr, destination.address, destination.row_words)
         ring = self.ring
-        offset = ring.reserve(3 * n_keys + units)
+        offset = ring.reserve(table_words + units)
         table_address = ring.device_address(offset)
         if table_address is None:
             return False
-        struct.pack_into(f"{3 * n_keys}q", ring.host, 8 * offset, *table)
-        ring.host[offset + 3 * n_keys:offset + 3 * n_keys + units] = ids
-        launch(table_address, table_address + 24 * n_keys, units, first_off, last_end, self.block_size, n_keys,
-               torch._C._cuda_getCurrentRawStream(device.index))
+        struct.pack_into(f"{table_words}q", ring.host, WORD_BYTES * offset, *table)
+        ring.host[offset + table_words:offset + table_words + units] = ids
+        launch(table_address, table_address + WORD_BYTES * table_words, units, first_off, last_end, self.block_size,
+               n_keys, torch._C._cuda_getCurrentRawStream(device.index))
         self.launches += 1
         if self.pinned:
             for key in tensors:

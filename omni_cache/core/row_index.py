@@ -162,7 +162,7 @@ class StagingRing:
         is not available (see :func:`~omni_cache.core.pinned_view.device_pointer`)."""
         if self._device_base is False:
             self._device_base = device_pointer(self._pinned, self.device)
-        return None if self._device_base is None else self._device_base + 8 * offset
+        return None if self._device_base is None else self._device_base + self._pinned.element_size() * offset
 
 
 _RINGS: dict[torch.device, StagingRing] = {}

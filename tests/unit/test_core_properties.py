@@ -174,10 +174,10 @@ class Sim:
             b = self.kv.allocate()
             self.dropped.pop(b, None)
             req.table.append(b)
-        full_tags = req.block_hashes((computed + n) // BS)
-        for b, t in zip(req.table, full_tags):
+        full_hashes = req.block_hashes((computed + n) // BS)
+        for b, t in zip(req.table, full_hashes):
             self.kv.cache_block(b, t)  # cached at schedule time, hittable this step
-        return req, computed, n, full_tags, len(hit)
+        return req, computed, n, full_hashes, len(hit)
 
     def step(self) -> None:
         self.cache.begin_step()
@@ -193,15 +193,15 @@ class Sim:
 
     # -- forward: all writes of the step precede its reads ----------------
     def write_all(self, batch) -> None:
-        for req, start, n, full_tags, _ in batch:
+        for req, start, n, full_hashes, _ in batch:
             drop = self.draw(st.sets(st.sampled_from(KEYS))) if self.drops and self.draw(
                 st.integers(0, 3)) == 0 else set()
             keep = [k for k in KEYS if k not in drop]
             self.cache.write_request_rows(
                 req.rid, req.table, start, {k: req.rows(start, start + n, k) for k in keep},
-                dict(enumerate(full_tags)), num_tokens=n,
+                dict(enumerate(full_hashes)), num_tokens=n,
             )
-            for i, t in enumerate(full_tags):
+            for i, t in enumerate(full_hashes):
                 b = req.table[i]
                 self.cached[b].add(t)
                 self.block_hash_content[t] = [req.content(p) for p in range(i * BS, (i + 1) * BS)]
