@@ -179,7 +179,7 @@ class HiddenStateCache:
         """
         t0 = time.perf_counter()
         write = self._normalise(req_id, block_ids, start, tensors, block_hashes, num_tokens)
-        validate_request_write(write, block_size=self.block_size, num_blocks=self.num_blocks)
+        validate_request_write(write, self.block_size, self.num_blocks)
         self._store_rows(write)
         self._update_ledger(write)
         self.metrics.seconds_write += time.perf_counter() - t0
@@ -187,10 +187,17 @@ class HiddenStateCache:
     def _normalise(self, req_id: str, block_ids: BlockIds, start: int, tensors: Mapping[str, torch.Tensor],
                    block_hashes: BlockHashes, num_tokens: int | None) -> RequestWrite:
         """:meth:`write_request_rows`' arguments as a :class:`RequestWrite` (rows checked)."""
-        n = self._row_count(req_id, tensors, num_tokens)
-        return normalise_request_write(req_id, block_ids, start, tensors, n, block_hashes,
-                                       block_size=self.block_size, num_blocks=self.num_blocks,
-                                       key_mask=self.ledger.key_mask(tensors), few_blocks=self.ledger.scalar_max)
+        n = -1
+        for key, rows in tensors.items():  # the usual case in one pass; anything else: _row_count
+            spec, shape = self.specs.get(key), rows.shape
+            if spec is None or len(shape) != 2 or shape[1] != spec.width or (n >= 0 and shape[0] != n):
+                n = -2
+                break
+            n = shape[0]
+        if n < 0 or (num_tokens is not None and n != num_tokens):
+            n = self._row_count(req_id, tensors, num_tokens)
+        return normalise_request_write(req_id, block_ids, start, tensors, n, block_hashes, self.block_size,
+                                       self.num_blocks, self.ledger.key_mask(tensors), self.ledger.scalar_max)
 
     def _store_rows(self, write: RequestWrite) -> None:
         """The rows of ``write`` into the pools (one launch where the fused writer covers the
@@ -228,15 +235,6 @@ class HiddenStateCache:
         Raises:
             ValueError: the first of these that fails.
         """
-        n = -1
-        for key, rows in tensors.items():  # the usual case in one pass; anything else below
-            spec, shape = self.specs.get(key), rows.shape
-            if spec is None or len(shape) != 2 or shape[1] != spec.width or (n >= 0 and shape[0] != n):
-                n = -2
-                break
-            n = shape[0]
-        if n >= 0 and (num_tokens is None or n == num_tokens):
-            return n
         lengths = {t.shape[0] for t in tensors.values()}
         if len(lengths) > 1:
             raise ValueError(f"request {req_id!r}: keys carry different row counts {lengths}")
@@ -280,12 +278,12 @@ class HiddenStateCache:
         bs, start, n, first = self.block_size, write.start, write.num_tokens, write.first_block
         whole_lo = min(-(-start // bs) * bs, start + n)  # positions of the whole blocks: [whole_lo, whole_hi)
         whole_hi = max(((start + n) // bs) * bs, whole_lo)
-        whole = slice(whole_lo // bs - first, whole_hi // bs - first)  # their entries in ids
+        whole_first, whole_end = whole_lo // bs - first, whole_hi // bs - first  # their entries in ids
         head, tail = whole_lo - start, start + n - whole_hi  # rows before / after them
         host, sizes = [], []
-        if whole.stop > whole.start:
-            host.append(ids[whole])
-            sizes.append(whole.stop - whole.start)
+        if whole_end > whole_first:
+            host.append(ids[whole_first:whole_end])
+            sizes.append(whole_end - whole_first)
         if head:
             offset = start - first * bs
             host.append(ids[0] * bs + np.arange(offset, offset + head, dtype=np.int64))
@@ -297,8 +295,8 @@ class HiddenStateCache:
         parts = [RowIndex(host[0])] if len(host) == 1 else RowIndex(np.concatenate(host)).split(sizes)
         for key, rows in write.rows.items():
             pool, i = self.pools[key], 0
-            if whole.stop > whole.start:
-                pool.write_blocks(parts[0], rows if head == tail == 0 else rows[head: head + len(host[0]) * bs])
+            if whole_end > whole_first:
+                pool.write_blocks(parts[0], rows if head == tail == 0 else rows[head: n - tail])
                 i = 1
             if head:
                 pool.write(parts[i], rows[:head])

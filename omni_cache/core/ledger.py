@@ -148,7 +148,7 @@ class BlockLedger:
         return self._keys.mask(tuple(keys))
 
     def _owner_id(self, owner: Hashable | None, *, create: bool) -> int:
-        return self._owners.id_of(owner, create=create, block_owners=self._states.owner)
+        return self._owners.id_of(owner, create, self._states.owner)
 
     def _block_ids(self, block_ids) -> np.ndarray:
         """``block_ids`` as int64 ``[n]``, each in ``[0, num_blocks)``, else ``ValueError``."""
@@ -275,13 +275,13 @@ class BlockLedger:
             return
         self._states.write_blocks(ids, starts, ends, block_hashes, hashed, key_mask, owner_id)
 
-    def _check_request_write(self, write: BlockWrite) -> bool:
-        """Whether ``write`` touches any block; ``ValueError`` for bad offsets."""
-        n, bs = len(write.block_ids), self.block_size
-        first_start, last_end = write.first_start, write.last_end
-        if n and not (0 <= first_start < bs and 0 < last_end <= bs and (n > 1 or first_start < last_end)):
-            raise ValueError(f"blocks {list(write.block_ids)[:8]}: bad in-block range [{first_start}, {last_end})")
-        return n > 0
+    def _offsets_ok(self, write: BlockWrite, n: int) -> bool:
+        """Whether the in-block offsets of ``write`` (over ``n > 0`` blocks) are possible;
+        ``ValueError`` if not."""
+        bs, first_start, last_end = self.block_size, write.first_start, write.last_end
+        if 0 <= first_start < bs and 0 < last_end <= bs and (n > 1 or first_start < last_end):
+            return True
+        raise ValueError(f"blocks {list(write.block_ids)[:8]}: bad in-block range [{first_start}, {last_end})")
 
     def record_request_write(self, write: BlockWrite) -> None:
         """:meth:`record_writes` for one request's step (:class:`BlockWrite`: consecutive
@@ -292,7 +292,8 @@ class BlockLedger:
         Raises:
             ValueError: bad offsets.
         """
-        if not self._check_request_write(write):
+        n = len(write.block_ids)
+        if not (n and self._offsets_ok(write, n)):
             return
         if self._pending:
             self.settle()
@@ -310,9 +311,10 @@ class BlockLedger:
         Raises:
             ValueError: bad offsets (at once, whether deferred or not).
         """
-        if not self._check_request_write(write):
+        n = len(write.block_ids)
+        if not (n and self._offsets_ok(write, n)):
             return
-        if self.defer and (len(write.block_ids) > self.scalar_max or self._pending):
+        if self.defer and (n > self.scalar_max or self._pending):
             if len(self._pending) >= self.pending_max:
                 self.settle()
             self._pending.append(write)
@@ -321,7 +323,7 @@ class BlockLedger:
 
     def _apply_request_write(self, write: BlockWrite) -> None:
         """:meth:`record_request_write` on a checked write, nothing deferred."""
-        owner_id = self._owner_id(write.owner, create=True)
+        owner_id = self._owners.id_of(write.owner, True, self._states.owner)
         n = len(write.block_ids)
         if n <= self.scalar_max:
             self._states.write_request_few(write, owner_id)

@@ -193,17 +193,15 @@ class HiddenPool:
     def _store(self, ix: RowIndex, rows: torch.Tensor, flat: bool) -> None:
         """``rows`` ``[n, width]`` into the slots (``flat``) or blocks of ``ix``."""
         ix.check(len(self._flat) if flat else self.num_blocks, "slot mapping" if flat else "block ids")
-        if rows.device.type == "cuda" and self._gpu_views is not None:  # zero-copy from the GPU
-            dst, words = self._gpu_views[flat]
+        pinned = self._gpu_work_seq is not None
+        if pinned and rows.device.type == "cuda":  # pinned storage fed from the GPU
+            if self._gpu_views is None:
+                self._stage(ix, rows, flat)
+                return
+            dst, words = self._gpu_views[flat]  # zero-copy
             self.note_gpu_work(self._blocks(ix, flat))
-        elif self._staged(rows):
-            dst = self._flat if flat else self.storage
-            src = rows.to(self.dtype)
-            self._committer.submit(dst, torch.from_numpy(ix.host.copy()), src.view(-1, *dst.shape[1:]),
-                                   np.unique(self._blocks(ix, flat)).tolist())
-            return
         else:
-            if self._gpu_work_seq is not None:
+            if pinned:
                 self.wait_pending(self._blocks(ix, flat))
             dst, words = self._views[flat]
         device = dst.device
@@ -220,14 +218,15 @@ class HiddenPool:
                 return
         _index_copy(dst, words, ix.on(device), src)
 
-    def _staged(self, rows: torch.Tensor) -> bool:
-        """Whether a write of ``rows`` goes through the asynchronous device->host staging
-        path (a pinned-host pool without zero-copy, fed from a CUDA device)."""
-        if rows.device.type != "cuda" or self._gpu_work_seq is None:
-            return False
+    def _stage(self, ix: RowIndex, rows: torch.Tensor, flat: bool) -> None:
+        """``rows`` (on a CUDA device) into this pinned pool without zero-copy: staged and
+        committed by a thread (:class:`~omni_cache.core.committer.HostCommitter`)."""
         if self._committer is None:
             self._committer = HostCommitter(self.key)
-        return True
+        dst = self._flat if flat else self.storage
+        src = rows.to(self.dtype)
+        self._committer.submit(dst, torch.from_numpy(ix.host.copy()), src.view(-1, *dst.shape[1:]),
+                               np.unique(self._blocks(ix, flat)).tolist())
 
     # -- GPU work in flight on pinned storage ------------------------------------
     #: Owned notes kept before they are applied to ``_gpu_work_seq`` at once (bounds their memory).
