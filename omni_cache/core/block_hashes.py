@@ -20,6 +20,8 @@ from omni_cache.core.slots import num_full_blocks
 
 #: bytes of one block hash (64 bits)
 HASH_BYTES = 8
+#: block hashes ``[n]`` as callers pass them (see :func:`block_hash_array`)
+HashesLike = Sequence[object] | np.ndarray | torch.Tensor
 #: one past the largest block hash
 U64_END = 2**64
 #: Parent hash of the first block of a prompt (a fixed constant, so block hashes are
@@ -102,7 +104,7 @@ def hash_value(block_hash: object) -> int | None:
     return v if v == block_hash else None
 
 
-def block_hash_array(block_hashes, *, strict: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def block_hash_array(block_hashes: HashesLike, *, strict: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """Block hashes as ``uint64 [n]``, plus a validity mask (bool ``[n]``; ``None``: all valid).
 
     Accepted forms: a sequence of ints in ``[0, 2**64)`` (what :func:`chained_block_hashes`
@@ -139,7 +141,7 @@ def block_hash_array(block_hashes, *, strict: bool) -> tuple[np.ndarray, np.ndar
     return arr, np.array([v is not None for v in vals], dtype=bool)
 
 
-def hash_list(block_hashes) -> list[int | None]:
+def hash_list(block_hashes: HashesLike) -> list[int | None]:
     """Block hashes (any form of :func:`block_hash_array`) as Python ints, ``None`` for
     entries that are not block hashes (cheap for a few)."""
     if isinstance(block_hashes, (np.ndarray, torch.Tensor)):

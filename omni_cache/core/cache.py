@@ -17,13 +17,13 @@ from omni_cache.core.ledger import BlockLedger
 from omni_cache.core.pool import HiddenPool, Tier
 from omni_cache.core.request_write import (
     BlockHashes,
-    BlockIds,
     RequestWrite,
     normalise_request_write,
     table_entries,
     validate_request_write,
 )
 from omni_cache.core.row_index import RowIndex
+from omni_cache.core.slots import BlockIds
 
 
 class HiddenStateCache:

@@ -17,9 +17,10 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from omni_cache.core.block_hashes import U64_END, block_hash_array, hash_list, hash_value
+from omni_cache.core.block_hashes import U64_END, HashesLike, block_hash_array, hash_list, hash_value
 from omni_cache.core.ledger_state import NO_OWNER, BlockStates, BlockWrite, KeyMasks, OwnerIds
 from omni_cache.core.row_index import in_range
+from omni_cache.core.slots import BlockIds
 
 #: ``uncovered_key`` result when the block is not cached with the asked-for block hash.
 BLOCK_HASH_MISMATCH = "<block hash>"
@@ -93,8 +94,7 @@ class BlockLedger:
     def __init__(self, num_blocks: int, block_size: int, keys: Sequence[str], *,
                  owner_floor: int = OWNER_FLOOR) -> None:
         """``owner_floor``: see :class:`~omni_cache.core.ledger_state.OwnerIds`."""
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self._keys = KeyMasks(tuple(keys))
         self._states = BlockStates(num_blocks, block_size, len(self._keys.keys))
         self._owners = OwnerIds(owner_floor)
@@ -150,7 +150,7 @@ class BlockLedger:
     def _owner_id(self, owner: Hashable | None, *, create: bool) -> int:
         return self._owners.id_of(owner, create, self._states.owner)
 
-    def _block_ids(self, block_ids) -> np.ndarray:
+    def _block_ids(self, block_ids: BlockIds) -> np.ndarray:
         """``block_ids`` as int64 ``[n]``, each in ``[0, num_blocks)``, else ``ValueError``."""
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if not in_range(ids, self.num_blocks):
@@ -159,7 +159,11 @@ class BlockLedger:
 
     # -- one block -------------------------------------------------------------
     def filled(self, block_id: int, key: str) -> int:
-        """Rows of ``key`` written contiguously from offset 0 in the block's current fill."""
+        """Rows (tokens) of ``key`` written contiguously from offset 0 in the block's current fill.
+
+        Raises:
+            KeyError: an unknown key.
+        """
         if self._pending:
             self.settle()
         return int(self._states.filled[self._keys.index[key], block_id])
@@ -168,7 +172,7 @@ class BlockLedger:
         """Forget the block's contents: nothing in it is served until refilled and cached."""
         self.invalidate_blocks([block_id])
 
-    def invalidate_blocks(self, block_ids) -> None:
+    def invalidate_blocks(self, block_ids: BlockIds) -> None:
         """:meth:`invalidate` for every block of ``block_ids`` (int ``[n]``).
 
         Raises:
@@ -229,7 +233,8 @@ class BlockLedger:
         return self.keys[int(np.argmax(short))] if short.any() else None
 
     # -- many blocks -----------------------------------------------------------
-    def record_writes(self, block_ids, starts, ends, block_hashes, hashed, key_mask: np.ndarray, *,
+    def record_writes(self, block_ids: BlockIds, starts: np.ndarray | int, ends: np.ndarray | int,
+                      block_hashes: np.ndarray | int, hashed: np.ndarray | bool, key_mask: np.ndarray, *,
                       owner: Hashable) -> None:
         """:meth:`record_write` for every block of ``block_ids`` at once.
 
@@ -276,8 +281,7 @@ class BlockLedger:
         self._states.write_blocks(ids, starts, ends, block_hashes, hashed, key_mask, owner_id)
 
     def _offsets_ok(self, write: BlockWrite, n: int) -> bool:
-        """Whether the in-block offsets of ``write`` (over ``n > 0`` blocks) are possible;
-        ``ValueError`` if not."""
+        """``True`` if the offsets of ``write`` (over ``n > 0`` blocks) are possible, else ``ValueError``."""
         bs, first_start, last_end = self.block_size, write.first_start, write.last_end
         if 0 <= first_start < bs and 0 < last_end <= bs and (n > 1 or first_start < last_end):
             return True
@@ -339,7 +343,8 @@ class BlockLedger:
         self._write_blocks(ids, starts, ends, np.asarray(write.block_hashes, dtype=np.uint64),
                            np.broadcast_to(np.asarray(write.hashed, dtype=bool), (n,)), write.key_mask, owner_id)
 
-    def cache_full_blocks(self, block_ids, block_hashes, *, owner: Hashable) -> None:
+    def cache_full_blocks(self, block_ids: BlockIds, block_hashes: np.ndarray | list[int], *,
+                          owner: Hashable) -> None:
         """:meth:`cache_full_block` for every block of ``block_ids`` (int ``[n]``) with
         ``block_hashes`` (uint64 ``[n]``: checked unsigned 64-bit values, e.g. from
         :func:`~omni_cache.core.block_hashes.block_hash_array`), arrays or lists. Repeated
@@ -367,7 +372,7 @@ class BlockLedger:
             return
         self._states.cache_blocks(ids, hashes, owner_id)
 
-    def first_uncovered(self, block_ids, block_hashes, key_mask: np.ndarray) -> int:
+    def first_uncovered(self, block_ids: BlockIds, block_hashes: HashesLike, key_mask: np.ndarray) -> int:
         """Index of the first block of ``block_ids`` (int ``[n]``: list, numpy array or CPU
         tensor) not cached with its ``block_hashes`` entry (any form of
         :func:`~omni_cache.core.block_hashes.block_hash_array`; entries that are not block
@@ -383,7 +388,7 @@ class BlockLedger:
         hashes, valid = block_hash_array(block_hashes, strict=False)
         return self._states.first_uncovered_many(ids, hashes, valid, self._keys.need(key_mask))
 
-    def covered_blocks(self, block_ids, block_hashes, keys: Iterable[str]) -> int:
+    def covered_blocks(self, block_ids: BlockIds, block_hashes: HashesLike, keys: Iterable[str]) -> int:
         """Length of the longest prefix of ``block_ids`` (list, numpy array or CPU tensor)
         cached with the matching ``block_hashes`` and fully filled for every key in ``keys``.
 

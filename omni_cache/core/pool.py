@@ -8,13 +8,14 @@ a thread of its own (:class:`~omni_cache.core.committer.HostCommitter`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from omni_cache.core.committer import HostCommitter
 from omni_cache.core.pinned_view import uva_view
-from omni_cache.core.row_index import RowIndex
+from omni_cache.core.row_index import IndexLike, RowIndex
 
 
 class Tier(enum.Enum):
@@ -153,7 +154,7 @@ class HiddenPool:
         return self.width * self.dtype.itemsize
 
     # -- writes ----------------------------------------------------------------
-    def write(self, slot_mapping, rows: torch.Tensor) -> None:
+    def write(self, slot_mapping: IndexLike, rows: torch.Tensor) -> None:
         """Store ``rows`` (``[n, width]``, any float dtype, cast to ``dtype``) at ``slot_mapping``
         (``[n]``).
 
@@ -164,6 +165,8 @@ class HiddenPool:
 
         Raises:
             ValueError: ``rows`` is not ``[len(slot_mapping), width]``.
+            IndexError: a slot outside ``[0, num_blocks * block_size)`` (nothing written).
+            RuntimeError: an earlier staged write of this pool failed.
         """
         ix = RowIndex.of(slot_mapping)
         if rows.shape != (len(ix.host), self.width):
@@ -173,13 +176,15 @@ class HiddenPool:
             )
         self._store(ix, rows, flat=True)
 
-    def write_blocks(self, block_ids, rows: torch.Tensor) -> None:
+    def write_blocks(self, block_ids: IndexLike, rows: torch.Tensor) -> None:
         """Store whole blocks: ``rows`` ``[k * block_size, width]`` fill blocks ``block_ids``
         (``[k]``) in order. One slab per block instead of one row per token (the fast path for
         prefill steps and every prefix-hit read).
 
         Raises:
             ValueError: ``rows`` is not ``[len(block_ids) * block_size, width]``.
+            IndexError: a block id outside ``[0, num_blocks)`` (nothing written).
+            RuntimeError: an earlier staged write of this pool failed.
         """
         ix = RowIndex.of(block_ids)
         if rows.shape != (len(ix.host) * self.block_size, self.width):
@@ -257,13 +262,17 @@ class HiddenPool:
                 self._gpu_work_seq[blocks] = seq
             notes.clear()
 
-    def wait_pending(self, block_ids=None) -> None:
+    def wait_pending(self, block_ids: np.ndarray | Sequence[int] | None = None) -> None:
         """Block until GPU work on this pool's pinned storage (zero-copy writes and reads,
         staged writes) has finished: all of it, or only that touching ``block_ids`` (in
         practice: up to the last such work). The only host wait of a pinned-host pool, needed
         only when the host itself touches blocks the GPU is still working on (rows read to
         the CPU, CPU rows written, e.g. a CPU read of rows written in the same step). Waiting
-        for zero-copy work synchronises the GPU device. No-op for other tiers."""
+        for zero-copy work synchronises the GPU device. No-op for other tiers.
+
+        Raises:
+            RuntimeError: a staged write of this pool failed.
+        """
         if self._committer is not None:
             self._committer.wait(None if block_ids is None else np.asarray(block_ids).tolist())
         if self._work_seq == self._synced_seq:
@@ -279,15 +288,25 @@ class HiddenPool:
         self._gpu_notes.clear()
 
     # -- reads -----------------------------------------------------------------
-    def gather_blocks(self, block_ids, out_device: torch.device | str | None = None) -> torch.Tensor:
+    def gather_blocks(self, block_ids: IndexLike, out_device: torch.device | str | None = None) -> torch.Tensor:
         """Rows of whole blocks ``block_ids`` (``[k]``) in order: ``[k * block_size, width]`` of
         ``dtype`` on ``out_device`` (default: the storage device). A pinned pool read to the GPU
-        moves only these blocks, host -> device, without CPU work."""
+        moves only these blocks, host -> device, without CPU work.
+
+        Raises:
+            IndexError: a block id outside ``[0, num_blocks)``.
+            RuntimeError: a staged write of this pool failed.
+        """
         return self._load(RowIndex.of(block_ids), out_device, flat=False).view(-1, self.width)
 
-    def gather(self, slot_mapping, out_device: torch.device | str | None = None) -> torch.Tensor:
+    def gather(self, slot_mapping: IndexLike, out_device: torch.device | str | None = None) -> torch.Tensor:
         """Copy of the rows at ``slot_mapping`` (``[n]``): ``[n, width]`` of ``dtype`` on
-        ``out_device`` (default: the storage device)."""
+        ``out_device`` (default: the storage device).
+
+        Raises:
+            IndexError: a slot outside ``[0, num_blocks * block_size)``.
+            RuntimeError: a staged write of this pool failed.
+        """
         return self._load(RowIndex.of(slot_mapping), out_device, flat=True)
 
     def _load(self, ix: RowIndex, out_device, flat: bool) -> torch.Tensor:

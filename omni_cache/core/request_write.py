@@ -22,9 +22,8 @@ import torch
 from omni_cache.core.block_hashes import U64_END, block_hash_array, hash_value
 from omni_cache.core.ledger_state import BlockWrite
 from omni_cache.core.row_index import in_range
+from omni_cache.core.slots import BlockIds
 
-#: a request's block table row: a list of ints, a numpy int array or a CPU int tensor
-BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 #: block index -> block hash, or ``(first block index, hashes of first, first + 1, ...)``
 BlockHashes = Mapping[int, int] | tuple[int, Sequence[int] | np.ndarray | torch.Tensor]
 #: length of the shared ``arange`` before it first grows (entries)

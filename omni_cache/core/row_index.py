@@ -62,7 +62,7 @@ class RowIndex:
             self._checked_limit = limit
 
     @classmethod
-    def of(cls, index: RowIndex | torch.Tensor | np.ndarray | Sequence[int]) -> RowIndex:
+    def of(cls, index: IndexLike) -> RowIndex:
         """``index`` as a :class:`RowIndex` (a device tensor is also kept as its copy there;
         reading it back to the host synchronises with its device)."""
         if isinstance(index, RowIndex):
@@ -99,6 +99,10 @@ class RowIndex:
                 t = staging_ring(device).stage(self.host).to(device, non_blocking=True)
             self._on_device[device] = t
         return t
+
+
+#: an index argument: a :class:`RowIndex`, an int64 tensor (any device), a numpy int array or ints
+IndexLike = RowIndex | torch.Tensor | np.ndarray | Sequence[int]
 
 
 class StagingRing:

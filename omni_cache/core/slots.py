@@ -8,7 +8,14 @@ these per scheduled token). omni-cache pools use the same slots as flat row indi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
+
+#: a request's block table row (block ids ``[n]``): a list of ints, a numpy int array or a CPU
+#: int tensor
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 
 
 def slot_mapping(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
