@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 import struct
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,9 +33,9 @@ _ARANGE = np.arange(ARANGE_START, dtype=np.int64)
 _ARANGE.flags.writeable = False
 
 
-class RequestWrite(NamedTuple):
-    """One request's rows of one step, normalised (immutable; a ``NamedTuple`` rather than a
-    frozen dataclass: built on every write, it costs a quarter).
+@dataclass(frozen=True, slots=True)
+class RequestWrite:
+    """One request's rows of one step, normalised.
 
     Attributes:
         req_id: the request id (the ledger owner of every touched block).
