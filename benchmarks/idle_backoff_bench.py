@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         for metric in ("ttft_s", "ttfp_s"):
             xs = [r[metric] for r in records if r["variant"] == name]
-            summary.setdefault(name, {})[metric] = dict(median=float(np.median(xs)), min=min(xs), max=max(xs), n=len(xs))
+            summary.setdefault(name, {})[metric] = dict(median=float(np.median(xs)), min=min(xs), max=max(xs),
+                                                        n=len(xs))
     off, on = names
-    summary["ratios_off_over_on"] = {m: summary[off][m]["median"] / summary[on][m]["median"] for m in ("ttft_s", "ttfp_s")}
+    summary["ratios_off_over_on"] = {m: summary[off][m]["median"] / summary[on][m]["median"]
+                                     for m in ("ttft_s", "ttfp_s")}
     result = {"command": " ".join([Path(sys.executable).name, "-m", "benchmarks.idle_backoff_bench",
                                    *(argv or sys.argv[1:])]),
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -204,7 +204,7 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
         for p in cache.pools.values():
             p.wait_pending()
 
-        def read():
+        def read(req=req, blocks=blocks, hashes=hashes):
             return cache.read_prefix(req, blocks, tokens, hashes, KEYS, out_device=dev)
 
         t0 = time.perf_counter()
@@ -269,8 +269,8 @@ def bench_cpu(reps: int, width: int = 2048) -> dict:
         table = rng.sample(range(num_blocks), n // bs)
         hashes = [rng.getrandbits(64) for _ in range(n // bs)]
         part = {k: v[:n] for k, v in rows.items()}
-        timed(f"prefill_{n}tok_write", lambda t=table, h=dict(enumerate(hashes)), p=part: cache.write_request_rows(
-            "p", t, 0, p, h))
+        by_index = dict(enumerate(hashes))
+        timed(f"prefill_{n}tok_write", lambda t=table, h=by_index, p=part: cache.write_request_rows("p", t, 0, p, h))
         timed(f"hit_{n}tok_read", lambda t=table, h=hashes, n=n: cache.read_prefix("q", t, n, h, KEYS))
     return cases
 
@@ -328,7 +328,8 @@ def bars(res: dict) -> list[str]:
     if r8:
         ok = r8["write_frac"] >= BARS["device_write_frac"]
         lines.append(f"{'PASS' if ok else 'FAIL'} device write 8k: {r8['write_GBps']:.0f} GB/s = "
-                     f"{100 * r8['write_frac']:.0f}% of index_copy_ rows {res['limits']['index_copy_rows']['GBps']:.0f} "
+                     f"{100 * r8['write_frac']:.0f}% of index_copy_ rows "
+                     f"{res['limits']['index_copy_rows']['GBps']:.0f} "
                      f"GB/s (bar >= 70%; all sizes {min(fr) * 100:.0f}-{max(fr) * 100:.0f}%)")
     r = by.get(("PINNED_HOST", 8192))
     if r:
@@ -375,8 +376,10 @@ def main() -> None:
                 r["write_frac"] = r["write_GBps"] / res["limits"][wl]["GBps"]
                 r["read_frac"] = r["read_GBps"] / res["limits"][rl]["GBps"]
                 res["runs" if fused else "runs_unfused"].append(r)
-                print(f"{tier.name:11s}{'' if fused else ' unfused'} {tokens:6d} tok  write gpu {r['write_gpu_ms']:7.3f} ms "
-                      f"{r['write_GBps']:7.1f} GB/s ({100 * r['write_frac']:4.0f}% {wl})  host {r['write_host_ms']:.3f} ms "
+                print(f"{tier.name:11s}{'' if fused else ' unfused'} {tokens:6d} tok  "
+                      f"write gpu {r['write_gpu_ms']:7.3f} ms "
+                      f"{r['write_GBps']:7.1f} GB/s ({100 * r['write_frac']:4.0f}% {wl})  "
+                      f"host {r['write_host_ms']:.3f} ms "
                       f"(arrays {r['write_host_ms_array_forms']:.3f}, events {r['write_host_ms_with_events']:.3f}, "
                       f"deferred ledger update {r['write_settle_host_ms']:.3f})"
                       f"  | read gpu {r['read_gpu_ms']:7.3f} ms {r['read_GBps']:7.1f} GB/s "

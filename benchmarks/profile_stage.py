@@ -80,7 +80,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"))
     ap.add_argument("--model", help="model directory (default: the stage config's embedded model of --model-size)")
-    ap.add_argument("--model-size", default="bench", help="embedded model size (bench, bench-voice for the Qwen3-Omni family)")
+    ap.add_argument("--model-size", default="bench",
+                    help="embedded model size (bench, bench-voice for the Qwen3-Omni family)")
     ap.add_argument("--stage", type=int, default=0, help="stage id to record (0 thinker, 1 talker, 2 code2wav)")
     ap.add_argument("--variant", default="omni_cache", help="a benchmark variant (omni_cache.driver.variants)")
     ap.add_argument("--workloads", default="miss", help="comma-separated prefill-benchmark workloads")
@@ -110,7 +111,8 @@ def main() -> int:
     work = out / f"profile-{tag}.d"
     cfg = variant_stage_config(Path(args.stage_config), work, args.variant,
                                mem=MemorySettings(thinker_kv_bytes=args.thinker_kv_mib << 20,
-                                                  talker_kv_bytes=(args.talker_kv_mib or (256 if args.model_size == "bench-voice" else 32)) << 20))
+                                                  talker_kv_bytes=(args.talker_kv_mib or (
+                                                      256 if args.model_size == "bench-voice" else 32)) << 20))
     model = args.model
     if model is None:
         family = load_stage_config(args.stage_config).thinker_family
@@ -125,7 +127,8 @@ def main() -> int:
             model = str(build_qwen3_omni(default_model_dir(args.model_size), args.model_size))
     opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
     w = VariantWorker(model, str(cfg))
-    per: dict[str, dict] = {wl: {"raw": [], "prefill_ms": [], "talker_prefill_ms": [], "cached": [], "prompt": []} for wl in workloads}
+    per: dict[str, dict] = {wl: {"raw": [], "prefill_ms": [], "talker_prefill_ms": [], "cached": [], "prompt": []}
+                            for wl in workloads}
     try:
         for s in warmup_specs(workloads, opts):  # untimed: shared prefixes, first-request costs
             w.run_one(s)
@@ -157,7 +160,8 @@ def main() -> int:
                       f"{r.get('talker_prompt_tokens')})", flush=True)
     finally:
         w.close()
-    result = {"variant": args.variant, "stage": args.stage, "stage_config": str(args.stage_config), "rate_hz": args.rate, "workloads": {}}
+    result = {"variant": args.variant, "stage": args.stage, "stage_config": str(args.stage_config),
+              "rate_hz": args.rate, "workloads": {}}
     for wl, d in per.items():
         raw = "\n".join(d.pop("raw"))
         (out / f"profile-{tag}-{wl}.txt").write_text(raw)
@@ -165,7 +169,8 @@ def main() -> int:
         result["workloads"][wl] = {**d, "prefill_ms_median": statistics.median(ms) if ms else None,
                                    **split_samples(raw)}
         r = result["workloads"][wl]
-        print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; of stage {args.stage}'s model-runner "
+        print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; "
+              f"of stage {args.stage}'s model-runner "
               f"samples: omni-cache {100 * r['omni_cache_share']:.1f} %, model forward "
               f"{100 * r['model_forward_share']:.1f} %, compute_logits {100 * r['compute_logits_share']:.1f} %")
     path = out / f"profile-{tag}.json"

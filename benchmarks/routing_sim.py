@@ -154,17 +154,17 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
         toks = list(systems[k])
         hashes: list[int] = []                     # of toks' first len(hashes) full blocks
 
-        def extend(upto: list[int]) -> list[int]:
-            n = len(hashes)
+        def extend(upto: list[int], known: list[int]) -> list[int]:
+            n = len(known)
             tail = upto[n * bs:]
-            return hashes + request_block_hashes(tail, bs) if n == 0 else \
-                hashes + _chain(tail, bs, hashes[-1])
+            return known + request_block_hashes(tail, bs) if n == 0 else \
+                known + _chain(tail, bs, known[-1])
 
         turns = []
         for _ in range(w.turns):
             toks += gen.integers(0, vocab, rng.randint(*w.user_tokens)).tolist()
             answer = gen.integers(0, vocab, rng.randint(*w.answer_tokens)).tolist()
-            full = extend(toks + answer)
+            full = extend(toks + answer, hashes)
             turns.append((full[: len(toks) // bs], full))  # chained: the prompt's are a prefix
             toks += answer
             hashes = full
@@ -173,7 +173,7 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
 
 
 def _chain(tail: list[int], block_size: int, parent: int) -> list[int]:
-    from omni_cache.core.slots import chained_block_hashes
+    from omni_cache.core.block_hashes import chained_block_hashes
 
     return chained_block_hashes(tail, block_size, parent=parent)
 

@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from omni_cache.models import build_qwen3_omni, default_model_dir
 
-    model_dir = Path(args.model) if args.model else build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
+    model_dir = (Path(args.model) if args.model
+                 else build_qwen3_omni(default_model_dir(args.model_size), args.model_size))
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"serve-bench-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)

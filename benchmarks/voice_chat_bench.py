@@ -144,14 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         c = summary[v][t][m]
         return c["median"] if c else float("nan")
 
-    ratios = {t: {"talker_prefill_thinker_over_both": med("thinker", t, "talker_prefill_s") / med("thinker+talker", t, "talker_prefill_s"),
+    ratios = {t: {"talker_prefill_thinker_over_both":
+                  med("thinker", t, "talker_prefill_s") / med("thinker+talker", t, "talker_prefill_s"),
                   "ttfp_thinker_over_both": med("thinker", t, "ttfp_s") / med("thinker+talker", t, "ttfp_s"),
                   "ttfp_off_over_both": med("off", t, "ttfp_s") / med("thinker+talker", t, "ttfp_s")} for t in turns}
     bars = {
-        "talker_prefill_4x_lower_on_turns_ge_3": all(ratios[t]["talker_prefill_thinker_over_both"] >= 4 for t in turns if t >= 3),
-        "ttfp_lower_than_thinker_only_on_turns_ge_2": all(ratios[t]["ttfp_thinker_over_both"] > 1 for t in turns if t >= 2),
+        "talker_prefill_4x_lower_on_turns_ge_3":
+            all(ratios[t]["talker_prefill_thinker_over_both"] >= 4 for t in turns if t >= 3),
+        "ttfp_lower_than_thinker_only_on_turns_ge_2":
+            all(ratios[t]["ttfp_thinker_over_both"] > 1 for t in turns if t >= 2),
     }
-    result = {"command": " ".join([Path(sys.executable).name, "-m", "benchmarks.voice_chat_bench", *(argv or sys.argv[1:])]),
+    result = {"command": " ".join([Path(sys.executable).name, "-m", "benchmarks.voice_chat_bench",
+                                   *(argv or sys.argv[1:])]),
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "machine": {"platform": platform.platform(), "processor": platform.processor()},
               "wall_s": time.perf_counter() - t_start, "summary": summary, "ratios": ratios, "bars": bars,
@@ -168,14 +172,17 @@ def main(argv: list[str] | None = None) -> int:
                                      (axes[1], "ttfp_s", "TTFP (s)", 1.0)):
         for v, marker in zip(VARIANTS, "osD"):
             ys = [med(v, t, metric) * scale for t in turns]
-            lo = [ys[i] - summary[v][t][metric]["min"] * scale if summary[v][t][metric] else 0 for i, t in enumerate(turns)]
-            hi = [summary[v][t][metric]["max"] * scale - ys[i] if summary[v][t][metric] else 0 for i, t in enumerate(turns)]
+            lo = [ys[i] - summary[v][t][metric]["min"] * scale if summary[v][t][metric] else 0
+                  for i, t in enumerate(turns)]
+            hi = [summary[v][t][metric]["max"] * scale - ys[i] if summary[v][t][metric] else 0
+                  for i, t in enumerate(turns)]
             ax.errorbar(turns, ys, yerr=[lo, hi], marker=marker, capsize=3, label=v)
         ax.set_xlabel("turn")
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
         ax.legend()
-    fig.suptitle(f"Voice chat ({args.turns} speech turns, {args.rounds} rounds, {args.model_size} model): median, min-max")
+    fig.suptitle(f"Voice chat ({args.turns} speech turns, {args.rounds} rounds, {args.model_size} model): "
+                 "median, min-max")
     fig.tight_layout()
     fig.savefig(out / "voice_chat.png", dpi=120)
     print(json.dumps({"ratios": ratios, "bars": bars}, indent=2))

@@ -97,7 +97,7 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
     summ = {w: S.summarize_workload(by_variant) for w, by_variant in samples.items()}
     S.add_attainable(summ)
     checks = {w: S.yoco_checks(w, summ[w]) for w in summ if w in ("text", "image", "audio", "chat")}
-    for w, (c,) in checks.items():
+    for (c,) in checks.values():
         if c.get("speedup_fast") and c.get("speedup_cache"):
             c["hit_gain_fast"] = c["speedup_both"] / c["speedup_cache"]  # omni_cache / fast+omni_cache, hit pair
             c["miss_gain_fast"] = c["speedup_fast"]                      # off / fast, miss pair

@@ -103,8 +103,8 @@ def _default_model(cfg) -> Path:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from omni_cache.driver.stage_config import StageConfigError, load_stage_config
     from omni_cache.driver.inputs import InputError, build_request, sample_path
+    from omni_cache.driver.stage_config import StageConfigError, load_stage_config
 
     image = args.image if args.image is not None else (None if args.no_image else sample_path("astronaut.jpg"))
     audio = args.audio if args.audio is not None else (None if args.no_audio else sample_path("speech.wav"))
@@ -137,7 +137,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                   f"prefix hit {res.num_cached_tokens} tokens; talker prompt {res.talker_num_prompt_tokens} "
                   f"tokens, prefix hit {res.talker_num_cached_tokens}" + (f"; stages: {stages}" if stages else ""))
             print(f"  text: {res.text!r}")
-            print(f"  audio: {'none' if res.audio is None else f'{res.audio.shape[0]} samples @ {res.sample_rate} Hz in {res.audio_packets} packets -> {wav}'}")
+            audio = ("none" if res.audio is None else
+                     f"{res.audio.shape[0]} samples @ {res.sample_rate} Hz in {res.audio_packets} packets -> {wav}")
+            print(f"  audio: {audio}")
             if res.error:
                 print(f"  error: {res.error}")
             summary.append({
@@ -181,9 +183,9 @@ class _PacketWriter:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
+    from omni_cache.driver.server import OmniServer, ServeError
     from omni_cache.driver.stage_config import StageConfigError
     from omni_cache.models import build_qwen3_omni, default_model_dir
-    from omni_cache.driver.server import OmniServer, ServeError
 
     model = args.model or str(default_model_dir("tiny"))
     if not args.model:
@@ -239,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "audio towers in thinker/ feeding the Qwen3-Omni talker "
                          "(stage_configs/gemma4_yoco_cpu.yaml); gemma3n: a KV-shared text thinker "
                          "(stage_configs/gemma3n_yoco_cpu.yaml)")
-    mm.add_argument("--out", help=f"target directory (default: ${settings.HOME.name}/models/<family>-omni-<size>; qwen3-omni: qwen3-omni-<size>)")
+    mm.add_argument("--out", help=f"target directory (default: ${settings.HOME.name}/models/<family>-omni-<size>; "
+                                  "qwen3-omni: qwen3-omni-<size>)")
     mm.add_argument("--force", action="store_true", help="rebuild even if up to date")
     mm.set_defaults(func=_cmd_make_model)
 

@@ -65,7 +65,6 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 from omni_cache.models import SEED, THINKER_VOCAB, build_qwen3_omni, build_tokenizer, is_up_to_date
 
 GEMMA_FORMAT_VERSION = 1

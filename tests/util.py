@@ -156,3 +156,12 @@ def read_metrics(out_dir, prefix: str, until=None, timeout: float = 20.0) -> dic
         if until is None or until(counters) or time.monotonic() > deadline:
             return counters
         time.sleep(0.2)
+
+
+def same_bits(a, b) -> bool:
+    """Two tensors have the same dtype, shape and bytes (bitwise equal: NaN payloads and
+    signed zeros included)."""
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.prefill import summary as S
-from omni_cache.driver.variants import VARIANTS, YOCO_VARIANTS, MemorySettings, variant_stage_config
-from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, check_media, specs, warmup_specs
 from benchmarks.prefill.worker import RESULT_PREFIX
+from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, check_media, specs, warmup_specs
+from omni_cache.driver.variants import VARIANTS, YOCO_VARIANTS, MemorySettings, variant_stage_config
 
 REPO = Path(__file__).resolve().parent.parent.parent
 GiB = 1 << 30
@@ -461,7 +461,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"one pipeline after warm-up: PSS {alternation['one_pipeline_pss_bytes'] / GiB:.2f} GiB, "
               f"RSS {alternation['one_pipeline_rss_bytes'] / GiB:.2f} GiB")
     if alternation.get("idle_cpu_cores"):
-        print("idle pipeline CPU (cores): " + ", ".join(f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
+        print("idle pipeline CPU (cores): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
               + ("; frozen while others are timed" if alternation.get("freeze_idle") else ""))
     print(f"wrote {out / 'result.json'} and {png}")
     if aborted:
@@ -484,7 +485,8 @@ METRIC_DEFINITIONS = {
     "talker_hit_tokens": "talker prefix-hit tokens of the request (omni-cache's talker identity hook); None: the "
                          "variant's talker runs without prefix caching, or not streaming",
     "talker_decode_ms": "talker decode steps after its first codec frame (the rest of the first codec chunk: the "
-                        "talker's max_tokens is the first chunk's frame count): vllm:request_decode_time_seconds{stage=1}",
+                        "talker's max_tokens is the first chunk's frame count): "
+                        "vllm:request_decode_time_seconds{stage=1}",
     "code2wav_ms": "code2wav scheduled -> finished: vllm:request_inference_time_seconds{stage=2}",
     "handoff_ms": "ttfp_ms - ttft_ms - talker_prefill_ms - talker_decode_ms - code2wav_ms: "
                   "hand-off, transfer and orchestration time (median of per-request values)",
@@ -540,7 +542,8 @@ def _versions() -> dict:
 
 def _git() -> dict:
     try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, stderr=subprocess.DEVNULL).strip()
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
+                                         stderr=subprocess.DEVNULL).strip()
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "omni_cache", "benchmarks", "stage_configs"],
                                cwd=REPO, stderr=subprocess.DEVNULL).returncode != 0
         return {"commit": commit, "dirty": dirty}

@@ -4,7 +4,8 @@ A sample (one request on one variant) is a dict with at least ``prefill_ms``,
 ``num_prompt_tokens``, ``num_cached_tokens``, ``round``, ``index`` and ``measure``; optional
 ``ttft_ms``, ``ttfp_ms``, ``e2e_ms``, ``stage_0_gen_ms``, ``computed_tokens``, ``error`` and
 TTFP's parts (``talker_prefill_ms``, ``talker_decode_ms``, ``code2wav_ms``;
-``handoff_ms`` is derived here). Samples with ``measure: false`` (warm-up, chat turn 1) or an ``error`` are not summarized.
+``handoff_ms`` is derived here). Samples with ``measure: false`` (warm-up, chat turn 1) or an
+``error`` are not summarized.
 """
 
 from __future__ import annotations
@@ -119,13 +120,15 @@ def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off"
         if ref and ref.get("prefill_ms") and s.get("prefill_ms"):
             s["speedup_vs_off"] = ref["prefill_ms"]["median"] / s["prefill_ms"]["median"]
             pairs = [ref_rows[(r.get("round"), r.get("index"))]["prefill_ms"] / r["prefill_ms"]
-                     for r in valid(by_variant[v]) if (r.get("round"), r.get("index")) in ref_rows and r["prefill_ms"] > 0]
+                     for r in valid(by_variant[v])
+                     if (r.get("round"), r.get("index")) in ref_rows and r["prefill_ms"] > 0]
             s["speedup_paired"] = statistics.median(pairs) if pairs else None
             s["speedup_paired_ci95"] = bootstrap_median_ci(pairs)
             for m in ("ttft_ms", "ttfp_ms", "e2e_ms"):
                 if ref.get(m) and s.get(m):
                     s[f"{m}_speedup_vs_off"] = ref[m]["median"] / s[m]["median"]
-            s["fraction_of_ideal"] = s["speedup_vs_off"] / s["ideal_speedup"] if math.isfinite(s["ideal_speedup"]) else 0.0
+            s["fraction_of_ideal"] = (s["speedup_vs_off"] / s["ideal_speedup"]
+                                      if math.isfinite(s["ideal_speedup"]) else 0.0)
         else:
             s["speedup_vs_off"] = s["speedup_paired"] = s["fraction_of_ideal"] = s["speedup_paired_ci95"] = None
     return out
@@ -251,7 +254,8 @@ def _prefill_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str
     a, b = med(s), med(bi)
     ratio = a / b if a and b else None
     checks.append({"check": f"{variant} / builtin ≤ {1 + BUILTIN_TOLERANCE:.2f}", "value": ratio,
-                   "target": 1 + BUILTIN_TOLERANCE, "passed": None if ratio is None else ratio <= 1 + BUILTIN_TOLERANCE})
+                   "target": 1 + BUILTIN_TOLERANCE,
+                   "passed": None if ratio is None else ratio <= 1 + BUILTIN_TOLERANCE})
     return checks
 
 
@@ -282,7 +286,8 @@ def yoco_checks(workload: str, summ: dict[str, dict[str, Any]]) -> list[dict[str
     ok = all(sp.values())
     ratio = sp["fast+omni_cache"] / (sp["fast"] * sp["omni_cache"]) if ok else None
     applies = h is not None and h >= YOCO_MIN_HIT
-    return [{"check": f"prefill speedup(both) / (speedup(fast) x speedup(cache)) >= {YOCO_COMPOSE} at h >= {YOCO_MIN_HIT}"
+    return [{"check": f"prefill speedup(both) / (speedup(fast) x speedup(cache)) >= {YOCO_COMPOSE} "
+                      f"at h >= {YOCO_MIN_HIT}"
                       f" (h={h:.3f})" if h is not None else "composition",
              "value": ratio, "target": YOCO_COMPOSE,
              "passed": (ratio >= YOCO_COMPOSE) if ratio is not None and applies else None,
@@ -303,7 +308,8 @@ def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[s
             pre = s.get("prefill_ms") or {}
             lines.append(
                 f"{w:8} {v:10} {_f((s.get('num_prompt_tokens') or {}).get('median'), '{:.0f}'):>6} "
-                f"{s['hit_ratio']:6.3f} {_f(pre.get('median')):>10} {_f(100 * pre['rel_iqr'] if pre else None, '{:.0f}'):>5} "
+                f"{s['hit_ratio']:6.3f} {_f(pre.get('median')):>10} "
+                f"{_f(100 * pre['rel_iqr'] if pre else None, '{:.0f}'):>5} "
                 f"{_f((s.get('ttft_ms') or {}).get('median')):>8} {_f((s.get('ttfp_ms') or {}).get('median')):>8} "
                 f"{_f((s.get('e2e_ms') or {}).get('median')):>8} {_f(s.get('speedup_vs_off'), '{:.2f}'):>7} "
                 f"{_f(s.get('ideal_speedup'), '{:.2f}'):>6} {_f(s.get('fraction_of_ideal'), '{:.2f}'):>8} "
@@ -311,7 +317,8 @@ def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[s
     lines.append("")
     lines.append("attain. = off / floor: the speedup of a hit that costs a prefill of the suffix alone "
                  "(workload 'floor'); of att. = speedup / attain.")
-    parts = [(w, v, s) for w, summ in workloads.items() for v, s in summ.items() if (s.get("ttfp_ms") or {}).get("median")]
+    parts = [(w, v, s) for w, summ in workloads.items() for v, s in summ.items()
+             if (s.get("ttfp_ms") or {}).get("median")]
     if parts:
         lines.append("")
         lines.append("TTFP and its parts (medians, ms): TTFT + talker prefill + talker decode (rest of the first "
@@ -319,7 +326,8 @@ def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[s
         for w, v, s in parts:
             vals = " ".join(f"{k.replace('_ms', '')} {_f((s.get(k) or {}).get('median'))}"
                             for k in ("ttfp_ms",) + TTFP_PARTS + ("handoff_ms",))
-            extra = f"; floor TTFP {s['floor_ttfp_ms']:.1f} ({s['ttfp_over_floor']:.2f}x)" if s.get("ttfp_over_floor") else ""
+            extra = (f"; floor TTFP {s['floor_ttfp_ms']:.1f} ({s['ttfp_over_floor']:.2f}x)"
+                     if s.get("ttfp_over_floor") else "")
             lines.append(f"  {w:8} {v:10} {vals}{extra}")
     lines.append("")
     lines.append("bar checks (omni-cache; thinker prefill time, then TTFP):")
@@ -365,7 +373,8 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
                 ax.hlines(ideal, k - 0.4, k + 0.4, colors="k", linestyles="--", linewidth=1, zorder=3,
                           label="ideal 1/(1−h)" if k == 1 else None)
             if v != "off" and summ[v].get("floor_ms"):
-                ax.hlines(summ[v]["floor_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5, zorder=3,
+                ax.hlines(summ[v]["floor_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5,
+                          zorder=3,
                           label="floor (suffix alone)" if k == 1 else None)
             sp = summ[v].get("speedup_vs_off")
             ax.text(k, meds[k] + hi[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
@@ -415,7 +424,8 @@ def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> Non
         t = summ[v]["ttfp_ms"]["median"]
         ax.hlines(t, k - 0.35, k + 0.35, colors="k", linewidth=2, zorder=3)
         sp = summ[v].get("ttfp_ms_speedup_vs_off")
-        ax.text(k, t, f"{t:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""), ha="center", va="bottom", fontsize=7)
+        ax.text(k, t, f"{t:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""), ha="center", va="bottom",
+                fontsize=7)
         if v != "off" and summ[v].get("floor_ttfp_ms"):
             ax.hlines(summ[v]["floor_ttfp_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5,
                       zorder=3)

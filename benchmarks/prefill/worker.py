@@ -47,7 +47,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 RESULT_PREFIX = "@@RESULT "

@@ -8,38 +8,40 @@ Import invariant: nothing under ``omni_cache.core`` imports ``vllm`` or
 
 One concept per module:
 
-- :mod:`.slots`  -- block table -> slot id mapping, chained block hashes.
-- :mod:`.pool`   -- :class:`HiddenPool`, one key's ``[num_blocks, block_size, width]`` storage
-  (device, pinned host read/written by the GPU in place, or host).
-- :mod:`.ledger` -- :class:`BlockLedger`, per-block integrity (block hash, owner, fill), as
-  numpy arrays updated per step with vectorised operations.
-- :mod:`.cache`  -- :class:`HiddenStateCache`, pools + ledger + metrics.
-- :mod:`.fused`  -- one kernel launch for all keys' rows of a step (Triton, imported lazily
-  and only for CUDA writes; optional: without it the pools' torch path runs).
+- :mod:`.slots`         -- block table -> slot mapping (vLLM's addressing of a token's KV).
+- :mod:`.block_hashes`  -- chained block hashes, and the checks of block hash values.
+- :mod:`.row_index`     -- the index of a pool operation, copied once per device through a
+  pinned staging ring.
+- :mod:`.pinned_view`   -- the zero-copy (DLPack) view of pinned host memory from the GPU.
+- :mod:`.committer`     -- the thread that commits staged device -> host writes.
+- :mod:`.pool`          -- :class:`HiddenPool`, one key's ``[num_blocks, block_size, width]``
+  storage (device, pinned host read/written by the GPU in place, or host).
+- :mod:`.ledger_state`  -- the ledger's per-block numpy arrays and their updates.
+- :mod:`.ledger`        -- :class:`BlockLedger`, per-block integrity (block hash, owner, fill).
+- :mod:`.request_write` -- :class:`~.request_write.RequestWrite`, one request's step write,
+  typed at the cache's boundary.
+- :mod:`.interface`     -- :class:`KeySpec`, :class:`CacheMetrics`, :class:`StaleRowsError`.
+- :mod:`.cache`         -- :class:`HiddenStateCache`, pools + ledger + metrics.
+- :mod:`.fused`         -- one kernel launch for all keys' rows of a step (Triton, imported
+  lazily and only for CUDA writes; optional: without it the pools' torch path runs).
+- :mod:`.coverage`, :mod:`.talker_keys` -- the scheduler's record of written blocks, the
+  talker's block keys.
 """
 
-from omni_cache.core.cache import (
-    CacheMetrics,
-    HiddenStateCache,
-    KeySpec,
-    StaleRowsError,
-)
-from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger, block_hash_array
-from omni_cache.core.pool import HiddenPool, RowIndex, Tier
-from omni_cache.core.slots import chained_block_hashes, num_full_blocks, slot_ids
+from omni_cache.core.block_hashes import chained_block_hashes
+from omni_cache.core.cache import HiddenStateCache
+from omni_cache.core.interface import CacheMetrics, KeySpec, StaleRowsError
+from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger
+from omni_cache.core.pool import HiddenPool, Tier
 
 __all__ = [
+    "BLOCK_HASH_MISMATCH",
     "BlockLedger",
     "CacheMetrics",
     "HiddenPool",
     "HiddenStateCache",
     "KeySpec",
     "StaleRowsError",
-    "BLOCK_HASH_MISMATCH",
-    "RowIndex",
     "Tier",
-    "block_hash_array",
     "chained_block_hashes",
-    "num_full_blocks",
-    "slot_ids",
 ]

@@ -2,197 +2,28 @@
 
 from __future__ import annotations
 
-import dataclasses
-import operator
-import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from omni_cache.core.fused import StepWriter, kernel as fused_kernel, log as fused_log
-from omni_cache.core.ledger import BLOCK_HASH_MISMATCH, BlockLedger, _hash_value, block_hash_array, hash_list, in_range
-from omni_cache.core.pool import HiddenPool, RowIndex, Tier
-
-BlockIds = Sequence[int] | np.ndarray | torch.Tensor
-
-
-@dataclass
-class KeySpec:
-    """A cached per-token tensor: ``name`` (e.g. ``"hidden"``, ``"layer_24"``), row
-    ``width`` (elements per token) and storage ``dtype``."""
-
-    name: str
-    width: int
-    dtype: torch.dtype
-
-
-@dataclass
-class CacheMetrics:
-    """Counters since construction. Rows count one token of one key; bytes are
-    ``rows * width * itemsize``; seconds are wall time (``time.perf_counter``) spent in
-    cache writes / reads. ``hits_refused`` counts ``read_prefix`` calls refused as stale
-    or uncovered."""
-
-    steps: int = 0
-    rows_written: int = 0
-    rows_read: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    hit_tokens: int = 0
-    hits_served: int = 0
-    hits_refused: int = 0
-    seconds_write: float = 0.0
-    seconds_read: float = 0.0
-
-    def as_dict(self) -> dict[str, int | float]:
-        return dataclasses.asdict(self)
-
-
-class StaleRowsError(RuntimeError):
-    """A prefix hit asked for rows the ledger cannot vouch for: ``req_id``, the
-    ``block_index`` (in the request's block table) of the first such block, and the
-    ``key`` not fully written there (``BLOCK_HASH_MISMATCH`` if the block's hash differs)."""
-
-    def __init__(self, req_id: str, block_index: int, key: str) -> None:
-        self.req_id, self.block_index, self.key = req_id, block_index, key
-        what = "block_hash mismatch" if key == BLOCK_HASH_MISMATCH else f"key {key!r} not fully written"
-        super().__init__(
-            f"request {req_id!r}: block {block_index} of its prefix hit is stale ({what})"
-        )
-
-
-BlockHashes = Mapping[int, int] | tuple[int, Sequence[int] | np.ndarray | torch.Tensor]
-
-
-_RANGE = np.arange(1024, dtype=np.int64)
-_RANGE.flags.writeable = False
-
-
-def _arange(n: int) -> np.ndarray:
-    """``arange(n)`` int64, read-only, shared (no allocation per call)."""
-    global _RANGE
-    if n > _RANGE.size:
-        _RANGE = np.arange(max(n, 2 * _RANGE.size), dtype=np.int64)
-        _RANGE.flags.writeable = False
-    return _RANGE[:n]
-
-
-def _int64s(values) -> np.ndarray:
-    """The ints of the iterable ``values`` (a list, a dict's keys) as int64 ``[n]``, packed by
-    ``struct`` (measured 2x faster than ``array('q')`` for 512 ints); writable.
-
-    Raises:
-        struct.error: an entry is not an integer (no ``__index__``) or not in int64's range.
-    """
-    out = np.empty(len(values), dtype=np.int64)
-    if out.size:
-        struct.pack_into(f"{out.size}q", out, 0, *values)
-    return out
-
-
-def _step_arrays(block_ids: BlockIds, b0: int, b1: int, block_hashes: BlockHashes, limit: int
-                 ) -> tuple[np.ndarray, np.ndarray, bool, np.ndarray, bool]:
-    """``_hashed_blocks(block_hashes) + _table_part(block_ids, b0, b1, limit)``, for the
-    engine's usual arguments (a list block table and a ``{block index: hash}`` dict) with one
-    ``struct`` call into one buffer (block ids as unsigned, block indices, hashes as unsigned);
-    where that cannot pack, or a block id is out of range, the two calls (and their errors)."""
-    if type(block_hashes) is dict and type(block_ids) is list and b1 > b0:
-        u, m = b1 - b0, len(block_hashes)
-        buf = np.empty(u + 2 * m, dtype=np.uint64)
-        try:
-            struct.pack_into(f"{u}Q{m}q{m}Q", buf, 0, *block_ids[b0:b1], *block_hashes, *block_hashes.values())
-        except struct.error:
-            pass
-        else:
-            ids = buf[:u]
-            if ids.max() < limit:
-                return buf[u:u + m].view(np.int64), buf[u + m:], False, ids.view(np.int64), True
-    return (*_hashed_blocks(block_hashes), *_table_part(block_ids, b0, b1, limit))
-
-
-def _table_part(block_ids: BlockIds, b0: int, b1: int, limit: int) -> tuple[np.ndarray, bool]:
-    """``(entries [b0, b1) of a block table as int64, whether all are in [0, limit))``: for a
-    list, packed by ``struct`` as unsigned ints (a negative entry cannot pack) so that one
-    reduction checks the range; anything else, or out of range, the general conversion."""
-    if type(block_ids) is list:
-        out = np.empty(b1 - b0, dtype=np.uint64)
-        try:
-            struct.pack_into(f"{b1 - b0}Q", out, 0, *block_ids[b0:b1])
-        except struct.error:
-            pass
-        else:
-            if not out.size or out.max() < limit:
-                return out.view(np.int64), True
-    ids = _take(block_ids, slice(b0, b1))  # (and errors exactly as before)
-    return ids, in_range(ids, limit)
-
-
-def _take(block_ids: BlockIds, idx: slice | np.ndarray) -> np.ndarray:
-    """Entries ``idx`` of a block table (list, numpy array or tensor) as int64 ``[k]``."""
-    if isinstance(block_ids, torch.Tensor):
-        block_ids = block_ids.cpu().numpy()
-    if isinstance(block_ids, np.ndarray):
-        return block_ids.reshape(-1)[idx].astype(np.int64)
-    if isinstance(idx, slice):
-        part = block_ids[idx]
-        try:
-            return _int64s(part)
-        except struct.error:  # e.g. numpy ints beyond int64
-            return np.array(part, dtype=np.int64)
-    return np.array([block_ids[i] for i in idx.tolist()], dtype=np.int64)
-
-
-def _hash_pairs(block_hashes: BlockHashes, nblk: int, req_id: str) -> list[tuple[int, int]]:
-    """``[(block index, block hash)]`` of a write's few ``block_hashes``, checked: indices in
-    ``[0, nblk)``, hashes unsigned 64-bit ints."""
-    if isinstance(block_hashes, Mapping):
-        pairs = list(block_hashes.items())
-    else:
-        first, hashes = block_hashes
-        hashes = block_hash_array(hashes, strict=True)[0].tolist()
-        pairs = [(int(first) + j, h) for j, h in enumerate(hashes)]
-    for j, (b, h) in enumerate(pairs):
-        if type(b) is not int:
-            try:
-                b = operator.index(b)
-            except TypeError:
-                raise ValueError(f"block hash keys are block indices (ints), got {b!r}") from None
-        if not 0 <= b < nblk:
-            raise ValueError(f"request {req_id!r}: block hashes for block indices outside a block "
-                             f"table of {nblk} blocks: {b!r}")
-        if type(h) is not int or not 0 <= h < 2**64:
-            h = _hash_value(h)
-            if h is None:
-                raise ValueError(f"block hashes are ints in [0, 2**64); got {pairs[j][1]!r}")
-        pairs[j] = (b, h)
-    return pairs
-
-
-def _hashed_blocks(block_hashes: BlockHashes) -> tuple[np.ndarray, np.ndarray, bool]:
-    """``(block indices int64 [m], block hashes uint64 [m], whether the indices are
-    ascending consecutive)`` of a write's ``block_hashes``."""
-    if type(block_hashes) is dict or isinstance(block_hashes, Mapping):
-        m = len(block_hashes)
-        if not m:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64), True
-        try:  # integers only
-            idx = _int64s(block_hashes)
-        except struct.error:
-            raise ValueError(f"block hash keys are block indices (ints), got {list(block_hashes)[:8]}") from None
-        try:  # struct's Q takes only ints in [0, 2**64): the usual case, checked at once
-            hashes = np.empty(m, dtype=np.uint64)
-            struct.pack_into(f"{m}Q", hashes, 0, *block_hashes.values())
-        except struct.error:
-            hashes = block_hash_array(list(block_hashes.values()), strict=True)[0]
-        return idx, hashes, False
-    first, hashes = block_hashes
-    vals = block_hash_array(hashes, strict=True)[0]
-    if isinstance(hashes, (np.ndarray, torch.Tensor)):
-        vals = vals.copy()  # not a view of the caller's array: the ledger may keep it (deferred)
-    return np.arange(int(first), int(first) + vals.size, dtype=np.int64), vals, True
+from omni_cache.core.block_hashes import hash_list
+from omni_cache.core.fused import StepWriter
+from omni_cache.core.fused import kernel as fused_kernel
+from omni_cache.core.fused import log as fused_log
+from omni_cache.core.interface import CacheMetrics, KeySpec, StaleRowsError
+from omni_cache.core.ledger import BlockLedger
+from omni_cache.core.pool import HiddenPool, Tier
+from omni_cache.core.request_write import (
+    BlockHashes,
+    RequestWrite,
+    normalise_request_write,
+    table_entries,
+    validate_request_write,
+)
+from omni_cache.core.row_index import RowIndex
+from omni_cache.core.slots import BlockIds
 
 
 class HiddenStateCache:
@@ -210,7 +41,7 @@ class HiddenStateCache:
 
     ``block_ids`` arguments are a request's block table row (list, numpy int array or CPU
     int tensor). Block hashes are unsigned 64-bit ints (see
-    :func:`~omni_cache.core.ledger.block_hash_array`).
+    :func:`~omni_cache.core.block_hashes.block_hash_array`).
 
     Cost per call: one vectorised ledger update or check over the call's blocks (numpy), one
     host -> device copy of the call's indices shared by all keys, and one or two index
@@ -283,7 +114,8 @@ class HiddenStateCache:
         if self._writer is None:
             pools = list(self.pools.values())
             device = None if not pools else pools[0].device if self.tier is Tier.DEVICE else pools[0].gpu_device
-            if device is None or device.type != "cuda" or not StepWriter.covers(pools, device) or fused_kernel() is None:
+            if (device is None or device.type != "cuda" or not StepWriter.covers(pools, device)
+                    or fused_kernel() is None):
                 self._fused_maybe = False
                 return None
             self._writer = StepWriter(pools, self.block_size, device)
@@ -346,109 +178,63 @@ class HiddenStateCache:
                 a block hash that is not an unsigned 64-bit int.
         """
         t0 = time.perf_counter()
-        specs, n = self.specs, -1
-        for key, rows in tensors.items():  # the usual case in one pass; anything else below
-            spec, sh = specs.get(key), rows.shape
-            if spec is None or len(sh) != 2 or sh[1] != spec.width or (n >= 0 and sh[0] != n):
+        write = self._normalise(req_id, block_ids, start, tensors, block_hashes, num_tokens)
+        validate_request_write(write, self.block_size, self.num_blocks)
+        self._store_rows(write)
+        self._update_ledger(write)
+        self.metrics.seconds_write += time.perf_counter() - t0
+
+    def _normalise(self, req_id: str, block_ids: BlockIds, start: int, tensors: Mapping[str, torch.Tensor],
+                   block_hashes: BlockHashes, num_tokens: int | None) -> RequestWrite:
+        """:meth:`write_request_rows`' arguments as a :class:`RequestWrite` (rows checked)."""
+        n = -1
+        for key, rows in tensors.items():  # the usual case in one pass; anything else: _row_count
+            spec, shape = self.specs.get(key), rows.shape
+            if spec is None or len(shape) != 2 or shape[1] != spec.width or (n >= 0 and shape[0] != n):
                 n = -2
                 break
-            n = sh[0]
-        if n < 0 or (num_tokens is not None and n != num_tokens):  # no rows, or some error
-            n = self._check_rows(req_id, tensors, num_tokens)
-        bs, nblk = self.block_size, len(block_ids)
-        if start < 0 or (n and (start + n - 1) // bs >= nblk):
-            raise ValueError(f"request {req_id!r}: positions [{start}, {start + n}) fall outside a "
-                             f"block table of {nblk} blocks x {bs} tokens")
-        b0 = start // bs
-        b1 = (start + n - 1) // bs + 1 if n else b0
-        last_end = start + n - (b1 - 1) * bs  # in-block end of the write in its last block
-        is_map = type(block_hashes) is dict or isinstance(block_hashes, Mapping)
-        m = len(block_hashes) if is_map else len(block_hashes[1])
-        if b1 - b0 <= self.ledger.scalar_max and m <= self.ledger.scalar_max:
-            # a few blocks (decode steps, small chunks): Python lists beat array operations
-            pairs = _hash_pairs(block_hashes, nblk, req_id)
-            touched = _take(block_ids, slice(b0, b1)).tolist()
-            th = [0] * (b1 - b0)
-            hashed = [False] * (b1 - b0)
-            others = []
-            for b, h in pairs:
-                if b0 <= b < b1:
-                    th[b - b0], hashed[b - b0] = h, True
-                else:
-                    others.append((b, h))
-            if n and hashed[-1] and last_end != bs:
-                raise ValueError(f"request {req_id!r}: block {b1 - 1} is hashed but only "
-                                 f"filled to offset {last_end} of {bs}")
-            other_ids = [int(block_ids[b]) for b, _ in others]
-            other_hashes = [h for _, h in others]
-        else:
-            hk, hv, ordered, touched, ids_ok = _step_arrays(block_ids, b0, b1, block_hashes, self.num_blocks)
-            m, u = hk.size, b1 - b0
-            # the hashed blocks are the touched ones (a prefill's)? Block indices are distinct
-            # (dict keys, or first + range), so m of them in [b0, b1) are exactly [b0, b1)
-            if ordered:
-                rel = None
-                prefill = m == u and m and hk.item(0) == b0
-            elif m == u and m and hk.tobytes() == _arange(b1)[b0:].tobytes():
-                rel = None  # in order: [b0, b1), the engine's usual mapping
-                prefill = True
-            else:
-                rel = hk - b0
-                prefill = m == u and m and rel.view(np.uint64).max() < u  # (negative: huge)
-            if prefill:
-                if n and last_end != bs:
-                    raise ValueError(f"request {req_id!r}: block {b1 - 1} is hashed but only "
-                                     f"filled to offset {last_end} of {bs}")
-                if rel is None:
-                    th = hv
-                else:
-                    th = np.empty(m, dtype=np.uint64)
-                    th[rel] = hv
-                hashed, other_ids, other_hashes = True, (), ()
-            else:
-                if m and not in_range(hk, nblk):
-                    raise ValueError(f"request {req_id!r}: block hashes for block indices outside a block "
-                                     f"table of {nblk} blocks: {hk[(hk < 0) | (hk >= nblk)].tolist()[:8]}")
-                th = np.zeros(b1 - b0, dtype=np.uint64)
-                hashed = np.zeros(b1 - b0, dtype=bool)
-                inside = (hk >= b0) & (hk < b1)
-                th[hk[inside] - b0] = hv[inside]
-                hashed[hk[inside] - b0] = True
-                if n and hashed[-1] and last_end != bs:
-                    raise ValueError(f"request {req_id!r}: block {b1 - 1} is hashed but only "
-                                     f"filled to offset {last_end} of {bs}")
-                other_ids = _take(block_ids, hk[~inside])
-                other_hashes = hv[~inside]
-        if n:
-            if type(touched) is list:
-                ids = np.asarray(touched, dtype=np.int64)
-                ids_ok = in_range(ids, self.num_blocks)
-            else:
-                ids = touched
-            if not ids_ok:
-                raise ValueError(f"request {req_id!r}: block ids outside [0, {self.num_blocks}) in "
-                                 f"{ids.tolist()[:8]}")
-            try:
-                if not (self._fused_maybe and self._write_fused(ids, start - b0 * bs, last_end, n, tensors)):
-                    self._write_pools(ids, start, n, b0, b1, tensors)
-            except BaseException:
-                self.ledger.invalidate_blocks(ids)  # rows of unknown state: never served
-                raise
-            # (touched, th and hashed were made for this call: the ledger may keep them)
-            self.ledger.defer_request_write(touched, start - b0 * bs, last_end, th, hashed,
-                                            self.ledger.key_mask(tensors), owner=req_id)
-        if len(other_ids):
-            self.ledger.cache_full_blocks(other_ids, other_hashes, owner=req_id)
-        self.metrics.seconds_write += time.perf_counter() - t0
+            n = shape[0]
+        if n < 0 or (num_tokens is not None and n != num_tokens):
+            n = self._row_count(req_id, tensors, num_tokens)
+        return normalise_request_write(req_id, block_ids, start, tensors, n, block_hashes, self.block_size,
+                                       self.num_blocks, self.ledger.key_mask(tensors), self.ledger.scalar_max)
+
+    def _store_rows(self, write: RequestWrite) -> None:
+        """The rows of ``write`` into the pools (one launch where the fused writer covers the
+        call, else per key); a failure leaves the touched blocks invalidated (rows of unknown
+        state are never served) and is raised."""
+        if not write.num_tokens:
+            return
+        ids = write.blocks.block_ids
+        if type(ids) is list:
+            ids = np.asarray(ids, dtype=np.int64)
+        try:
+            if not (self._fused_maybe and self._write_fused(ids, write)):
+                self._write_pools(ids, write)
+        except BaseException:
+            self.ledger.invalidate_blocks(ids)
+            raise
+
+    def _update_ledger(self, write: RequestWrite) -> None:
+        """Record ``write`` in the ledger: its touched blocks (deferred where large), and the
+        blocks it hashed without touching them (cached if ``req_id`` owns them)."""
+        if write.num_tokens:
+            self.ledger.defer_request_write(write.blocks)  # (its arrays were made for this call)
+        if len(write.other_block_ids):
+            self.ledger.cache_full_blocks(write.other_block_ids, write.other_block_hashes, owner=write.req_id)
 
     def settle(self) -> None:
         """Apply the ledger updates that writes deferred (:meth:`BlockLedger.settle`), e.g.
         while the host waits for the GPU anyway. Optional: every lookup applies them first."""
         self.ledger.settle()
 
-    def _check_rows(self, req_id: str, tensors: Mapping[str, torch.Tensor], num_tokens: int | None) -> int:
-        """The rows' length (``num_tokens`` or 0 without rows), else the error
-        :meth:`write_request_rows` raises."""
+    def _row_count(self, req_id: str, tensors: Mapping[str, torch.Tensor], num_tokens: int | None) -> int:
+        """The rows' length (``num_tokens`` or 0 without rows), checked: every key known, rows
+        ``[n, width]`` of equal ``n``, equal to ``num_tokens`` if given.
+
+        Raises:
+            ValueError: the first of these that fails.
+        """
         lengths = {t.shape[0] for t in tensors.values()}
         if len(lengths) > 1:
             raise ValueError(f"request {req_id!r}: keys carry different row counts {lengths}")
@@ -464,53 +250,53 @@ class HiddenStateCache:
                                  f"[{n}, {spec.width}]")
         return n
 
-    def _write_fused(self, ids: np.ndarray, first_off: int, last_end: int, n: int,
-                     tensors: Mapping[str, torch.Tensor]) -> bool:
-        """All keys' rows in one launch (:class:`~omni_cache.core.fused.StepWriter`); ``False``
-        where that path does not cover the call (nothing written then)."""
-        w = self._writer or self._step_writer()
-        if w is None:
+    def _write_fused(self, ids: np.ndarray, write: RequestWrite) -> bool:
+        """All keys' rows in one launch (:class:`~omni_cache.core.fused.StepWriter`) into blocks
+        ``ids`` (int64 ``[u]``, in range); ``False`` where that path does not cover the call
+        (nothing written then)."""
+        writer = self._writer or self._step_writer()
+        if writer is None:
             return False
+        rows, n = write.rows, write.num_tokens
         try:
-            done = w.write(ids, first_off, last_end, tensors)
+            done = writer.write(ids, write.blocks.first_start, write.blocks.last_end, rows)
         except Exception as exc:  # e.g. Triton cannot compile here: never try again
             fused_log.warning("omni-cache: fused step write failed (%r); using index_copy_ from now on", exc)
             self._fused_maybe = False
             return False
         if done:
-            rb = self._row_bytes
-            self.metrics.bytes_written += n * (rb[None] if len(tensors) == len(rb) - 1 else
-                                               sum(rb[k] for k in tensors))
-            self.metrics.rows_written += n * len(tensors)
+            row_bytes = self._row_bytes
+            self.metrics.bytes_written += n * (row_bytes[None] if len(rows) == len(row_bytes) - 1 else
+                                               sum(row_bytes[k] for k in rows))
+            self.metrics.rows_written += n * len(rows)
         return done
 
-    def _write_pools(self, touched: np.ndarray, start: int, n: int, b0: int, b1: int,
-                     tensors: Mapping[str, torch.Tensor]) -> None:
-        """Rows ``[start, start + n)`` into every key's pool: whole blocks as slabs, the
-        partial head / tail blocks row by row; one index array for all keys."""
-        bs = self.block_size
-        lo_full = min(-(-start // bs) * bs, start + n)
-        hi_full = max(((start + n) // bs) * bs, lo_full)
-        f0, f1 = lo_full // bs - b0, hi_full // bs - b0
-        head, tail = lo_full - start, start + n - hi_full
+    def _write_pools(self, ids: np.ndarray, write: RequestWrite) -> None:
+        """Rows ``[start, start + n)`` into every key's pool at blocks ``ids`` (int64 ``[u]``,
+        in range): whole blocks as slabs, the partial head / tail blocks row by row; one index
+        for all keys."""
+        bs, start, n, first = self.block_size, write.start, write.num_tokens, write.first_block
+        whole_lo = min(-(-start // bs) * bs, start + n)  # positions of the whole blocks: [whole_lo, whole_hi)
+        whole_hi = max(((start + n) // bs) * bs, whole_lo)
+        whole_first, whole_end = whole_lo // bs - first, whole_hi // bs - first  # their entries in ids
+        head, tail = whole_lo - start, start + n - whole_hi  # rows before / after them
         host, sizes = [], []
-        if f1 > f0:
-            host.append(touched[f0:f1])
-            sizes.append(f1 - f0)
+        if whole_end > whole_first:
+            host.append(ids[whole_first:whole_end])
+            sizes.append(whole_end - whole_first)
         if head:
-            o = start - b0 * bs
-            host.append(touched[0] * bs + np.arange(o, o + head, dtype=np.int64))
+            offset = start - first * bs
+            host.append(ids[0] * bs + np.arange(offset, offset + head, dtype=np.int64))
             sizes.append(head)
         if tail:
-            o = hi_full - (b1 - 1) * bs
-            host.append(touched[-1] * bs + np.arange(o, o + tail, dtype=np.int64))
+            offset = whole_hi - (first + len(ids) - 1) * bs
+            host.append(ids[-1] * bs + np.arange(offset, offset + tail, dtype=np.int64))
             sizes.append(tail)
-        parts = RowIndex(host[0]) if len(host) == 1 else RowIndex(np.concatenate(host))
-        parts = [parts] if len(host) == 1 else parts.split(sizes)
-        for key, rows in tensors.items():
+        parts = [RowIndex(host[0])] if len(host) == 1 else RowIndex(np.concatenate(host)).split(sizes)
+        for key, rows in write.rows.items():
             pool, i = self.pools[key], 0
-            if f1 > f0:
-                pool.write_blocks(parts[0], rows if head == tail == 0 else rows[head: head + (f1 - f0) * bs])
+            if whole_end > whole_first:
+                pool.write_blocks(parts[0], rows if head == tail == 0 else rows[head: n - tail])
                 i = 1
             if head:
                 pool.write(parts[i], rows[:head])
@@ -518,7 +304,7 @@ class HiddenStateCache:
             if tail:
                 pool.write(parts[i], rows[n - tail:])
             self.metrics.bytes_written += n * pool.row_bytes
-        self.metrics.rows_written += n * len(tensors)
+        self.metrics.rows_written += n * len(write.rows)
 
     def covered_prefix_tokens(
         self, block_ids: BlockIds, block_hashes: Sequence[int], keys: Iterable[str]
@@ -564,7 +350,7 @@ class HiddenStateCache:
             raise ValueError(f"request {req_id!r}: hit of {num_tokens} tokens is not whole "
                              f"blocks of {bs} within {len(block_ids)} blocks / {len(block_hashes)} block hashes")
         mask = self.ledger.key_mask(keys)
-        ids = _take(block_ids, slice(0, nb))
+        ids = table_entries(block_ids, slice(0, nb))
         i = self.ledger.first_uncovered(ids, block_hashes[:nb], mask)
         if i < nb:
             self.metrics.hits_refused += 1

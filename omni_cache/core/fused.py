@@ -1,13 +1,13 @@
 """One kernel launch for all keys' rows of a request's step (Triton, optional).
 
-A step's write touches the consecutive blocks ``b0 .. b1 - 1`` of the request's block table:
+A step's write touches consecutive blocks of the request's block table (``units`` of them):
 rows from in-block offset ``first_off`` of the first block to ``last_end`` of the last, whole
 blocks between. :class:`StepWriter` copies them for every key of the step with one launch of
 a Triton kernel (``grid = (blocks, keys)``, one program per (block, key): one contiguous run
 of ``(hi - lo) * row_bytes`` bytes from the key's rows to its pool block), instead of an index
 copy plus, per key, views and one or more ``index_copy_`` launches. Its arguments (a table of
 the keys' source / destination addresses and row sizes, and the block ids) are written into
-the pinned staging ring (:func:`~omni_cache.core.pool.staging_ring`) and read by the kernel in
+the pinned staging ring (:func:`~omni_cache.core.row_index.staging_ring`) and read by the kernel in
 place over PCIe: no host -> device copy, no other launch. Bytes move as int64 words, so the
 copy is bit-exact.
 
@@ -21,12 +21,14 @@ import logging
 import os
 import struct
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from omni_cache import settings
-from omni_cache.core.pool import HiddenPool, Tier, staging_ring
+from omni_cache.core.pool import HiddenPool, Tier
+from omni_cache.core.row_index import staging_ring
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,10 @@ log = logging.getLogger(__name__)
 CHUNK = 1024
 #: warps per program
 NUM_WARPS = 4
+#: bytes of an int64 word: rows move as words, so row sizes and addresses are multiples of it
+WORD_BYTES = 8
+#: int64 entries of the kernel's argument table per key: (source, destination, row words)
+TABLE_WORDS_PER_KEY = 3
 
 _KERNEL: list = []  # [the JIT kernel or None], filled on first use
 _INTERPRET: list = []  # [whether TRITON_INTERPRET=1], read with the kernel (Triton reads it at import)
@@ -116,10 +122,10 @@ class _Launcher:
 
     @classmethod
     def get(cls, k) -> _Launcher:
-        la = cls._by_kernel.get(k)
-        if la is None:
-            la = cls._by_kernel[k] = cls(k)
-        return la
+        launcher = cls._by_kernel.get(k)
+        if launcher is None:
+            launcher = cls._by_kernel[k] = cls(k)
+        return launcher
 
     def launch(self, grid, stream: int, *args) -> None:
         c = self.compiled
@@ -151,6 +157,15 @@ class _Launcher:
                 self.direct, self.why = False, repr(exc)
 
 
+class _Destination(NamedTuple):
+    """Where one key's rows go."""
+
+    dtype: torch.dtype  #: the pool's dtype
+    address: int  #: device address of the pool's storage (its first row)
+    row_words: int  #: int64 words per row
+    pinned_pool: HiddenPool | None  #: the pool, where pinned (its GPU work is noted there)
+
+
 class StepWriter:
     """Writes one request's step rows of every key into its pool with one kernel launch.
 
@@ -166,20 +181,17 @@ class StepWriter:
         self.block_size = block_size
         self.ring = staging_ring(device)
         self.launches = 0  #: kernel launches so far
-        #: key -> (dtype, width, destination address, row words, pool if pinned else None)
-        self.dst: dict[str, tuple] = {}
+        #: key -> where its rows go
+        self.destinations = {p.key: _Destination(p.dtype, p.gpu_storage.data_ptr(), p.row_bytes // WORD_BYTES,
+                                                 p if p.tier is Tier.PINNED_HOST else None) for p in pools}
         self.pinned = any(p.tier is Tier.PINNED_HOST for p in pools)
-        for p in pools:
-            store = p.storage if p.tier is Tier.DEVICE else p._gpu_dst[False][0]
-            self.dst[p.key] = (p.dtype, p.width, store.data_ptr(), p.row_bytes // 8,
-                               p if p.tier is Tier.PINNED_HOST else None)
 
     @staticmethod
     def covers(pools: Sequence[HiddenPool], device: torch.device) -> bool:
         """Whether every pool can be written by the kernel: storage on ``device`` (``DEVICE``)
         or zero-copy pinned for it, rows of a multiple of 8 bytes."""
         return bool(pools) and all(
-            p.row_bytes % 8 == 0 and (
+            p.row_bytes % WORD_BYTES == 0 and (
                 (p.tier is Tier.DEVICE and p.device == device)
                 or (p.tier is Tier.PINNED_HOST and p.zero_copy and p.gpu_device == device))
             for p in pools)
@@ -189,34 +201,35 @@ class StepWriter:
         ``tensors`` key -> ``[n, width]`` rows, ``n = u * block_size - first_off - (block_size
         - last_end)``; in-block offsets ``[first_off, ...)`` of ``ids[0]`` to ``[..., last_end)``
         of ``ids[-1]``. Returns ``False`` (nothing written) where the call is not covered."""
-        u, k = len(ids), len(tensors)
-        if not u or not k or 3 * k + u > self.ring.half:
+        units, n_keys = len(ids), len(tensors)
+        table_words = TABLE_WORDS_PER_KEY * n_keys
+        if not units or not n_keys or table_words + units > self.ring.half:
             return False
         table = []
-        dev = self.device
+        device = self.device
         for key, rows in tensors.items():
-            dtype, width, dst, rw, _ = self.dst[key]
-            if rows.get_device() != dev.index:  # (-1 on the CPU)
+            destination = self.destinations[key]
+            if rows.get_device() != device.index:  # (-1 on the CPU)
                 return False
-            if rows.dtype != dtype or not rows.is_contiguous():
+            if rows.dtype != destination.dtype or not rows.is_contiguous():
                 # (a temporary: the caching allocator hands its memory only to work enqueued
                 # later on this stream, so the kernel reads it first)
-                rows = rows.to(dtype).contiguous()
+                rows = rows.to(destination.dtype).contiguous()
             ptr = rows.data_ptr()
-            if ptr % 8:
+            if ptr % WORD_BYTES:
                 return False
-            table += (ptr, dst, rw)
+            table += (ptr, destination.address, destination.row_words)
         ring = self.ring
-        a = ring.reserve(3 * k + u)
-        tab = ring.device_address(a)
-        if tab is None:
+        offset = ring.reserve(table_words + units)
+        table_address = ring.device_address(offset)
+        if table_address is None:
             return False
-        struct.pack_into(f"{3 * k}q", ring.np, 8 * a, *table)
-        ring.np[a + 3 * k:a + 3 * k + u] = ids
-        launch(tab, tab + 24 * k, u, first_off, last_end, self.block_size, k,
-               torch._C._cuda_getCurrentRawStream(dev.index))
+        struct.pack_into(f"{table_words}q", ring.host, WORD_BYTES * offset, *table)
+        ring.host[offset + table_words:offset + table_words + units] = ids
+        launch(table_address, table_address + WORD_BYTES * table_words, units, first_off, last_end, self.block_size,
+               n_keys, torch._C._cuda_getCurrentRawStream(device.index))
         self.launches += 1
         if self.pinned:
             for key in tensors:
-                self.dst[key][4]._note_gpu(ids, owned=True)  # ids: the cache's, made for this call
+                self.destinations[key].pinned_pool.note_gpu_work(ids, owned=True)  # ids: made for this call
         return True

@@ -54,7 +54,10 @@ def install_engine_hooks(omni: Any, stage_config: Any) -> EngineHooks:
     """Install every hook ``stage_config`` asks for on the running ``omni``.
 
     Raises:
-        omni_cache.driver.routing.RoutingSetupError: routing asked for, no thinker pool.
+        omni_cache.driver.routing.RoutingSetupError: routing asked for, no thinker pool (or its
+            tokenizer fails).
+        omni_cache.driver.talker_identity.TalkerIdentitySetupError: the talker keys' vLLM-Omni
+            helpers moved.
         omni_cache.settings.SettingError: a bad routing setting.
     """
     from omni_cache.driver.routing import install_routing_from_stage_config

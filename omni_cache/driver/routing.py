@@ -43,6 +43,14 @@ THINKER_STAGE_ID = 0
 _MAX_HINTS = 65_536
 
 
+#: KV blocks per replica the policy assumes where neither the setting nor the engine says
+DEFAULT_CAPACITY_BLOCKS = 4096
+#: vLLM's default KV block size (tokens), where the stage config names none
+VLLM_DEFAULT_BLOCK_SIZE = 16
+#: routing decisions kept for inspection (:attr:`ThinkerRouter.decisions`), the latest
+DECISIONS_KEPT = 64
+
+
 class RoutingSetupError(ValueError):
     """Prefix routing cannot be installed (no thinker pool, no tokenizer, ...)."""
 
@@ -203,7 +211,7 @@ class ThinkerRouter:
         with self.lock:
             self.policy.sync_replicas(queue_lengths)
             d = self.policy.route(block_hashes, queue_lengths, tie_key)
-            self.decisions = (self.decisions + [d])[-64:]
+            self.decisions = (self.decisions + [d])[-DECISIONS_KEPT:]
             return d
 
     def _local_candidates(self) -> dict[str, int]:
@@ -367,7 +375,8 @@ def install_prefix_routing(omni: Any, stage_env: Mapping[str, Any] | None, *, bl
         one replica (nothing to choose).
 
     Raises:
-        RoutingSetupError: the engine has no thinker stage pool.
+        RoutingSetupError: the engine has no thinker stage pool; its tokenizer raises looking
+            up a placeholder token.
         omni_cache.settings.SettingError: a bad routing setting.
     """
     cfg = routing_config(stage_env)
@@ -383,7 +392,7 @@ def install_prefix_routing(omni: Any, stage_env: Mapping[str, Any] | None, *, bl
         logger.info("prefix routing: the thinker runs one replica; nothing to route")
         return None
     env = {k: str(v) for k, v in (stage_env or {}).items()}
-    capacity = settings.ROUTING_CAPACITY_BLOCKS.get_int(env) or _engine_kv_blocks(pool) or 4096
+    capacity = settings.ROUTING_CAPACITY_BLOCKS.get_int(env) or _engine_kv_blocks(pool) or DEFAULT_CAPACITY_BLOCKS
     cfg = RoutingConfig(load_margin=cfg.load_margin, capacity_blocks=capacity,
                         min_hit_blocks=cfg.min_hit_blocks, shared_prefix_fanout=cfg.shared_prefix_fanout)
     if tokenizer is None:
@@ -398,8 +407,9 @@ def install_prefix_routing(omni: Any, stage_env: Mapping[str, Any] | None, *, bl
         for modality, tok in DEFAULT_PLACEHOLDERS.items():
             try:
                 tid = tokenizer.convert_tokens_to_ids(tok)
-            except Exception:
-                continue
+            except Exception as exc:  # a tokenizer that cannot look tokens up cannot route media prompts
+                raise RoutingSetupError(f"the thinker's tokenizer cannot look up the {modality} placeholder "
+                                        f"{tok!r}: {exc!r}") from exc
             if isinstance(tid, int) and tid != unk:
                 placeholders[modality] = tid
     router = ThinkerRouter(pool, PrefixAwarePolicy(cfg), block_size=block_size, tokenize=tokenize,
@@ -418,4 +428,5 @@ def install_routing_from_stage_config(omni: Any, stage_config: Any) -> ThinkerRo
     thinker = stage_config.stage(THINKER_STAGE_ID)
     if routing_config(thinker.get("env")) is None:
         return None
-    return install_prefix_routing(omni, thinker.get("env"), block_size=int(thinker.get("block_size", 16)))
+    return install_prefix_routing(omni, thinker.get("env"),
+                                  block_size=int(thinker.get("block_size", VLLM_DEFAULT_BLOCK_SIZE)))

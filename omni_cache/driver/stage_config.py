@@ -24,6 +24,7 @@ import yaml
 
 from omni_cache import settings
 
+
 def bundled_stage_config(name: str) -> Path | None:
     """A bundled stage config by file name (e.g. ``qwen3_omni_cpu.yaml``): the package
     ``omni_cache.stage_configs`` (the repository's ``stage_configs/``, shipped in the wheel),
@@ -226,7 +227,8 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
         for s in (section or {}).get("stages", []) or []:
             sid = s.get("stage_id")
             if sid not in seen:
-                raise StageConfigError(p, f"platforms.{name} names stage {sid!r}, which is not in stages", key="stage_id")
+                raise StageConfigError(p, f"platforms.{name} names stage {sid!r}, which is not in stages",
+                                       key="stage_id")
             _check_keys(p, {k: v for k, v in s.items()}, schema, sid)
     cfg = StageConfig(path=p, raw=raw, stage_ids=seen)
     _check_capped_scheduler(cfg)
@@ -235,7 +237,8 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
     if model_dir is not None:
         md = Path(model_dir)
         if not (md / "config.json").is_file():
-            raise StageConfigError(p, f"model directory {str(md)!r} has no config.json (run 'omni-cache make-model')", key="model")
+            raise StageConfigError(p, f"model directory {str(md)!r} has no config.json (run 'omni-cache make-model')",
+                                   key="model")
         _check_yoco(p, raw, stages, md)
     else:
         cfg.notes.extend(f"stage {s['stage_id']}: KV-shared (YOCO) check skipped: it reads the model's config, "

@@ -47,16 +47,39 @@ def _media(mm_features: Any) -> list[MediaItem]:
     return items
 
 
-def _speaker_language(prompt: Any) -> tuple[Any, Any]:
-    try:
-        from vllm_omni.model_executor.stage_input_processors.tts_utils import (
-            extract_language_from_prompt,
-            extract_speaker_from_prompt,
-        )
+class TalkerIdentitySetupError(RuntimeError):
+    """Talker identity cannot run on this vLLM-Omni: a helper that feeds the talker keys moved
+    (:func:`omni_cache.engine.seam.check_talker_keys_seam`)."""
 
-        return extract_speaker_from_prompt(prompt), extract_language_from_prompt(prompt)
-    except Exception:  # not a dict prompt, or helpers moved: seed with the prompt's repr-free default
+
+def _key_helpers() -> tuple:
+    """vLLM-Omni's speaker / language helpers (:func:`omni_cache.engine.seam.talker_key_helpers`).
+
+    Raises:
+        TalkerIdentitySetupError: they moved; keys without them would be weaker, so talker
+            identity refuses to start.
+    """
+    from omni_cache.engine.seam import talker_key_helpers
+
+    try:
+        return talker_key_helpers()
+    except ImportError as exc:
+        raise TalkerIdentitySetupError(f"vLLM-Omni's speaker/language helpers moved ({exc}); the talker "
+                                       f"block keys need them: fix the seam (omni_cache/engine/seam.py)") from exc
+
+
+def _speaker_language(prompt: Any) -> tuple[Any, Any]:
+    """The speaker and language vLLM-Omni reads from the request's ``prompt`` (a dict or a list
+    of dicts; any other prompt, e.g. a text prompt, carries neither: ``(None, None)``).
+
+    Raises:
+        TalkerIdentitySetupError: the helpers moved.
+        Exception: whatever the helpers raise for a malformed prompt (the caller refuses keys).
+    """
+    if not isinstance(prompt, (dict, list)):
         return None, None
+    extract_speaker, extract_language = _key_helpers()
+    return extract_speaker(prompt), extract_language(prompt)
 
 
 class TalkerIdentity:
@@ -246,6 +269,9 @@ def install_talker_identity(omni: Any) -> TalkerIdentity | None:
 
     Returns:
         The installed hook, or None: no talker stage, or its prefix caching is off.
+
+    Raises:
+        TalkerIdentitySetupError: vLLM-Omni's speaker/language helpers moved.
     """
     engine = getattr(omni, "engine", omni)
     pools = getattr(engine, "stage_pools", None)
@@ -255,6 +281,7 @@ def install_talker_identity(omni: Any) -> TalkerIdentity | None:
     cache = getattr(getattr(talker, "stage_vllm_config", None), "cache_config", None)
     if talker is None or not getattr(cache, "enable_prefix_caching", False):
         return None
+    _key_helpers()  # a moved helper is an error at start-up, not a weaker key per request
     hook = TalkerIdentity(pools[0], talker, block_size=int(cache.block_size))
     hook.install()
     logger.info("talker prefix caching: content identity on (talker block size %d)", hook.block_size)

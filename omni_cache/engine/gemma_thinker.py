@@ -260,7 +260,8 @@ class _AcceptLayerView:
 
     def __init__(self, transfer_manager: Any, accept: int):
         self._tm = transfer_manager
-        self._cfg = SimpleNamespace(hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=accept)))
+        self._cfg = SimpleNamespace(
+            hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=accept)))
 
     def _get_model_config(self):
         return self._cfg
@@ -270,12 +271,13 @@ class _AcceptLayerView:
 
 
 def _accept_layer(transfer_manager: Any) -> int:
-    mc = transfer_manager._get_model_config() if hasattr(transfer_manager, "_get_model_config") else transfer_manager.config
+    mc = (transfer_manager._get_model_config() if hasattr(transfer_manager, "_get_model_config")
+          else transfer_manager.config)
     cfg = mc.hf_config
     _, accept = stage_plan(cfg, False, os.environ)
     if accept == FINAL:
-        raise RuntimeError(f"{settings.YOCO_ACCEPT_LAYER.name}=final: the final hidden states are not handed downstream; "
-                           "accept a captured layer (e.g. the self-decoder output)")
+        raise RuntimeError(f"{settings.YOCO_ACCEPT_LAYER.name}=final: the final hidden states are not handed "
+                           "downstream; accept a captured layer (e.g. the self-decoder output)")
     return int(accept)
 
 

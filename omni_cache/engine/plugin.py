@@ -3,7 +3,8 @@ vLLM-Omni process: registers omni-cache's pipeline variants (idempotent).
 
 ``qwen3_omni_moe_omni_cache``
     Qwen3-Omni-MoE with the capped scheduler
-    (:func:`~omni_cache.engine.scheduler.capped_ar_scheduler`: sync or async) on the thinker (prefix hits capped to the hidden-state tier's coverage).
+    (:func:`~omni_cache.engine.scheduler.capped_ar_scheduler`: sync or async) on the thinker
+    (prefix hits capped to the hidden-state tier's coverage).
 ``qwen3_omni_moe_omni_cache_recorded``
     the same, plus the thinker→talker and talker→code2wav hand-offs recorded
     (:mod:`omni_cache.engine.handoff`), for tests and audits.

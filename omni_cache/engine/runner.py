@@ -197,4 +197,5 @@ def _stage_multi_group_config(runner, kv_cache_config):
             f"({[type(x.kv_cache_spec).__name__ for x in groups]}). Disable enable_prefix_caching on this stage")
     logger.info("omni-cache: %d KV cache groups; mirroring full-attention group %d", len(groups), g)
     return PrefixCacheConfig.from_vllm_config(num_blocks=kv_cache_config.num_blocks, block_size=spec.block_size,
-                                              scheduler_config=runner.scheduler_config, model_config=runner.model_config)
+                                              scheduler_config=runner.scheduler_config,
+                                              model_config=runner.model_config)

@@ -17,6 +17,11 @@ method                 arguments                                                
 ``shutdown``           —                                                           None
 =====================  ==========================================================  =============================
 
+The talker keys' seam (:mod:`omni_cache.driver.talker_identity`): vLLM-Omni's
+``extract_speaker_from_prompt`` / ``extract_language_from_prompt`` (:data:`TALKER_KEY_HELPERS`)
+read the speaker and language that seed every talker block key; a helper that moved is a seam
+failure (the keys would silently lose them), caught here and at start-up.
+
 The talker seam (:mod:`omni_cache.engine.talker`): the runner's ``_talker_mtp_forward`` makes
 a generator per request from ``extra_args["tts_local_seed"]`` and passes ``generator=`` /
 ``generators=`` (the latter only to a model declaring
@@ -33,6 +38,7 @@ leaving the cache silently unused.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 
@@ -116,12 +122,43 @@ def check_seam() -> list[str]:
     for hook in RUNNER_HOOKS:
         if not callable(getattr(runner_cls, hook, None)):
             problems.append(f"GPUARModelRunner has no {hook}() for OmniCacheRunnerMixin to override")
-    return problems + check_talker_seam()
+    return problems + check_talker_seam() + check_talker_keys_seam()
 
 
 #: what vLLM-Omni's ``_talker_mtp_forward`` must still say for the talker's generators to arrive
 TALKER_RUNNER_NEEDS = ('"tts_local_seed"', '"talker_mtp_accepts_per_row_generators"',
                        'talker_kwargs["generator"]', 'talker_kwargs["generators"]')
+
+
+#: module of vLLM-Omni's helpers whose results seed the talker block keys, and their names
+TALKER_KEY_HELPERS_MODULE = "vllm_omni.model_executor.stage_input_processors.tts_utils"
+TALKER_KEY_HELPERS = ("extract_speaker_from_prompt", "extract_language_from_prompt")
+
+
+def talker_key_helpers() -> tuple:
+    """vLLM-Omni's ``(extract_speaker_from_prompt, extract_language_from_prompt)``: each takes a
+    prompt dict (or a list of them) and returns the speaker / language as a list, or ``None``.
+
+    Raises:
+        ImportError: the module or a helper moved (a seam failure).
+    """
+    module = importlib.import_module(TALKER_KEY_HELPERS_MODULE)
+    missing = [name for name in TALKER_KEY_HELPERS if not callable(getattr(module, name, None))]
+    if missing:
+        raise ImportError(f"{TALKER_KEY_HELPERS_MODULE} has no {', '.join(missing)}")
+    return tuple(getattr(module, name) for name in TALKER_KEY_HELPERS)
+
+
+def check_talker_keys_seam() -> list[str]:
+    """Differences between the talker keys' seam (module docstring) and the installed
+    vLLM-Omni: :data:`TALKER_KEY_HELPERS` importable, each taking ``prompt`` first. Returns one
+    line per difference."""
+    try:
+        helpers = talker_key_helpers()
+    except ImportError as exc:
+        return [f"the talker keys' speaker/language helpers moved: {exc}"]
+    return [f"{fn.__name__}{_params(fn)} no longer takes the prompt first"
+            for fn in helpers if _params(fn)[0][:1] != ("prompt",)]
 
 
 def check_talker_seam() -> list[str]:
@@ -144,7 +181,8 @@ def check_talker_seam() -> list[str]:
     pos, _ = _params(Qwen3OmniMoeForConditionalGeneration.talker_mtp)
     if pos[:4] != ("input_ids", "input_embeds", "last_talker_hidden", "text_step"):
         problems.append(f"Qwen3OmniMoeForConditionalGeneration.talker_mtp{pos} changed")
-    if "self.code_predictor(" not in inspect.getsource(Qwen3OmniMoeTalkerForConditionalGeneration.code_predictor_forward):
+    predictor_src = inspect.getsource(Qwen3OmniMoeTalkerForConditionalGeneration.code_predictor_forward)
+    if "self.code_predictor(" not in predictor_src:
         problems.append("Qwen3-Omni's code_predictor_forward no longer calls self.code_predictor(")
     params = inspect.signature(CodePredictorWrapper.forward).parameters
     problems += [f"CodePredictorWrapper.forward has no {p!r} parameter"

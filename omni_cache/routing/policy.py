@@ -1,7 +1,7 @@
 """Prefix-aware choice of a replica, bounded by load.
 
 A request is described by its chained block hashes (:func:`request_block_hashes`, built on
-:func:`omni_cache.core.slots.chained_block_hashes`: equal block hash = equal token prefix,
+:func:`omni_cache.core.block_hashes.chained_block_hashes`: equal block hash = equal token prefix,
 media identifiers included). The policy keeps, per replica, a :class:`BlockRecord`: the
 block hashes it believes the replica's KV cache holds, a bounded LRU whose capacity is the
 replica's number of KV blocks, so blocks the engine would have evicted are forgotten too.
@@ -17,18 +17,18 @@ Two sources feed a record:
 Invariant: ``h in record(r)`` iff replica ``r`` is in ``holders[h]`` (the reverse index the
 longest-prefix walk uses); a removed replica appears in neither.
 
-Import rule: engine-free (standard library + :mod:`omni_cache.core.slots`).
+Import rule: engine-free (standard library + :mod:`omni_cache.core.block_hashes`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
-from typing import Any, Callable
+from typing import Any
 
-from omni_cache.core.slots import NONE_HASH, chained_block_hashes
+from omni_cache.core.block_hashes import NONE_HASH, chained_block_hashes
 
 #: A replica's identity: a vLLM-Omni input address (str) or a replica id (int).
 ReplicaKey = Hashable
@@ -100,7 +100,7 @@ def request_block_hashes(
 
     Returns:
         ``len(token_ids) // block_size`` unsigned 64-bit block hashes
-        (:func:`omni_cache.core.slots.chained_block_hashes`).
+        (:func:`omni_cache.core.block_hashes.chained_block_hashes`).
 
     Raises:
         ValueError: ``block_size < 1``.

@@ -39,7 +39,8 @@ def scheduler_kwargs(cfg, num_blocks: int) -> dict:
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    return dict(vllm_config=cfg, kv_cache_config=kv, block_size=BS, structured_output_manager=StructuredOutputManager(cfg))
+    return dict(vllm_config=cfg, kv_cache_config=kv, block_size=BS,
+                structured_output_manager=StructuredOutputManager(cfg))
 
 
 def request(rid: str, prompt: list[int], max_tokens: int, *, forget_rows: bool = False):

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from benchmarks.prefill import summary as S
-from omni_cache.driver.variants import MemorySettings, variant_stage_config
 from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, specs, warmup_specs
+from omni_cache.driver.variants import MemorySettings, variant_stage_config
 from tests.util import CPU_STAGE_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
@@ -296,7 +296,8 @@ def test_routing_bench_summary():
         return dict(policy=policy, round=rnd, conversation=0, turn=turn, ttft_s=ttft, ttfp_s=2 * ttft, hit=hit)
 
     records = [rec("prefix", 0, 0, 4.0, False), rec("prefix", 0, 1, 1.0, True), rec("prefix", 0, 2, 1.0, True),
-               rec("vllm_omni", 1, 0, 4.0, False), rec("vllm_omni", 1, 1, 4.0, False), rec("vllm_omni", 1, 2, 2.0, True)]
+               rec("vllm_omni", 1, 0, 4.0, False), rec("vllm_omni", 1, 1, 4.0, False),
+               rec("vllm_omni", 1, 2, 2.0, True)]
     s = summarize(records)
     assert s["prefix"]["hit_ratio_turn2plus"] == 1.0 and s["vllm_omni"]["hit_ratio_turn2plus"] == 0.5
     assert s["prefix"]["ttft_s_p50_all"] == 1.0 and s["vllm_omni"]["ttft_s_p50_all"] == 4.0

@@ -97,7 +97,8 @@ def test_omni_cache_backend_without_the_capped_scheduler_is_refused(tmp_path):
         r["stages"][1]["enable_prefix_caching"] = False
 
     p = _write(tmp_path, no_pipeline)
-    with pytest.raises(StageConfigError, match=r"stage 0: key 'pipeline': .*capped scheduler.*qwen3_omni_moe_omni_cache"):
+    with pytest.raises(StageConfigError,
+                       match=r"stage 0: key 'pipeline': .*capped scheduler.*qwen3_omni_moe_omni_cache"):
         load_stage_config(p)
     # the built-in cache needs no cap; async scheduling is allowed with the capped pipeline
     load_stage_config(_write(tmp_path, lambda r: (no_pipeline(r),
@@ -119,7 +120,8 @@ def test_talker_prefix_caching_without_content_identity_is_refused(tmp_path):
         load_stage_config(_write(tmp_path, builtin_pipeline))
     with pytest.raises(StageConfigError, match=r"stage 2: key 'enable_prefix_caching'"):
         load_stage_config(_write(tmp_path, lambda r: r["stages"][2].update(enable_prefix_caching=True)))
-    with pytest.raises(StageConfigError, match=r"stage 1: key 'enable_prefix_caching'"):  # Gemma-3n thinker: not its layout
+    # Gemma-3n thinker: not its layout
+    with pytest.raises(StageConfigError, match=r"stage 1: key 'enable_prefix_caching'"):
         load_stage_config(_write(tmp_path, lambda r: r.update(pipeline="gemma3n_omni_cache")))
 
 

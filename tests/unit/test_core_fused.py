@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashes
+from tests.util import same_bits
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON),
@@ -58,11 +59,6 @@ def test_fused_kernel_interpreted_on_cpu(seed):
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
-def _same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
 KEYS = [KeySpec("hidden", 2048, torch.bfloat16), KeySpec("layer_0", 64, torch.float32),
         KeySpec("odd", 12, torch.float16)]  # 24-byte rows: int64 words, not 16-byte ones
 
@@ -101,7 +97,7 @@ def test_cuda_fused_step_writes_match_index_copy(tier):
     torch.cuda.synchronize()
     assert a._writer is not None and a._writer.launches > 0 and b._writer is None
     for k in KEYS:
-        assert _same_bits(a.pools[k.name].storage.cpu(), b.pools[k.name].storage.cpu()), k.name
+        assert same_bits(a.pools[k.name].storage.cpu(), b.pools[k.name].storage.cpu()), k.name
     for f in ("_hash", "_cached", "_owner", "_generation", "_filled"):
         assert np.array_equal(getattr(a.ledger, f), getattr(b.ledger, f)), f
 
@@ -129,7 +125,7 @@ def test_cuda_fused_prefill_round_trip_without_waiting(tier):
     for v in rows.values():
         v.zero_()  # the model runner reuses its buffers
     got = cache.read_prefix("B", table, 8192, hashes, [k.name for k in keys], out_device="cuda")
-    assert all(_same_bits(got[k], expected[k]) for k in expected)
+    assert all(same_bits(got[k], expected[k]) for k in expected)
 
 
 @needs_cuda_triton
@@ -142,4 +138,4 @@ def test_cuda_fused_declines_what_it_does_not_cover():
     rows = torch.randn(8, 4).to(torch.bfloat16)
     dev.write_request_rows("A", [0, 1], 0, {"h": rows}, {0: 1, 1: 2})
     assert dev._writer is not None and dev._writer.launches == 0
-    assert _same_bits(dev.read_prefix("B", [0, 1], 8, [1, 2], ["h"])["h"].cpu(), rows)
+    assert same_bits(dev.read_prefix("B", [0, 1], 8, [1, 2], ["h"])["h"].cpu(), rows)

@@ -22,7 +22,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_cache.core import HiddenStateCache, KeySpec, StaleRowsError, chained_block_hashes
+from omni_cache.core import BlockLedger, HiddenStateCache, KeySpec, StaleRowsError, chained_block_hashes
+from omni_cache.core.ledger_state import BlockWrite
+from tests.util import same_bits
 
 BS = 4
 NUM_BLOCKS = 12
@@ -38,18 +40,13 @@ SHARE = st.sampled_from((True, True, False))  # does a new prompt reuse an earli
 SPEC = {s.name: s for s in SPECS}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_row(content: tuple, key: str) -> torch.Tensor:
     """The model's deterministic output row for one position's content id."""
     width = SPEC[key].width
     digest = hashlib.blake2b(repr((key, content)).encode(), digest_size=4 * width).digest()
     vals = np.frombuffer(digest, dtype="<u4").astype(np.float32) / np.float32(2**32) - 0.5
     return torch.from_numpy(vals).to(SPEC[key].dtype)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
-                                              b.contiguous().view(torch.uint8))
 
 
 @dataclass
@@ -177,10 +174,10 @@ class Sim:
             b = self.kv.allocate()
             self.dropped.pop(b, None)
             req.table.append(b)
-        full_tags = req.block_hashes((computed + n) // BS)
-        for b, t in zip(req.table, full_tags):
+        full_hashes = req.block_hashes((computed + n) // BS)
+        for b, t in zip(req.table, full_hashes):
             self.kv.cache_block(b, t)  # cached at schedule time, hittable this step
-        return req, computed, n, full_tags, len(hit)
+        return req, computed, n, full_hashes, len(hit)
 
     def step(self) -> None:
         self.cache.begin_step()
@@ -196,15 +193,15 @@ class Sim:
 
     # -- forward: all writes of the step precede its reads ----------------
     def write_all(self, batch) -> None:
-        for req, start, n, full_tags, _ in batch:
+        for req, start, n, full_hashes, _ in batch:
             drop = self.draw(st.sets(st.sampled_from(KEYS))) if self.drops and self.draw(
                 st.integers(0, 3)) == 0 else set()
             keep = [k for k in KEYS if k not in drop]
             self.cache.write_request_rows(
                 req.rid, req.table, start, {k: req.rows(start, start + n, k) for k in keep},
-                dict(enumerate(full_tags)), num_tokens=n,
+                dict(enumerate(full_hashes)), num_tokens=n,
             )
-            for i, t in enumerate(full_tags):
+            for i, t in enumerate(full_hashes):
                 b = req.table[i]
                 self.cached[b].add(t)
                 self.block_hash_content[t] = [req.content(p) for p in range(i * BS, (i + 1) * BS)]
@@ -376,16 +373,14 @@ def _assert_same(led, ref):
 def test_request_write_of_one_partial_block_on_the_array_path():
     """A one-block write [0, 1) on the array path fills to 1, not to block_size (a case the
     random test below found on one run of the GPU machine's seeds)."""
-    from omni_cache.core import BlockLedger
-
     for scalar_max in (0, 4):
         led = BlockLedger(LNB, LBS, KEYS)
         led.scalar_max = scalar_max
-        led.record_request_write(np.array([3]), 0, 1, np.array([0], np.uint64), np.array([False]),
-                                 led.key_mask(["hidden"]), owner="A")
+        led.record_request_write(BlockWrite(np.array([3]), 0, 1, np.array([0], np.uint64), np.array([False]),
+                                            led.key_mask(["hidden"]), owner="A"))
         assert [led.filled(3, k) for k in KEYS] == [1, 0, 0]
-        led.record_request_write(np.array([3, 5]), 1, 2, np.array([9, 0], np.uint64), np.array([True, False]),
-                                 led.key_mask(KEYS), owner="A")
+        led.record_request_write(BlockWrite(np.array([3, 5]), 1, 2, np.array([9, 0], np.uint64),
+                                            np.array([True, False]), led.key_mask(KEYS), owner="A"))
         assert [led.filled(3, k) for k in KEYS] == [LBS, 0, 0] and led.block_hash[3] == 9
         assert [led.filled(5, k) for k in KEYS] == [2, 2, 2] and led.block_hash[5] is None
 
@@ -398,11 +393,8 @@ def test_vectorised_ledger_matches_per_block_reference(scalar_max, data):
     and the same answers as the per-block reference, on the block-by-block path (small
     calls), the vectorised path (``scalar_max=0``) and a mix; interned owners are pruned
     often, so a pruned owner coming back must still be told apart."""
-    from omni_cache.core import BlockLedger
-
-    led, ref = BlockLedger(LNB, LBS, KEYS), RefLedger(LNB, LBS, KEYS)
+    led, ref = BlockLedger(LNB, LBS, KEYS, owner_floor=3), RefLedger(LNB, LBS, KEYS)
     led.scalar_max = led.scalar_max_read = scalar_max
-    led.owner_floor = led._owner_limit = 3
     owners = st.sampled_from([f"r{i}" for i in range(8)])
     maybe_hash = st.one_of(st.none(), st.sampled_from(HASHES))
     keys = st.sets(st.sampled_from(KEYS))
@@ -428,10 +420,11 @@ def test_vectorised_ledger_matches_per_block_reference(scalar_max, data):
             hs = [data.draw(maybe_hash) for _ in ids]
             ks = data.draw(keys)
             as_list = data.draw(st.booleans())
-            led.record_request_write(ids if as_list else np.array(ids), first, last,
-                                     [h or 0 for h in hs] if as_list else np.array([h or 0 for h in hs], np.uint64),
-                                     [h is not None for h in hs] if as_list else np.array([h is not None for h in hs]),
-                                     led.key_mask(ks), owner=owner)
+            led.record_request_write(BlockWrite(
+                ids if as_list else np.array(ids), first, last,
+                [h or 0 for h in hs] if as_list else np.array([h or 0 for h in hs], np.uint64),
+                [h is not None for h in hs] if as_list else np.array([h is not None for h in hs]),
+                led.key_mask(ks), owner=owner))
             for j, (b, h) in enumerate(zip(ids, hs)):
                 ref.record_write(b, h, first if j == 0 else 0, last if j == n - 1 else LBS, ks, owner)
         elif op == "cache":

@@ -24,6 +24,7 @@ from vllm_omni.engine.stage_pool import StagePool  # noqa: E402
 
 from omni_cache.driver.routing import (  # noqa: E402
     PrefixRoutingBalancer,
+    RoutingSetupError,
     ThinkerRouter,
     install_prefix_routing,
     prompt_routing_key,
@@ -219,6 +220,25 @@ def test_install_from_settings():
         routing_config({"OMNI_CACHE_ROUTING": "prefix", "OMNI_CACHE_ROUTING_LOAD_MARGIN": "-1"})
     one = SimpleNamespace(engine=_Engine(_pool(1)))
     assert install_prefix_routing(one, {"OMNI_CACHE_ROUTING": "prefix"}, block_size=BS) is None
+
+
+def test_a_tokenizer_that_cannot_look_up_placeholders_refuses_routing():
+    """A tokenizer error is never skipped: routing media prompts without their placeholders
+    would key them differently; installing fails loudly instead."""
+
+    class BrokenTokenizer:
+        unk_token_id = 0
+
+        def encode(self, text):
+            return [1]
+
+        def convert_tokens_to_ids(self, token):
+            raise KeyError(token)
+
+    omni = SimpleNamespace(engine=_Engine(_pool()))
+    with pytest.raises(RoutingSetupError, match="image placeholder"):
+        install_prefix_routing(omni, {"OMNI_CACHE_ROUTING": "prefix"}, block_size=BS, tokenizer=BrokenTokenizer())
+    assert getattr(omni.engine, "_omni_cache_router", None) is None
 
 
 def _write(tmp_path, mutate):

@@ -11,8 +11,9 @@ import json
 import pytest
 
 from omni_cache import settings
-
-from tests.unit.sched_util import request as _request, scheduler_kwargs, step as _step
+from tests.unit.sched_util import request as _request
+from tests.unit.sched_util import scheduler_kwargs
+from tests.unit.sched_util import step as _step
 from tests.unit.sched_util import vllm_config as _vllm_config
 
 NUM_BLOCKS = 10  # A (80 prompt tokens + decode) holds 6 blocks; B (144 tokens) needs 9

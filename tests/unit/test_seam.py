@@ -27,6 +27,20 @@ def test_talker_seam_check_reports_a_predictor_without_generators(monkeypatch):
 
     from omni_cache.engine import seam
 
-    monkeypatch.setattr(CodePredictorWrapper, "forward", lambda self, layer0_code, layer0_embed, last_talker_hidden: None)
+    monkeypatch.setattr(CodePredictorWrapper, "forward",
+                        lambda self, layer0_code, layer0_embed, last_talker_hidden: None)
     problems = seam.check_talker_seam()
     assert any("'generators'" in p for p in problems), problems
+
+
+def test_talker_keys_seam_check_reports_a_moved_speaker_helper(monkeypatch):
+    """The helpers that seed the talker block keys are part of the seam: one that moved is
+    reported (and, at start-up, talker identity refuses to install)."""
+    import vllm_omni.model_executor.stage_input_processors.tts_utils as tts_utils
+
+    from omni_cache.engine import seam
+
+    assert seam.check_talker_keys_seam() == []
+    monkeypatch.delattr(tts_utils, "extract_speaker_from_prompt")
+    problems = seam.check_seam()
+    assert any("extract_speaker_from_prompt" in p for p in problems), problems

@@ -18,7 +18,8 @@ from omni_cache.core.talker_keys import (
     talker_block_keys,
     talker_prompt_rows,
 )
-from tests.unit.sched_util import BS, scheduler_kwargs, step as _step
+from tests.unit.sched_util import BS, scheduler_kwargs
+from tests.unit.sched_util import step as _step
 from tests.unit.sched_util import vllm_config as _vllm_config
 
 IM_END, NL, IMAGE = 151645, 198, 151655
@@ -61,8 +62,8 @@ def test_the_layout_gives_vllm_omnis_talker_prompt_length():
         assert len(rows) + assistant == _talker_len(ids)
         assert assistant == 9
         # user rows come from user segments only, in order
-        assert all(ids[s + 1] == USER_TOKEN_ID for s in (max(i for i in range(int(r) + 1) if ids[i] == IM_START_TOKEN_ID)
-                                                        for r in rows))
+        segment_starts = (max(i for i in range(int(r) + 1) if ids[i] == IM_START_TOKEN_ID) for r in rows)
+        assert all(ids[s + 1] == USER_TOKEN_ID for s in segment_starts)
 
 
 def test_turn_two_shares_exactly_turn_ones_user_blocks():
@@ -374,3 +375,27 @@ def test_client_sent_keys_are_never_trusted(vllm_config):
     hook.attach("attacker", req, SimpleNamespace(prompt=None))
     assert req.sampling_params.extra_args == {"tts_local_seed": 1}
 
+
+
+def test_a_moved_speaker_helper_is_an_error_at_start_up(monkeypatch):
+    """Keys without vLLM-Omni's speaker/language would be weaker: installing talker identity
+    on a vLLM-Omni whose helper moved raises, and a malformed prompt the helper cannot read
+    raises (the installed hook logs it and gives no keys), never keys without its speaker."""
+    from types import SimpleNamespace
+
+    import vllm_omni.model_executor.stage_input_processors.tts_utils as tts_utils
+
+    from omni_cache.driver.talker_identity import TalkerIdentity, TalkerIdentitySetupError, install_talker_identity
+
+    talker = SimpleNamespace(stage_vllm_config=SimpleNamespace(
+        model_config=SimpleNamespace(model_stage="talker"),
+        cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=BS)))
+    engine = SimpleNamespace(stage_pools=[SimpleNamespace(), talker])
+    ids = chat(SYSTEM, [U1], [])
+    hook = TalkerIdentity(None, None, block_size=BS)
+    hook.remember_thinker("r1", _engine_request("r1", ids))
+    with pytest.raises(AttributeError):  # a list prompt holding a string: the helper cannot read it
+        hook.keys_for("r1", _engine_request("r1", [0] * _talker_len(ids)), SimpleNamespace(prompt=["text"]))
+    monkeypatch.delattr(tts_utils, "extract_language_from_prompt")
+    with pytest.raises(TalkerIdentitySetupError, match="extract_language_from_prompt"):
+        install_talker_identity(engine)
