@@ -11,7 +11,8 @@ CPU_STAGE_CONFIG = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
 def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = None, *,
                          streaming: bool = False) -> Path:
     """The CPU stage config with the thinker's prefix cache ``off`` (the talker's too) /
-    ``builtin`` / ``omni_cache`` (the talker's on, as the bundled config has it), hand-off recording into ``out_dir/handoff`` (thinker → talker) and
+    ``builtin`` / ``omni_cache`` (the talker's on, as the bundled config has it), hand-off
+    recording into ``out_dir/handoff`` (thinker → talker) and
     ``out_dir/codec`` (talker → code2wav) and cache metrics into
     ``out_dir/metrics``; ``thinker``: stage-0 keys to override (e.g.
     ``max_num_batched_tokens``); ``streaming``: ``async_chunk`` (the bundled config streams;
@@ -91,7 +92,8 @@ def assert_batch_rows(on, off, name: str, *, writer=None, hit: int = 0) -> int:
     x, y = on.float().reshape(on.shape[0], -1), off.float().reshape(off.shape[0], -1)
     err = (x - y).abs().amax(dim=-1) / y.abs().amax(dim=-1).clamp_min(1e-6)
     bad = int((err > BATCH_ROW_RTOL).sum())
-    assert bad == 0, f"{name}: {bad} rows differ from cache off beyond batch variance (max rel err {float(err.max()):.3g})"
+    assert bad == 0, (f"{name}: {bad} rows differ from cache off beyond batch variance "
+                      f"(max rel err {float(err.max()):.3g})")
     return int((x == y).all(dim=-1).sum())
 
 

@@ -11,15 +11,15 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from omni_cache.driver.stage_config import load_stage_config
 from omni_cache.driver.inputs import OmniRequest
+from omni_cache.driver.stage_config import load_stage_config
 
 logger = logging.getLogger(__name__)
 

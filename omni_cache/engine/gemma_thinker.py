@@ -145,7 +145,8 @@ class _YocoThinkerMixin:
         else:
             c["full_forwards"] += 1
             if isinstance(last, KVSharingFastPrefillMetadata) and n_logits is None:
-                c["fallback_forwards"] += 1  # fast prefill disarmed for this step (prompt logprobs, or a request opted out)
+                # fast prefill disarmed for this step (prompt logprobs, or a request opted out)
+                c["fallback_forwards"] += 1
                 fallback = True
         self._publish(force=fallback)
 

@@ -63,12 +63,52 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def thinker2talker_async_chunk(transfer_manager: Any, multimodal_output: Any, request: Any,
+                               is_finished: bool = False):
+    """vLLM-Omni's ``thinker2talker_async_chunk`` (the streaming thinker → talker hand-off), with
+    a resumed request's decode row kept.
+
+    After a request's first chunk (its prompt rows) went to the talker, every chunk is one
+    decode token's row ``[1, hidden]``. A request preempted after that recomputes its prompt
+    and answer so far when it resumes (from position 0, or after its re-hit prefix), so its
+    first step after the resume carries many rows, and vLLM-Omni's function drops that chunk
+    ("Unexpected multiple embeddings", ``stage_input_processors/qwen3_omni.py``): the talker
+    never gets the embedding of the token fed in that step. Found by the stress test
+    (``tests/pipeline/test_stress.py``: one decode row missing per preempted request, cache
+    on or off). Here such a step hands on its last row only — the row of the token fed in this
+    step, which is what an unpreempted decode step sends (the layers are computed for that
+    position from the same prefix). Other chunks pass through unchanged.
+
+    Args / returns: as vLLM-Omni's function (``multimodal_output``: the step's per-request
+    outputs, ``hidden_states.layers`` tensors ``[num_rows, hidden]``).
+    """
+    from vllm_omni.model_executor.stage_input_processors import qwen3_omni
+
+    chunks_sent = (getattr(transfer_manager, "put_req_chunk", None) or {}).get(request.external_req_id, 0)
+    if chunks_sent > 0 and not getattr(request, "resumable", False):
+        multimodal_output = _last_row_only(multimodal_output)
+    return qwen3_omni.thinker2talker_async_chunk(transfer_manager, multimodal_output, request, is_finished)
+
+
+def _last_row_only(multimodal_output: Any) -> Any:
+    """``multimodal_output`` with each per-token layer tensor (``hidden_states.layers``) cut
+    to its last row; the input is not modified."""
+    if not isinstance(multimodal_output, dict):
+        return multimodal_output
+    hs = multimodal_output.get("hidden_states")
+    layers = hs.get("layers") if isinstance(hs, dict) else None
+    if not isinstance(layers, dict):
+        return multimodal_output
+    cut = {k: (v[-1:] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] > 1 else v)
+           for k, v in layers.items()}
+    return {**multimodal_output, "hidden_states": {**hs, "layers": cut}}
+
+
 def record_thinker2talker_async_chunk(transfer_manager: Any, multimodal_output: Any, request: Any,
                                       is_finished: bool = False):
-    """vLLM-Omni's ``thinker2talker_async_chunk``, recording every chunk it sends (see the
-    module docstring). Returns its payload unchanged."""
+    """:func:`thinker2talker_async_chunk`, recording every chunk it sends (see the module
+    docstring). Returns its payload unchanged."""
     from vllm_omni.data_entry_keys import to_dict
-    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import thinker2talker_async_chunk
 
     payload = thinker2talker_async_chunk(transfer_manager, multimodal_output, request, is_finished)
     if payload is not None:

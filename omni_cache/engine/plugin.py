@@ -34,6 +34,8 @@ CAPPED_PIPELINE = "qwen3_omni_moe_omni_cache"
 RECORDING_PIPELINE = "qwen3_omni_moe_omni_cache_recorded"
 SCHEDULER = "omni_cache.engine.scheduler.capped_ar_scheduler"
 
+#: the streaming thinker → talker hand-off: vLLM-Omni's, keeping a resumed request's decode row
+HANDOFF_ASYNC = "omni_cache.engine.handoff.thinker2talker_async_chunk"
 RECORDER = "omni_cache.engine.handoff.record_thinker2talker_full_payload"
 RECORDER_ASYNC = "omni_cache.engine.handoff.record_thinker2talker_async_chunk"
 TALKER_RECORDER = "omni_cache.engine.handoff.record_talker2code2wav_full_payload"
@@ -130,7 +132,8 @@ def register() -> None:
         register_pipeline(_gemma_pipeline(GEMMA4_PIPELINE, GEMMA4_ARCH, multimodal=True))
 
     if CAPPED_PIPELINE not in OMNI_PIPELINES:
-        register_pipeline(_variant(CAPPED_PIPELINE, scheduler_cls=SCHEDULER))
+        register_pipeline(_variant(CAPPED_PIPELINE, scheduler_cls=SCHEDULER,
+                                   async_chunk_process_next_stage_input_func=HANDOFF_ASYNC))
     if RECORDING_PIPELINE not in OMNI_PIPELINES:
         register_pipeline(_variant(RECORDING_PIPELINE,
                                    {"custom_process_next_stage_input_func": TALKER_RECORDER,

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
 
-from omni_cache import settings
 from omni_cache.core.coverage import RowValidity, WrittenBlocks, spans_overlap
 from omni_cache.engine.metrics import MetricsFile
 from omni_cache.engine.runner import full_attention_group

@@ -39,7 +39,8 @@ def _module_rank(item) -> int:
 def pytest_collection_modifyitems(session, config, items):
     """Pipeline tests grouped by module in :data:`MODULE_ORDER` (file order inside a module);
     each shared engine's last user recorded."""
-    pipeline = [i for i in items if "tests/pipeline/" in i.nodeid.replace("\\", "/") or i.nodeid.startswith("pipeline/")]
+    pipeline = [i for i in items
+                if "tests/pipeline/" in i.nodeid.replace("\\", "/") or i.nodeid.startswith("pipeline/")]
     if not pipeline:
         return
     in_pipeline = set(pipeline)

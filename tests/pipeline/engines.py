@@ -5,7 +5,7 @@ start and stop).
 | engine | API | thinker cache | streaming | used by |
 |---|---|---|---|---|
 | ``sync_omni`` | ``Omni`` | omni-cache (+ talker cache) | no | test_cache_equality |
-| ``stream_off`` | ``AsyncOmni`` | off (talker too): the real cache-off engine | yes | test_streaming_equality, test_stress |
+| ``stream_off`` | ``AsyncOmni`` | off (talker too): a real cache-off engine | yes | streaming equality, stress |
 | ``stream_omni`` | ``AsyncOmni`` | omni-cache (+ talker cache) | yes | test_streaming_equality |
 | ``stress_omni`` | ``AsyncOmni`` | omni-cache, 512 KiB KV pool | yes | test_stress |
 | ``gemma4`` | ``Omni`` | omni-cache, fast prefill on | yes | test_yoco_pipeline |
@@ -21,9 +21,10 @@ that corrupts every request while caching is on would be invisible to a same-eng
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tests.conftest import count_pipeline_start
 from tests.util import REPO, in_process_stages, variant_stage_config

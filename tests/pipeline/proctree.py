@@ -61,9 +61,9 @@ def stop_and_check(w: Watched, sig: int) -> None:
     w.proc.send_signal(sig)
     try:
         rc = w.proc.wait(timeout=180)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         w.proc.kill()
-        raise AssertionError("the command did not exit within 180 s of the signal")
+        raise AssertionError("the command did not exit within 180 s of the signal") from exc
     time.sleep(1.0)
     left = w.left_behind()
     for pid in list(w.seen):  # never leave anything to later tests, whatever the outcome

@@ -90,13 +90,14 @@ def test_hits_happen_and_omni_cache_served_them(runs):
     # the second turn hits the first turn's answer tokens (block filled by decode)
     assert hits["chat:turn2"] > t1_len, (hits, t1_len)
     # the references read no cached block
-    assert all(r.num_cached_tokens == 0 for _, r in runs["off"][0]) and all(r.num_cached_tokens == 0 for r in runs["off"][2])
-    assert all(r.num_cached_tokens == 0 for _, r in runs["talker-off"][0]) and all(r.num_cached_tokens == 0 for r in runs["unseeded"])
+    references = [r for _, r in runs["off"][0]] + runs["off"][2] + [r for _, r in runs["talker-off"][0]]
+    assert all(r.num_cached_tokens == 0 for r in references + runs["unseeded"])
     talker_workload = sum(r.num_cached_tokens for _, r in runs["talker-omni_cache"][0])  # sent after the batch
     expected = sum(hits.values()) + sum(r.num_cached_tokens for r in batch) + talker_workload
     m = read_metrics(d, "metrics", until=lambda m: m["hit_tokens"] >= expected)
     assert m["hits_served"] >= 4 and m["rows_read"] > 0 and m["hits_refused"] == 0
-    assert m["hit_tokens"] == expected, (hits, [(r.num_prompt_tokens, r.num_cached_tokens) for r in batch], talker_workload)
+    assert m["hit_tokens"] == expected, (hits, [(r.num_prompt_tokens, r.num_cached_tokens) for r in batch],
+                                         talker_workload)
 
 
 def test_cache_on_equals_cache_off_bitwise(runs):
@@ -174,7 +175,8 @@ def test_talker_prefix_cache_exact_and_content_keyed(runs):
     alone = [(r_on, dict(runs["off"][0])[n]) for n, r_on in runs["omni_cache"][0]]
     alone += [(r_on, off[n]) for n, r_on in on.items() if not n.startswith("placeholder:")]
     for r_on, r_off in alone:
-        c_on, c_off = records_of(runs["dir"], r_on.request_id, "codec"), records_of(runs["dir"], r_off.request_id, "codec")
+        c_on = records_of(runs["dir"], r_on.request_id, "codec")
+        c_off = records_of(runs["dir"], r_off.request_id, "codec")
         assert len(c_on) == len(c_off) == 1, (r_on.request_id, len(c_on), len(c_off))
         assert torch.equal(c_on[0]["codes.audio"], c_off[0]["codes.audio"]), r_on.request_id
 

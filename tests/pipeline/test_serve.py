@@ -351,11 +351,13 @@ def test_metrics_endpoint_shows_the_hit(chat_on):
 
 BAD = {
     "non-image in image_url": (
-        [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"plain text, no image").decode()}},
+        [{"type": "image_url",
+          "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"plain text, no image").decode()}},
          {"type": "text", "text": "What is this?"}],
         ("image",)),
     "undecodable audio": (
-        [{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....WAVEnot audio").decode(), "format": "wav"}},
+        [{"type": "input_audio",
+          "input_audio": {"data": base64.b64encode(b"RIFF....WAVEnot audio").decode(), "format": "wav"}},
          {"type": "text", "text": "What is said?"}],
         ("audio", "wav")),
     "prompt longer than max_model_len": ("word " * 9000, ("maximum context length",)),

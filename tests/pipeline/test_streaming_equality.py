@@ -47,7 +47,8 @@ pytestmark = pytest.mark.pipeline
 
 #: the fault-injection pair: a prompt prefix no other request shares (past the system prompt)
 LOST_PREFIX = "These rows are declared lost. " + LONG
-LOST_PAIR = [("lost:first", LOST_PREFIX + "What is first?"), ("lost:second", LOST_PREFIX + "And what comes second, please?")]
+LOST_PAIR = [("lost:first", LOST_PREFIX + "What is first?"),
+             ("lost:second", LOST_PREFIX + "And what comes second, please?")]
 
 
 def _run(engine, *, placeholder_demo: bool, forget_first: bool):
@@ -86,7 +87,8 @@ def test_streaming_hits_happen_and_are_served(stream_runs):
     assert batch[1].num_cached_tokens > STEP_BUDGET  # hit past the chunked prefill's first step
     m = read_metrics(run["dir"], "metrics")
     assert m["hits_served"] >= 4 and m["hits_refused"] == 0, m
-    first = records_of(run["dir"], named[1][1].request_id)[0]  # the second request's first hand-off covers its whole prompt
+    # the second request's first hand-off covers its whole prompt
+    first = records_of(run["dir"], named[1][1].request_id)[0]
     assert first["embed.prefill"].shape[0] == named[1][1].num_prompt_tokens + 1, first["embed.prefill"].shape
     assert all(r.num_cached_tokens == 0 for _, r in stream_runs["off"]["named"])  # the real cache-off engine
 

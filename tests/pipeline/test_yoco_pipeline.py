@@ -59,6 +59,8 @@ CAPTAIN = "Answer as a careful ship's captain who has sailed through many storms
 STORY = "Once upon a time a small robot learned to paint the sky in many colours each night. " * 15
 COMBOS = [(f, c) for f in ("off", "on") for c in ("off", "on")]  # (fast prefill, cache)
 #: pass order in the one engine: (combination, salt); a cache-on pass has its own salt
+#: the system prompt's opening per salt
+OPENINGS = ("", "This is the second pass. ")
 PASSES = [(("on", "on"), 0), (("on", "off"), 0), (("off", "off"), 0), (("off", "on"), 1), (("off", "off"), 1)]
 
 # ---- Gemma 4: multimodal, streamed ---------------------------------------------------
@@ -120,7 +122,7 @@ def _g4_workload(pipe, model_dir, out_dir, sps=None, salt: int = 0):
 
     tok = AutoTokenizer.from_pretrained(model_dir / "thinker")
     img, img_other, wav, wav_other = _media(salt)
-    opening = "This is the second pass. " if salt else ""
+    opening = OPENINGS[salt]
     named = []
 
     def encoded() -> int:
@@ -269,11 +271,14 @@ def test_gemma4_runs_exercise_fast_prefill_hits_and_towers(g4_runs, combo):
     image_ph, audio_ph = PLACEHOLDERS["gemma4"]
     from omni_cache.driver.inputs import OmniRequest, Turn
 
-    opening = "This is the second pass. " if fast == "off" else ""
-    text = OmniRequest([Turn("system", opening + LONG), Turn("user", AFTER, image=object())], family="gemma4").prompt_text()
-    assert hits["image:other"] <= _media_start(tok, text, image_ph) // BLOCK * BLOCK, hits
-    text = OmniRequest([Turn("system", opening + LONG), Turn("user", AFTER, audio=object())], family="gemma4").prompt_text()
-    assert hits["audio:other"] <= _media_start(tok, text, audio_ph) // BLOCK * BLOCK, hits
+    salt = next(s for c, s in PASSES if c == combo)
+
+    def text(**media):
+        turns = [Turn("system", OPENINGS[salt] + LONG), Turn("user", AFTER, **media)]
+        return OmniRequest(turns, family="gemma4").prompt_text()
+
+    assert hits["image:other"] <= _media_start(tok, text(image=object()), image_ph) // BLOCK * BLOCK, hits
+    assert hits["audio:other"] <= _media_start(tok, text(audio=object()), audio_ph) // BLOCK * BLOCK, hits
 
 
 def test_gemma4_omni_cache_served_every_hit(g4_runs, gemma4):

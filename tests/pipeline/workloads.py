@@ -23,7 +23,8 @@ def _two_turn_ids(tok, answer_ids: list[int] | None):
     """Token-id prompts of a text conversation; turn 1's prompt ends 20 tokens into a
     block so its answer crosses a block boundary (that block is filled by decode)."""
     for pad in range(BLOCK):  # "y" is one byte-level token: pad to the wanted offset
-        t1 = tok.encode(f"<|im_start|>system\n{LONG}<|im_end|>\n<|im_start|>user\nTell me a story{'y' * pad}.<|im_end|>\n<|im_start|>assistant\n")
+        t1 = tok.encode(f"<|im_start|>system\n{LONG}<|im_end|>\n<|im_start|>user\nTell me a story{'y' * pad}."
+                        "<|im_end|>\n<|im_start|>assistant\n")
         if len(t1) % BLOCK == 20:
             break
     assert len(t1) % BLOCK == 20

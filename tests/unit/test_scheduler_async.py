@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 
-from omni_cache import settings
 from tests.unit.sched_util import BS, scheduler_kwargs
 from tests.unit.sched_util import request as _request
 from tests.unit.sched_util import vllm_config as _vllm_config
