@@ -8,8 +8,11 @@ engine ``stream_off`` (shared with ``test_streaming_equality``), the same seeded
 
 Every request that was not aborted must hand the talker the same rows with omni-cache as
 without a cache: its first streamed hand-off (prompt rows, exactly one per request — a
-resumed request handing its prompt twice fails) and its decode chunks. Concurrency changes batch
-composition, and on CPU a bf16 GEMM row can differ
+resumed request handing its prompt twice fails) and its decode chunks — one row per sampled
+token, compared while both runs sampled the same tokens (a preempted request's first step
+after its resume must still hand on its token's row: ``omni_cache.engine.handoff``). Only
+``stress_omni`` preempts (``stream_off``'s pool is large), so a row lost or doubled around a
+resume shows. Concurrency changes batch composition, and on CPU a bf16 GEMM row can differ
 in its last bits with the batch it ran in, so rows are compared with a tolerance far below
 what a wrong row (another prompt's, or a stale one) would show; the test also reports how
 many were bitwise equal. Preemptions are counted by omni-cache's scheduler (its metrics
