@@ -230,6 +230,7 @@ class OmniCacheGemma4Thinker(_YocoThinkerMixin, Gemma4ForConditionalGeneration):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._init_thinker(vllm_config)
+        contiguous_linear_inputs(getattr(self, "audio_tower", None))
 
     def _text_config(self):
         return self.config.text_config
@@ -253,6 +254,37 @@ class OmniCacheGemma4Thinker(_YocoThinkerMixin, Gemma4ForConditionalGeneration):
         self.yoco_counters["encoder_tokens"] += int(sum(int(t.shape[0]) for t in items))
         self._publish(force=True)
         return out
+
+
+def contiguous_linear_inputs(tower: torch.nn.Module | None) -> int:
+    """Make the input of every vLLM linear layer in ``tower`` row-contiguous (a forward pre-hook;
+    a copy only when the input is not contiguous). Returns the number of layers hooked.
+
+    vLLM replaces a multimodal tower's ``nn.Linear`` layers by its own
+    (``recursive_replace_linear`` in ``vllm/model_executor/models/gemma4_mm.py``); on a CPU with
+    AVX512-BF16 their bf16 GEMM goes through oneDNN (``ops.onednn_mm``), which requires
+    ``a.stride(-1) == 1``, and Gemma 4's audio tower (transformers' ``Gemma4AudioLightConv1d``)
+    hands ``linear_end`` the transposed output of its convolution: every audio request then
+    kills the stage's engine ("Expected a.stride(-1) == 1 to be true", seen on an AMD EPYC with
+    avx512_bf16, 2026-11-25; a CPU without it takes another GEMM path). Values are unchanged:
+    ``contiguous()`` copies the same elements.
+    """
+    if tower is None:
+        return 0
+    from vllm.model_executor.layers.linear import LinearBase
+
+    hooked = 0
+    for module in tower.modules():
+        if isinstance(module, LinearBase):
+            module.register_forward_pre_hook(_contiguous_first_input)
+            hooked += 1
+    return hooked
+
+
+def _contiguous_first_input(module: torch.nn.Module, args: tuple) -> tuple | None:
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+        return (args[0].contiguous(), *args[1:])
+    return None
 
 
 class _AcceptLayerView:

@@ -128,9 +128,7 @@ ENGINES: dict[str, EngineSpec] = {
     "stream_off": EngineSpec(_qwen("off", streaming=True), streaming_api=True),
     "stream_omni": EngineSpec(_qwen("omni_cache", streaming=True), streaming_api=True),
     "stress_omni": EngineSpec(_qwen("omni_cache", streaming=True, small_pool=True), streaming_api=True),
-    # mp: under the uni executor the Gemma-4 audio tower's light conv block fails in vLLM's CPU
-    # GEMM ("Expected a.stride(-1) == 1", onednn_mm) — docs/cpu.md, "Test suite"
-    "gemma4": EngineSpec(_gemma("gemma4")[1], streaming_api=False, model=_gemma("gemma4")[0], in_process=False),
+    "gemma4": EngineSpec(_gemma("gemma4")[1], streaming_api=False, model=_gemma("gemma4")[0]),
     "gemma3n": EngineSpec(_gemma("gemma3n")[1], streaming_api=False, model=_gemma("gemma3n")[0]),
 }
 
