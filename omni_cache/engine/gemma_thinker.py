@@ -261,13 +261,13 @@ def contiguous_linear_inputs(tower: torch.nn.Module | None) -> int:
     a copy only when the input is not contiguous). Returns the number of layers hooked.
 
     vLLM replaces a multimodal tower's ``nn.Linear`` layers by its own
-    (``recursive_replace_linear`` in ``vllm/model_executor/models/gemma4_mm.py``); on a CPU with
-    AVX512-BF16 their bf16 GEMM goes through oneDNN (``ops.onednn_mm``), which requires
+    (``recursive_replace_linear`` in ``vllm/model_executor/models/gemma4_mm.py``). Its CPU GEMM
+    dispatch (``vllm/model_executor/layers/utils.py``) sends a bf16 GEMM to the sgl kernel on a
+    CPU with AMX and to oneDNN (``ops.onednn_mm``) otherwise; oneDNN requires
     ``a.stride(-1) == 1``, and Gemma 4's audio tower (transformers' ``Gemma4AudioLightConv1d``)
-    hands ``linear_end`` the transposed output of its convolution: every audio request then
-    kills the stage's engine ("Expected a.stride(-1) == 1 to be true", seen on an AMD EPYC with
-    avx512_bf16, 2026-11-25; a CPU without it takes another GEMM path). Values are unchanged:
-    ``contiguous()`` copies the same elements.
+    hands ``linear_end`` the transposed output of its convolution, so on a CPU without AMX every
+    audio request killed the stage's engine ("Expected a.stride(-1) == 1 to be true"; seen on
+    an AMD EPYC, 2026-11-25). Values are unchanged: ``contiguous()`` copies the same elements.
     """
     if tower is None:
         return 0

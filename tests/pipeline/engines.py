@@ -27,11 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import count_pipeline_start
+from tests.pipeline.workloads import STEP_BUDGET  # the equality engines' thinker budget per step
 from tests.util import REPO, in_process_stages, variant_stage_config
 
-#: the thinker's token budget per step in the equality engines: the ~1,450-token shared prefix
-#: of the same-step workload takes two steps (tests/pipeline/workloads.py)
-STEP_BUDGET = 1024
 #: the YOCO engines' budget: long prompts are prefilled in chunks
 YOCO_STEP_BUDGET = 512
 G4_CONFIG = REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
