@@ -167,3 +167,25 @@ def same_bits(a, b) -> bool:
 
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def placeholder_talker_keys(hook):
+    """A context manager: while it is open, ``hook`` (a running
+    :class:`omni_cache.driver.talker_identity.TalkerIdentity`) keys every full talker block by
+    its index alone — what vLLM's own hash of the talker's placeholder prompt ``[0] * n``
+    amounts to — so a test can show that scheme sharing KV between different conversations of
+    equal lengths (test-only: the instance's ``block_keys`` is replaced, then restored)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scheme():
+        def block_keys(request_id, thinker, talker_ids, req_state):
+            return hook.signed([f"placeholder/{j}" for j in range(len(talker_ids) // hook.block_size)])
+
+        hook.block_keys = block_keys
+        try:
+            yield hook
+        finally:
+            del hook.block_keys  # the class's content keys again
+
+    return scheme()

@@ -99,10 +99,11 @@ class TalkerIdentity:
         keys: request id → the block keys given to its talker request (the last
             256; for audits and tests: two requests can share exactly their common
             leading keys).
-        scheme: ``"content"`` (the keys above). ``"placeholder"`` is for tests only: every
-            full talker block is keyed by its index alone — what vLLM's own hash of the
-            placeholder prompt ``[0] * n`` amounts to — to show that scheme sharing KV between
-            different conversations of equal lengths.
+
+    The keys come from :meth:`block_keys`; a test can replace it on an instance (e.g.
+    ``tests.util.placeholder_talker_keys``: every block keyed by its index alone, what vLLM's
+    own hash of the placeholder prompt ``[0] * n`` amounts to, to show that scheme sharing KV
+    between different conversations of equal lengths).
     """
 
     def __init__(self, thinker_pool: Any, talker_pool: Any, *, block_size: int) -> None:
@@ -111,7 +112,6 @@ class TalkerIdentity:
         self.attached = 0
         self.unkeyed = 0
         self.hits: OrderedDict[str, tuple[int, int]] = OrderedDict()
-        self.scheme = "content"
         self.keys: OrderedDict[str, list[str]] = OrderedDict()
         self._originals: dict[str, Any] = {}
 
@@ -135,9 +135,13 @@ class TalkerIdentity:
         talker_ids = getattr(talker_request, "prompt_token_ids", None)
         if thinker is None or talker_ids is None:
             return None
+        return self.block_keys(request_id, thinker, talker_ids, req_state)
+
+    def block_keys(self, request_id: str, thinker: tuple, talker_ids: list[int], req_state: Any) -> dict | None:
+        """The signed ``extra_args`` entry of a talker request from its thinker prompt
+        (``thinker``: ``(token ids, media items, (cache salt, LoRA name))`` as remembered),
+        or None when the talker prompt's length is not the one the layout gives."""
         ids, media, (salt, lora) = thinker
-        if self.scheme == "placeholder":
-            return self._signed([f"placeholder/{j}" for j in range(len(talker_ids) // self.block_size)])
         rows, assistant = talker_prompt_rows(ids)
         if len(rows) + assistant != len(talker_ids):
             logger.warning("talker identity: request %s: talker prompt of %d tokens, but the thinker prompt's "
@@ -147,9 +151,10 @@ class TalkerIdentity:
         speaker, language = _speaker_language(getattr(req_state, "prompt", None))
         keys = talker_block_keys(ids, media, talker_prompt_len=len(talker_ids), block_size=self.block_size,
                                  seed=(repr(speaker), repr(language), salt, lora))
-        return self._signed(keys)
+        return self.signed(keys)
 
-    def _signed(self, keys: list[str]) -> dict:
+    def signed(self, keys: list[str]) -> dict:
+        """``keys`` as the signed ``extra_args`` entry the talker scheduler accepts."""
         return {"block_size": self.block_size, "keys": keys,
                 "signature": signature(self.block_size, keys, ensure_signing_secret())}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from omni_cache.driver.inputs import build_request, sample_path
+from tests.util import placeholder_talker_keys
 
 BLOCK = 32
 SENTENCE = "Look carefully and listen to every detail before you answer my questions today. "
@@ -187,13 +188,10 @@ def run_talker_workload(pipe, model_dir, *, placeholder_demo: bool = False, samp
     for name, req in negatives:
         go(name, req)
     if placeholder_demo and hook is not None:
-        hook.scheme = "placeholder"
-        try:
+        with placeholder_talker_keys(hook):
             for name, req in negatives:
                 if name != "B:system":
                     go(f"placeholder:{name}", req)
-        finally:
-            hook.scheme = "content"
     return named, keys, sent
 
 

@@ -21,6 +21,7 @@ from omni_cache.core.talker_keys import (
 from tests.unit.sched_util import BS, scheduler_kwargs
 from tests.unit.sched_util import step as _step
 from tests.unit.sched_util import vllm_config as _vllm_config
+from tests.util import placeholder_talker_keys
 
 IM_END, NL, IMAGE = 151645, 198, 151655
 
@@ -247,11 +248,14 @@ def test_the_hook_keys_talker_requests_from_the_thinker_prompt():
     hook.remember_thinker("r3", _engine_request("r3", ids, mm))
     hook.attach("r3", wrong := _engine_request("r3", [0] * (_talker_len(ids) + 1)), state)
     assert TALKER_KEYS_ARG not in (wrong.sampling_params.extra_args or {}) and hook.unkeyed == 2
-    # the placeholder scheme (tests only): index keys, whatever the content
-    hook.scheme = "placeholder"
-    hook.remember_thinker("r4", _engine_request("r4", ids, mm))
-    hook.attach("r4", ph := _engine_request("r4", [0] * _talker_len(ids)), state)
+    # the placeholder scheme (test code): index keys, whatever the content; then content again
+    with placeholder_talker_keys(hook):
+        hook.remember_thinker("r4", _engine_request("r4", ids, mm))
+        hook.attach("r4", ph := _engine_request("r4", [0] * _talker_len(ids)), state)
     assert ph.sampling_params.extra_args[TALKER_KEYS_ARG]["keys"][:2] == ["placeholder/0", "placeholder/1"]
+    hook.remember_thinker("r5", _engine_request("r5", ids, mm))
+    hook.attach("r5", again := _engine_request("r5", [0] * _talker_len(ids)), state)
+    assert again.sampling_params.extra_args[TALKER_KEYS_ARG]["keys"] == entry["keys"]
 
 
 def test_hits_are_found_by_the_callers_request_id():
