@@ -105,12 +105,31 @@ class OmniCacheRunnerMixin:
         """
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None)
-        pending = getattr(self, "_pending_full_payload_send", None)
-        if not resumed or pending is None:
+        if not resumed:
             return
+        pending = getattr(self, "_pending_full_payload_send", None)
         for rid in resumed:
-            if pending.pop(rid, None) is not None:
+            if pending is not None and pending.pop(rid, None) is not None:
                 logger.debug("omni-cache: request %s resumed after preemption; hand-off rows restart", rid)
+            self._drop_stashed_prompt_rows(rid)
+
+    def _drop_stashed_prompt_rows(self, rid: str) -> None:
+        """The streaming hand-off's counterpart of the above: until a request's first chunk
+        goes to the talker, vLLM-Omni's ``thinker2talker_async_chunk`` stashes its prompt rows
+        step by step in the connector runtime's send-side payloads (keyed by the external
+        request id) and never resets them on preemption, so a request preempted during its
+        chunked prefill and resumed handed the talker its stale rows followed by all its rows
+        again (seen in the stress run: 867 prompt rows for a 484-token prompt). Its first step
+        after the resume yields rows ``[0, end)``, so a stash whose first chunk is not sent yet
+        is dropped here."""
+        stash = getattr(self, "_send_side_request_payload", None)
+        if not stash:
+            return
+        ext = (getattr(self, "_request_ids_mapping", None) or {}).get(rid, rid)
+        if (getattr(self, "_put_req_chunk", None) or {}).get(ext, 0) == 0:
+            for key in {rid, ext}:
+                if stash.pop(key, None) is not None:
+                    logger.debug("omni-cache: request %s resumed before its first chunk; stashed rows dropped", rid)
 
     def _ensure_omni_prefix_cache(self) -> None:
         from vllm.distributed.parallel_state import get_pp_group
