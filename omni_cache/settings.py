@@ -108,6 +108,10 @@ METRICS_DIR = Setting(
 HANDOFF_DUMP = Setting(
     "OMNI_CACHE_HANDOFF_DUMP", Kind.PATH, None, ReadBy.ENGINE, True,
     "save every thinker→talker hand-off tensor there (recording pipelines; tests, audits)")
+HIT_AUDIT = Setting(
+    "OMNI_CACHE_HIT_AUDIT", Kind.PATH, None, ReadBy.ENGINE, True,
+    "log every served prefix hit there (`hits-<pid>.jsonl`: request, hit tokens, the request "
+    "that wrote each served block) — the exactness fuzzer's served-rows oracle")
 YOCO_ACCEPT_LAYER = Setting(
     "OMNI_CACHE_YOCO_ACCEPT_LAYER", Kind.TEXT, None, ReadBy.ENGINE, True,
     "KV-shared thinker: the layer handed to the talker — a layer index, "
@@ -146,6 +150,14 @@ ROUTING_CAPACITY_BLOCKS = Setting(
     "OMNI_CACHE_ROUTING_CAPACITY_BLOCKS", Kind.INT, "0", ReadBy.ORCHESTRATOR, True,
     "prefix routing: KV blocks the router assumes per replica (its LRU record's bound); `0` = "
     "the replica's KV blocks as the engine reports them")
+REALTIME_PINNED_TURNS = Setting(
+    "OMNI_CACHE_REALTIME_PINNED_TURNS", Kind.INT, "1", ReadBy.ORCHESTRATOR, False,
+    "realtime (duplex) sessions with omni-cache's window: opening user turns kept in every "
+    "prompt of the session (docs/serving.md)")
+REALTIME_KEEP_ON_SLIDE = Setting(
+    "OMNI_CACHE_REALTIME_KEEP_ON_SLIDE", Kind.INT, "1", ReadBy.ORCHESTRATOR, False,
+    "realtime sessions with omni-cache's window: recent turns kept when the window restarts "
+    "its segment (docs/serving.md)")
 TALKER_KEYS_SECRET = Setting(
     "OMNI_CACHE_TALKER_KEYS_SECRET", Kind.TEXT, None, ReadBy.EVERY, False,
     "talker prefix caching: the secret that signs the talker block keys the driver attaches "
@@ -163,9 +175,10 @@ VENV = Setting(
 
 #: name → setting, in documentation order.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
+    PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, HIT_AUDIT, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
     FUSED, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, ROUTING,
-    ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}
+    ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, REALTIME_PINNED_TURNS, REALTIME_KEEP_ON_SLIDE,
+    TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}
 
 PREFIX = "OMNI_CACHE_"
 

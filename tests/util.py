@@ -10,30 +10,14 @@ CPU_STAGE_CONFIG = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
 
 def variant_stage_config(out_dir: Path, variant: str, thinker: dict | None = None, *,
                          streaming: bool = False) -> Path:
-    """The CPU stage config with the thinker's prefix cache ``off`` (the talker's too) /
-    ``builtin`` / ``omni_cache`` (the talker's on, as the bundled config has it), hand-off
-    recording into ``out_dir/handoff`` (thinker → talker) and
-    ``out_dir/codec`` (talker → code2wav) and cache metrics into
-    ``out_dir/metrics``; ``thinker``: stage-0 keys to override (e.g.
-    ``max_num_batched_tokens``); ``streaming``: ``async_chunk`` (the bundled config streams;
-    the non-streaming tests turn it off). Returns the written YAML path."""
-    from omni_cache import settings
-    from omni_cache.driver.variants import derive_stage_config
-    from omni_cache.engine.plugin import RECORDING_PIPELINE, register
+    """The CPU stage config for ``variant`` — ``off`` (thinker and talker caches off),
+    ``builtin`` (vLLM-Omni's own cache, talker cache off), ``omni_cache`` (and the talker's
+    content-keyed cache, as the bundled config) — with hand-offs recorded into
+    ``out_dir/handoff`` and ``out_dir/codec``, metrics into ``out_dir/metrics`` and served
+    hits into ``out_dir/audit``: :func:`omni_cache.exactness.fuzz.recording_stage_config`."""
+    from omni_cache.exactness.fuzz import recording_stage_config
 
-    register()
-    env = {settings.HANDOFF_DUMP.name: str(out_dir / "handoff"),
-           settings.METRICS_DIR.name: str(out_dir / "metrics")}
-    stage = dict(thinker or {})
-    stages = {0: stage}
-    if variant == "off":  # the thinker's and the talker's prefix caches off
-        stage["enable_prefix_caching"] = False
-        stages[1] = {"enable_prefix_caching": False}
-    else:
-        env[settings.PREFIX_CACHE_BACKEND.name] = variant
-    return derive_stage_config(CPU_STAGE_CONFIG, out_dir / f"stage_config_{variant}.yaml",
-                               pipeline=RECORDING_PIPELINE, top={"async_chunk": streaming},
-                               stages=stages, env={0: env, 1: {settings.HANDOFF_DUMP.name: str(out_dir / "codec")}})
+    return recording_stage_config(out_dir, variant, streaming=streaming, thinker=thinker, base=CPU_STAGE_CONFIG)
 
 
 def in_process_stages(cfg: Path) -> Path:

@@ -52,3 +52,24 @@ class MetricsFile:
         tmp.write_text(json.dumps(dict(data)))
         tmp.replace(path)
         return True
+
+
+class HitAudit:
+    """``<OMNI_CACHE_HIT_AUDIT>/hits-<pid>.jsonl``: one JSON line per served prefix hit —
+    ``{"request": <engine request id>, "hit_tokens": <tokens>, "writers": [<request id that
+    wrote block i of the hit>, ...]}`` — for the exactness fuzzer's first oracle (a served row
+    must equal the row its writer computed; :mod:`omni_cache.exactness.oracles`). Unset: the
+    stage writes nothing and :meth:`log` costs one environment lookup per hit."""
+
+    def __init__(self) -> None:
+        out = settings.HIT_AUDIT.get()
+        self.path = Path(out) / f"hits-{os.getpid()}.jsonl" if out else None
+
+    def log(self, request_id: str, hit_tokens: int, writers: list) -> None:
+        """Append one served hit (``writers``: one entry per block of the hit, in order)."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"request": str(request_id), "hit_tokens": int(hit_tokens),
+                                "writers": [None if w is None else str(w) for w in writers]}) + "\n")

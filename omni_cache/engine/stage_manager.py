@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashes
-from omni_cache.engine.metrics import MetricsFile
+from omni_cache.engine.metrics import HitAudit, MetricsFile
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,7 @@ class OmniCacheStageManager:
         self._step_ids = itertools.count()
         self._read_this_step = False  # a hit was read: publish the metrics at materialize
         self._metrics_file = MetricsFile("metrics", self.PUBLISH_INTERVAL_S)
+        self._hit_audit = HitAudit()
         self.step_seconds = 0.0  # the last save_outputs, whole (hashes, writes, reads, merge)
 
     # ---- 1. step begin ---------------------------------------------------------------
@@ -343,6 +344,9 @@ class OmniCacheStageManager:
             view = self.reqs[rid]
             prefixes[rid] = self.cache.read_prefix(rid, view.block_ids, hit, self.block_hashes(rid, hit),
                                                    plan.handoff_keys)
+            if self._hit_audit.path is not None:
+                owner = self.cache.ledger.owner
+                self._hit_audit.log(rid, hit, [owner[b] for b in view.block_ids[:hit // self.block_size]])
             view.hit_tokens = 0
             self._read_this_step = True
         return prefixes

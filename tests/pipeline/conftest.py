@@ -3,7 +3,7 @@ whole session, started when a test first needs it and stopped right after the la
 needs it (two cores and 24 GiB hold two or three pipelines at once, not ten).
 
 - Each engine is a session fixture named after its configuration (``sync_omni``,
-  ``stream_off``, ``stream_omni``, ``stress_omni``, ``gemma4``, ``gemma3n``), built by
+  ``stream_off``, ``stream_omni``, ``stream_builtin``, ``stress_omni``, ``gemma4``, ``gemma3n``), built by
   :mod:`tests.pipeline.engines`; the workloads a module runs on it are session fixtures too,
   so another module comparing against them does not run them again.
 - :func:`pytest_collection_modifyitems` orders the pipeline modules so the tests of one engine
@@ -24,7 +24,8 @@ import pytest
 from tests.pipeline.engines import ENGINES, EngineRegistry
 
 #: pipeline modules in run order: modules sharing an engine are adjacent
-MODULE_ORDER = ("test_cache_equality", "test_streaming_equality", "test_stress", "test_routing",
+MODULE_ORDER = ("test_cache_equality", "test_streaming_equality", "test_exactness_fuzz", "test_stress",
+                "test_routing",
                 "test_yoco_pipeline", "test_serve", "test_run", "test_stop")
 
 _registry: EngineRegistry | None = None
@@ -83,6 +84,7 @@ def _engine_fixture(name: str):
 sync_omni = _engine_fixture("sync_omni")
 stream_off = _engine_fixture("stream_off")
 stream_omni = _engine_fixture("stream_omni")
+stream_builtin = _engine_fixture("stream_builtin")
 stress_omni = _engine_fixture("stress_omni")
 gemma4 = _engine_fixture("gemma4")
 gemma3n = _engine_fixture("gemma3n")

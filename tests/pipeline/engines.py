@@ -5,8 +5,9 @@ start and stop).
 | engine | API | thinker cache | streaming | used by |
 |---|---|---|---|---|
 | ``sync_omni`` | ``Omni`` | omni-cache (+ talker cache) | no | test_cache_equality |
-| ``stream_off`` | ``AsyncOmni`` | off (talker too): a real cache-off engine | yes | streaming equality, stress |
-| ``stream_omni`` | ``AsyncOmni`` | omni-cache (+ talker cache) | yes | test_streaming_equality |
+| ``stream_off`` | ``AsyncOmni`` | off (talker too): a real cache-off engine | yes | streaming, stress, fuzz |
+| ``stream_omni`` | ``AsyncOmni`` | omni-cache (+ talker cache) | yes | streaming, fuzz |
+| ``stream_builtin`` | ``AsyncOmni`` | vLLM-Omni's built-in (talker cache off) | yes | streaming, fuzz |
 | ``stress_omni`` | ``AsyncOmni`` | omni-cache, 512 KiB KV pool | yes | test_stress |
 | ``gemma4`` | ``Omni`` | omni-cache, fast prefill on | yes | test_yoco_pipeline |
 | ``gemma3n`` | ``Omni`` | omni-cache, fast prefill on | no | test_yoco_pipeline |
@@ -44,7 +45,8 @@ class Engine:
         name: its configuration's name (the fixture's).
         pipe: the running :class:`~omni_cache.driver.pipeline.OmniPipeline` or
             :class:`~omni_cache.driver.streaming.StreamingPipeline`.
-        dir: its folder: ``handoff/`` and ``codec/`` (recorded hand-offs), ``metrics/``.
+        dir: its folder: ``handoff/`` and ``codec/`` (recorded hand-offs), ``metrics/``,
+            ``audit/`` (served hits, ``OMNI_CACHE_HIT_AUDIT``).
         model_dir: the model it runs.
         start_s: seconds its start took.
     """
@@ -69,8 +71,8 @@ def _small_pool(cfg: Path) -> Path:
 
 def yoco_config(config: Path, out_dir: Path, **stage0) -> Path:
     """``config`` (a KV-shared thinker's) with fast prefill and prefix caching + omni-cache on,
-    chunked prefill (:data:`YOCO_STEP_BUDGET`), hand-off recording and metrics into
-    ``out_dir``; ``stage0``: more thinker keys."""
+    chunked prefill (:data:`YOCO_STEP_BUDGET`), hand-off recording, metrics and the hit audit
+    into ``out_dir``; ``stage0``: more thinker keys."""
     from omni_cache import settings
     from omni_cache.driver.variants import derive_stage_config
 
@@ -79,7 +81,8 @@ def yoco_config(config: Path, out_dir: Path, **stage0) -> Path:
         stages={0: {"kv_sharing_fast_prefill": True, "enable_prefix_caching": True,
                     "max_num_batched_tokens": YOCO_STEP_BUDGET, **stage0}},
         env={0: {settings.HANDOFF_DUMP.name: str(out_dir / "handoff"),
-                 settings.METRICS_DIR.name: str(out_dir / "metrics")}},
+                 settings.METRICS_DIR.name: str(out_dir / "metrics"),
+                 settings.HIT_AUDIT.name: str(out_dir / "audit")}},
         sampling={0: {"max_tokens": 12}, 1: {"max_tokens": 12}})
 
 
@@ -125,6 +128,7 @@ ENGINES: dict[str, EngineSpec] = {
     "sync_omni": EngineSpec(_qwen("omni_cache", streaming=False), streaming_api=False),
     "stream_off": EngineSpec(_qwen("off", streaming=True), streaming_api=True),
     "stream_omni": EngineSpec(_qwen("omni_cache", streaming=True), streaming_api=True),
+    "stream_builtin": EngineSpec(_qwen("builtin", streaming=True), streaming_api=True),
     "stress_omni": EngineSpec(_qwen("omni_cache", streaming=True, small_pool=True), streaming_api=True),
     "gemma4": EngineSpec(_gemma("gemma4")[1], streaming_api=False, model=_gemma("gemma4")[0]),
     "gemma3n": EngineSpec(_gemma("gemma3n")[1], streaming_api=False, model=_gemma("gemma3n")[0]),

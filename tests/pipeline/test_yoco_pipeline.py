@@ -46,6 +46,7 @@ import pytest
 import torch
 
 from omni_cache.engine.runner import NO_FAST_PREFILL
+from omni_cache.exactness.fuzz import served_rows_report
 from tests.pipeline.engines import reference_params, thinker_params
 from tests.util import assert_handoff_equal, assert_same_chunks, records_of
 
@@ -284,11 +285,17 @@ def test_gemma4_runs_exercise_fast_prefill_hits_and_towers(g4_runs, combo):
 
 def test_gemma4_omni_cache_served_every_hit(g4_runs, gemma4):
     """omni-cache's counters over the whole engine: every hit of the cache-on passes served
-    (none refused); the cache-off passes and the flush requests read nothing."""
+    (none refused); the cache-off passes and the flush requests read nothing; every served
+    row is its writer's (oracle (a))."""
     hits = sum(r.num_cached_tokens for (combo, _), (named, *_) in g4_runs.items() for _, r, *_ in named)
     m = _metrics(gemma4.dir, "metrics")
     assert m["hits_refused"] == 0 and m["hits_served"] >= 16, m
     assert m["hit_tokens"] == hits, (m, hits)
+    # oracle (a): every served row equals bitwise the row its writer computed (fast prefill on
+    # or off for either: the rows handed off are the self-decoder's, exact either way)
+    served = served_rows_report(gemma4.dir, [r for (named, *_) in g4_runs.values() for _, r, *_ in named])
+    assert sum(v for v, _, _ in served.values()) >= 16, served
+    assert all(not bad for _, _, bad in served.values()), {k: b for k, (_, _, b) in served.items() if b}
 
 
 # ---- Gemma 3n: text, AltUp, non-streamed, one pipeline -----------------------------------

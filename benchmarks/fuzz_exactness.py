@@ -1,0 +1,216 @@
+"""The differential exactness fuzzer, any number of cases: seeded conversation groups through
+cache off / vLLM-Omni's built-in cache / omni-cache, streaming and not, judged by the oracles
+of :mod:`omni_cache.exactness.oracles` (docs/architecture.md, "Integrity").
+
+Per mode (``--modes``) three pipelines of the tiny model start (``uni`` executor, hand-offs
+recorded, served hits audited); groups ``--seed .. --seed + --groups - 1`` run in turn, each
+with omni-cache's thinker cache alone or thinker + talker (``--cache``; ``alternate``: by seed
+parity). A group with a violation of oracle (a) or (b) is shrunk (fewer turns, variants,
+media, shorter prose) and printed as a command that runs it again. Writes ``report.json``
+(``conversations``, ``requests``, ``mismatches`` with seeds, the oracle and the repro
+command; per-request row differences against cache off; the foreign-row distances) and
+``ulps.png`` into ``--out``.
+
+    .venv/bin/python -m benchmarks.fuzz_exactness --groups 70 --modes streaming,non-streaming
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from omni_cache.exactness import fuzz, oracles
+from omni_cache.exactness.conversations import Knobs, make_group
+
+
+def _start(mode: str, out: Path, model_dir: Path) -> dict:
+    streaming = mode == "streaming"
+    if streaming:
+        from omni_cache.driver.streaming import StreamingPipeline as Pipeline
+    else:
+        from omni_cache.driver.pipeline import OmniPipeline as Pipeline
+    engines = {}
+    for name, variant in fuzz.ENGINE_VARIANTS.items():
+        d = out / mode / name
+        cfg = fuzz.recording_stage_config(d, variant, streaming=streaming, in_process=True)
+        t0 = time.perf_counter()
+        engines[name] = fuzz.FuzzEngine(name, Pipeline(model_dir, cfg), d)
+        print(f"[fuzz] {mode}: {name} started in {time.perf_counter() - t0:.0f} s", flush=True)
+    return engines
+
+
+def _mismatches(res: fuzz.GroupResult) -> list[dict]:
+    out = []
+    for v in res.requests:
+        for oracle, msgs in v.violations.items():
+            for m in msgs:
+                out.append({"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
+                            "conversation": v.conversation, "turn": v.turn, "message": m})
+    return out
+
+
+def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report: dict) -> None:
+    engines = _start(mode, out, model_dir)
+    streaming = mode == "streaming"
+    try:
+        for i, seed in enumerate(range(args.seed, args.seed + args.groups)):
+            cache = args.cache if args.cache != "alternate" else fuzz.CACHES[seed % 2]
+            group = make_group(seed, knobs, salt=f"{seed}-{mode}")
+            t0 = time.perf_counter()
+            res = fuzz.run_group(group, engines, cache, streaming=streaming)
+            found = _mismatches(res)
+            strict = [m for m in found if m["oracle"] in ("a", "b")]
+            if strict and args.shrink_budget:
+                def fails(g, cache=cache):
+                    r = fuzz.run_group(g, engines, cache, streaming=streaming)
+                    return any(r.violated.get(o) for o in ("a", "b"))
+                small, runs = fuzz.shrink(seed, knobs, fails, budget=args.shrink_budget)
+                for m in strict:
+                    m["shrunk_knobs"], m["shrink_runs"] = small.as_dict(), runs
+                    m["repro"] = fuzz.repro_command(seed, small, cache, streaming)
+            report["groups"].append(res.as_dict())
+            report["mismatches"] += found
+            print(f"[fuzz] {mode} {i + 1}/{args.groups} {group.describe()} cache={cache} "
+                  f"{time.perf_counter() - t0:.0f} s violations={res.violated or 0}", flush=True)
+    finally:
+        for e in engines.values():
+            e.pipe.close()
+
+
+def summarize(report: dict) -> dict:
+    """Counts and distributions over every judged request of ``report`` (the JSON's
+    ``summary``): requests, conversations, violations per oracle, where (b) could not
+    compare, requests whose rows or audio differ from cache off (omni-cache and the built-in),
+    the largest row-scale ulps met, and the least foreign-row distance per kind."""
+    reqs = [r for g in report["groups"] for r in g["requests"]]
+    hit = [r for r in reqs if r["hit"] > 0]
+
+    def rows_differ(r, field="vs_off"):
+        return any(d["differing"] for d in r[field])
+
+    def worst(r, field="vs_off"):
+        return max((d["max_ulps"] for d in r[field]), default=0.0)
+
+    served_differ = [r for r in hit if any(d["first_from_hit"] is not None and d["first_from_hit"] < 0
+                                           for d in r["vs_off"])]
+    foreign = fuzz.merge_foreign(g["foreign_ulps"] for g in report["groups"])
+    ulps = [worst(r) for r in hit]
+    return {
+        "conversations": sum(len({r["conversation"] for r in g["requests"]}) for g in report["groups"]),
+        "requests": len(reqs), "requests_with_hit": len(hit),
+        "by_mode_cache": {f"{'streaming' if g['streaming'] else 'non-streaming'}/{g['cache']}": 0
+                          for g in report["groups"]} | _count_by(report),
+        "violations": {o: sum(1 for m in report["mismatches"] if m["oracle"] == o) for o in "abc"},
+        "b_skipped": sum(1 for r in reqs if r["b_skipped"]),
+        "served_blocks_verified": sum(r["served_blocks_verified"] for r in reqs),
+        "served_blocks_unverified": sum(r["served_blocks_unverified"] for r in reqs),
+        "rows_differ_from_off": {"omni_cache": sum(map(rows_differ, hit)),
+                                 "builtin": sum(rows_differ(r, "builtin_vs_off") for r in hit)},
+        "served_rows_differ_from_off": len(served_differ),
+        "audio_differs_from_off": {"omni_cache": sum(not r["audio_equal_off"] for r in reqs),
+                                   "builtin": sum(not r["builtin_audio_equal_off"] for r in reqs)},
+        "max_ulps_vs_off": max(ulps, default=0.0),
+        "median_ulps_vs_off_where_differing": statistics.median([u for u in ulps if u > 0] or [0.0]),
+        "tolerance_ulps": oracles.TOLERANCE_ULPS,
+        "foreign_rows": foreign,
+        "concurrent_requests": sum(r["concurrent"] for r in reqs),
+        "concurrent_audio": {
+            "omni_cache_differs_from_builtin": sum(r["concurrent"] and not r["audio_equal_builtin"] for r in reqs),
+            "off_rerun_differs_from_off": sum(r["off_rerun_audio_equal"] is False for r in reqs)},
+    }
+
+
+def _count_by(report: dict) -> dict:
+    out: dict[str, int] = {}
+    for g in report["groups"]:
+        k = f"{'streaming' if g['streaming'] else 'non-streaming'}/{g['cache']}"
+        out[k] = out.get(k, 0) + len(g["requests"])
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    """Histogram of each hit request's largest row difference from cache off (row-scale ulps),
+    the tolerance, and per kind of foreign row the least distance and the share beyond it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summ = report["summary"]
+    ulps = [max((d["max_ulps"] for d in r["vs_off"]), default=0.0)
+            for g in report["groups"] for r in g["requests"] if r["hit"] > 0]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bins = [0.005, 0.02, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    ax.hist([u if u > 0 else 0.01 for u in ulps], bins=bins, color="tab:blue",
+            label=f"omni-cache vs cache off, {len(ulps)} requests with a hit")
+    tol = summ["tolerance_ulps"]
+    ax.axvline(tol, color="tab:red", ls="--", label=f"oracle (c) tolerance {tol:g}")
+    for i, (kind, v) in enumerate(sorted(summ["foreign_rows"].items())):
+        share = v["beyond"] / max(v["rows"], 1)
+        ax.axvline(max(v["min"], 0.01), color=f"C{i + 2}", ls=":",
+                   label=f"{kind}: least {v['min']:.1f}, {share:.0%} of {v['rows']} rows beyond tolerance")
+    ax.set_xscale("log")
+    ax.set_xticks([0.01, 0.1, 1, 10, 100, 1000], ["bitwise\nequal", "0.1", "1", "10", "100", "1000"])
+    ax.set_xlabel("largest prompt-row difference from cache off (row-scale bf16 ulps)")
+    ax.set_ylabel("requests")
+    ax.set_title(f"exactness fuzz: {summ['conversations']} conversations, {summ['requests']} requests; "
+                 f"violations a={summ['violations']['a']} b={summ['violations']['b']} c={summ['violations']['c']}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", type=int, default=4, help="groups (seeds) per mode")
+    ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--modes", default="streaming,non-streaming")
+    ap.add_argument("--cache", default="alternate", choices=(*fuzz.CACHES, "alternate"))
+    ap.add_argument("--turns", type=int, default=Knobs.turns)
+    ap.add_argument("--variants", type=int, default=Knobs.variants)
+    ap.add_argument("--system-words", type=int, default=Knobs.system_words)
+    ap.add_argument("--no-media", action="store_true")
+    ap.add_argument("--no-concurrent", action="store_true")
+    ap.add_argument("--shrink-budget", type=int, default=6, help="reruns spent shrinking a failing group (0: none)")
+    ap.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from omni_cache.models import default_model_dir
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = set(modes) - {"streaming", "non-streaming"}
+    if bad:
+        ap.error(f"--modes: unknown {sorted(bad)} (streaming, non-streaming)")
+    knobs = Knobs(turns=args.turns, variants=args.variants, system_words=args.system_words,
+                  media=not args.no_media, concurrent=not args.no_concurrent)
+    out = args.out or Path("benchmarks/results") / time.strftime("fuzz-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    cli = argv if argv is not None else sys.argv[1:]
+    report = {"command": " ".join(["python -m benchmarks.fuzz_exactness", *cli]),
+              "knobs": knobs.as_dict(), "modes": modes, "groups": [], "mismatches": [],
+              "env": {k: os.environ.get(k) for k in ("VLLM_CPU_ATTN_SPLIT_KV",)}}
+    model_dir = args.model or default_model_dir("tiny")
+    t0 = time.perf_counter()
+    for mode in modes:
+        _run_mode(mode, args, knobs, out, model_dir, report)
+    report["seconds"] = time.perf_counter() - t0
+    report["summary"] = summarize(report)
+    report["conversations"], report["requests"] = report["summary"]["conversations"], report["summary"]["requests"]
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "ulps.png")
+    print(json.dumps(report["summary"], indent=1))
+    for m in report["mismatches"]:
+        print(f"[fuzz] MISMATCH oracle ({m['oracle']}) seed {m['seed']} {m['conversation']} turn {m['turn']}: "
+              f"{m['message']}" + (f"\n  repro: {m['repro']}" if m.get("repro") else ""))
+    print(f"[fuzz] report: {out / 'report.json'}, plot: {out / 'ulps.png'}")
+    return 1 if any(report["summary"]["violations"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The oracles that judge what a stage received, cache on against three references.
+
+Each works on recorded thinker → talker hand-offs (``omni_cache.engine.handoff``: one dict of
+tensor name → CPU tensor per hand-off; non-streaming: ``hidden`` and
+``hidden_states.layer_N`` ``[num_tokens, hidden_size]``; streaming: the first chunk's
+``embed.prefill`` ``[num_prompt_tokens + 1, hidden_size]`` and ``hidden_states.output``, then
+one ``embed.decode`` ``[1, hidden_size]`` per decode token) and returns the mismatches it
+found as strings (empty: the oracle holds), so a fuzzer can report every one and a test can
+assert on them.
+
+(a) :func:`served_rows_mismatches` — every row served from the cache equals, bitwise, the row
+    its writer computed (the writer: the request whose computation filled the block, logged
+    by the engine with ``OMNI_CACHE_HIT_AUDIT``, :class:`omni_cache.engine.metrics.HitAudit`).
+(b) :func:`handoff_mismatches` — omni-cache against vLLM-Omni's built-in cache: every hand-off
+    tensor bitwise (and, by the caller, tokens and audio), where both served the same hit.
+(c) :func:`compare_prompt_rows` — against cache off: the embedding rows (position-independent:
+    ``hidden_states.layer_0``, ``embed.prefill``) bitwise; every other prompt row within
+    :data:`TOLERANCE_ULPS` row-scale ulps (:func:`row_ulps`), a bound a row of another prompt
+    or a stale row cannot meet (the fuzzer measures how far those are and reports it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+#: position-independent rows: the token's (or media item's) embedding; equal bitwise whatever
+#: the prefix, so a hit must not change them at all
+EMBEDDING_KEYS = frozenset({"hidden_states.layer_0", "embed.prefill"})
+#: (c)'s bound on a prompt row's difference from cache off, in row-scale ulps (:func:`row_ulps`).
+#: vLLM's hit path (attention over cached KV) changes suffix rows in the last bits (measured:
+#: docs/architecture.md "Integrity"); a row of another prompt or a stale row is off by about
+#: the row's own scale (hundreds of row-scale ulps; the fuzzer reports the smallest it met).
+TOLERANCE_ULPS = 16.0
+#: mantissa bits of bfloat16 (the hand-off dtype): ulp(x) = 2 ** (floor(log2 |x|) - 7)
+BF16_MANTISSA_BITS = 7
+
+
+def prompt_rows(records: Sequence[Mapping[str, torch.Tensor]], num_prompt_tokens: int) -> dict[str, torch.Tensor]:
+    """The token-aligned prompt rows of one request's recorded hand-offs: key →
+    ``[num_prompt_tokens, width]`` (the recorded dtype).
+
+    Non-streaming records: ``hidden`` and ``hidden_states.layer_N`` of the single hand-off.
+    Streaming records: ``embed.prefill`` and ``hidden_states.output`` of the first chunk.
+
+    Raises:
+        ValueError: no records, or a tensor shorter than the prompt (names the key).
+    """
+    if not records:
+        raise ValueError("no recorded hand-off")
+    first = records[0]
+    keys = ([k for k in ("embed.prefill", "hidden_states.output") if k in first] if "embed.prefill" in first
+            else [k for k in first if k == "hidden" or k.startswith("hidden_states.layer_")])
+    out = {}
+    for k in keys:
+        t = first[k].reshape(first[k].shape[0], -1) if first[k].dim() != 3 else first[k].reshape(-1, first[k].shape[-1])
+        if t.shape[0] < num_prompt_tokens:
+            raise ValueError(f"{k}: {t.shape[0]} rows for a prompt of {num_prompt_tokens} tokens")
+        out[k] = t[:num_prompt_tokens]
+    return out
+
+
+def row_ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest element difference in units of the bfloat16 ulp at the reference
+    row's scale: ``max_j |got_j - ref_j| / 2 ** (floor(log2 rms(ref)) - 7)``.
+
+    Args:
+        got, ref: ``[num_rows, width]`` (any float dtype).
+    Returns:
+        float32 ``[num_rows]``; 0 where equal. One bf16 rounding of an element of about the
+        row's RMS is 0.5–1; an element four times the RMS rounded once is up to 4.
+    """
+    g, r = got.float(), ref.float()
+    rms = r.pow(2).mean(dim=-1).sqrt().clamp_min(1e-30)
+    ulp = torch.exp2(torch.floor(torch.log2(rms)) - BF16_MANTISSA_BITS)
+    return (g - r).abs().amax(dim=-1) / ulp
+
+
+@dataclass
+class RowDiff:
+    """How one key's prompt rows of a request differ from a reference.
+
+    Attributes:
+        key: the hand-off tensor.
+        rows: rows compared (the prompt, tokens).
+        hit: the request's prefix hit (tokens; rows ``[0, hit)`` were served from the cache).
+        differing: rows not bitwise equal.
+        first_from_hit: first differing row minus ``hit`` (negative: inside the served
+            prefix); None when all are equal.
+        max_ulps: largest :func:`row_ulps` over the rows.
+    """
+
+    key: str
+    rows: int
+    hit: int
+    differing: int
+    first_from_hit: int | None
+    max_ulps: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare_prompt_rows(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], hit: int,
+                        tolerance_ulps: float = TOLERANCE_ULPS) -> tuple[list[RowDiff], list[str]]:
+    """Oracle (c): prompt rows (:func:`prompt_rows`) of a cache-on request against the same
+    prompt's rows with cache off. Returns ``(per-key RowDiff, mismatches)``: a mismatch is a
+    missing key, a shape difference, an embedding row (:data:`EMBEDDING_KEYS`) not bitwise
+    equal, or a row beyond ``tolerance_ulps``."""
+    diffs, bad = [], []
+    if set(got) != set(ref):
+        bad.append(f"keys {sorted(got)} != {sorted(ref)}")
+    for k in sorted(set(got) & set(ref)):
+        g, r = got[k], ref[k]
+        if g.shape != r.shape:
+            bad.append(f"{k}: shape {tuple(g.shape)} != {tuple(r.shape)}")
+            continue
+        neq = ~(g == r).all(dim=-1)
+        ulps = row_ulps(g, r)
+        first = int(neq.nonzero()[0, 0]) if bool(neq.any()) else None
+        d = RowDiff(k, int(g.shape[0]), int(hit), int(neq.sum()), None if first is None else first - int(hit),
+                    float(ulps.max()) if ulps.numel() else 0.0)
+        diffs.append(d)
+        if k in EMBEDDING_KEYS and d.differing:
+            bad.append(f"{k}: {d.differing} embedding rows differ (first at row {first}); they must be bitwise equal")
+        elif d.max_ulps > tolerance_ulps:
+            worst = int(ulps.argmax())
+            bad.append(f"{k}: row {worst} is {d.max_ulps:.1f} row-scale ulps from cache off (> {tolerance_ulps})")
+    return diffs, bad
+
+
+def handoff_mismatches(got: Sequence[Mapping[str, torch.Tensor]], ref: Sequence[Mapping[str, torch.Tensor]]
+                       ) -> list[str]:
+    """Oracle (b): two requests' recorded hand-offs are bitwise equal — the same number of
+    hand-offs (streamed chunks), the same keys, every tensor the same shape and bits.
+
+    ``embed.tts_*`` hold one row per thinker step (vLLM-Omni accumulates per-step side
+    outputs; their count follows the steps a prompt took): each row must equal ``ref``'s
+    first row, which the talker reads."""
+    if len(got) != len(ref):
+        return [f"{len(got)} hand-offs != {len(ref)}"]
+    bad = []
+    for i, (g, r) in enumerate(zip(got, ref)):
+        if set(g) != set(r):
+            bad.append(f"hand-off {i}: keys {sorted(g)} != {sorted(r)}")
+            continue
+        for k in r:
+            gk, rk = g[k], r[k]
+            if not isinstance(rk, torch.Tensor):
+                continue
+            if k.startswith("embed.tts_"):
+                ok = all(torch.equal(gk[j], rk[0]) for j in range(gk.shape[0]))
+            else:
+                ok = gk.shape == rk.shape and torch.equal(gk, rk)
+            if not ok:
+                bad.append(f"hand-off {i}: {k} differs")
+    return bad
+
+
+def served_rows_mismatches(reader: Mapping[str, torch.Tensor], hit_tokens: int, writers: Sequence[str | None],
+                           writer_rows: Mapping[str, Mapping[str, torch.Tensor]], block_size: int
+                           ) -> tuple[int, int, list[str]]:
+    """Oracle (a): the rows a request received for its served prefix ``[0, hit_tokens)`` equal,
+    block by block, the rows the block's writer computed.
+
+    Args:
+        reader: the reader's prompt rows (:func:`prompt_rows`), key → ``[>= hit_tokens, width]``.
+        hit_tokens: the served hit (tokens, whole blocks).
+        writers: per block of the hit, the request that wrote it (the engine's audit log).
+        writer_rows: request → its prompt rows (:func:`prompt_rows`); a writer missing here,
+            or whose prompt ends before the block (the block was filled by its decode), is
+            counted as unverified, not as a mismatch.
+        block_size: tokens per block.
+
+    Returns:
+        ``(blocks verified, blocks unverified, mismatches)``.
+    """
+    verified = unverified = 0
+    bad = []
+    for i, w in enumerate(writers[:hit_tokens // block_size]):
+        lo, hi = i * block_size, (i + 1) * block_size
+        rows = writer_rows.get(w) if w is not None else None
+        if rows is None or any(rows[k].shape[0] < hi for k in reader if k in rows) or not set(reader) <= set(rows):
+            unverified += 1
+            continue
+        verified += 1
+        for k, r in reader.items():
+            if not torch.equal(r[lo:hi], rows[k][lo:hi]):
+                bad.append(f"block {i} ({k}, rows {lo}-{hi}): served rows differ from their writer {w}'s")
+    return verified, unverified, bad

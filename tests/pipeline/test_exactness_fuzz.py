@@ -1,0 +1,105 @@
+"""The exactness fuzzer's CI slice: seeded conversation groups (a base conversation and
+layout-preserving variants, turn by turn, some requests in flight together) through the
+shared streaming engines — ``stream_off`` (cache off), ``stream_builtin`` (vLLM-Omni's
+built-in cache), ``stream_omni`` (omni-cache) — judged by the three oracles on what the talker
+received (recorded thinker → talker hand-offs) and the audio:
+
+(a) every served row bitwise equal to the row its writer computed (the engine's hit audit
+    names the writer of each served block);
+(b) omni-cache bitwise equal to the built-in cache where both served the same hit: tokens,
+    every hand-off tensor, audio (thinker cache alone; with the talker's cache on too, the
+    thinker side);
+(c) against cache off: tokens equal, embedding rows bitwise, other prompt rows within the
+    tolerance — which the test shows a row of another prompt, a shifted row and a stale
+    served row do not meet, on the rows just recorded.
+
+Any number of cases, both streaming modes: ``benchmarks/fuzz_exactness.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_cache.exactness import fuzz, oracles
+from omni_cache.exactness.conversations import Knobs, make_group
+
+#: two groups: thinker cache alone, then thinker + talker; small enough for CI (~1.5 min)
+CASES = ((9001, "thinker"), (9002, "thinker+talker"))
+KNOBS = Knobs(turns=3, variants=1, system_words=40)
+
+
+@pytest.fixture(scope="session")
+def fuzz_slice(stream_off, stream_builtin, stream_omni):
+    engines = {n: fuzz.FuzzEngine(n, e.pipe, e.dir)
+               for n, e in (("off", stream_off), ("builtin", stream_builtin), ("omni", stream_omni))}
+    results = []
+    for seed, cache in CASES:
+        group = make_group(seed, KNOBS, salt=f"ci-{seed}")
+        results.append((group, fuzz.run_group(group, engines, cache, streaming=True)))
+    return engines, results
+
+
+def test_fuzzed_conversations_hold_every_oracle(fuzz_slice):
+    _, results = fuzz_slice
+    for group, res in results:
+        bad = [(r.conversation, r.turn, r.violations) for r in res.requests if any(r.violations.values())]
+        assert res.violated == {}, (group.describe(), res.cache, bad)
+    reqs = [r for _, res in results for r in res.requests]
+    assert len(reqs) >= 6
+    # the oracles had something to judge: hits served (and audited), (b) compared, talker hits
+    assert sum(r.served_blocks_verified for r in reqs) >= 20, [(r.hit, r.served_blocks_verified) for r in reqs]
+    assert sum(1 for r in reqs if r.hit and r.b_skipped is None) >= 3, [(r.hit, r.builtin_hit) for r in reqs]
+    assert any(r.talker_hit > 0 for r in results[1][1].requests)
+    assert all(r.talker_hit == 0 for r in results[0][1].requests)
+
+
+def test_rows_that_must_not_be_served_mostly_exceed_the_tolerance(fuzz_slice):
+    """How far a shifted row, and a row of a variant (another prompt), are from the right
+    one, on the rows just recorded: most are beyond oracle (c)'s tolerance. Not all: in the
+    seeded tiny model a row whose token is the same and whose context differs can be within
+    it (docs/architecture.md, "Integrity") — (a) and (b), bitwise, are what catch those."""
+    _, results = fuzz_slice
+    foreign = fuzz.merge_foreign(res.foreign_ulps for _, res in results)
+    assert "shifted" in foreign, foreign
+    assert foreign["shifted"]["beyond"] > 0.9 * foreign["shifted"]["rows"], foreign
+
+
+def test_each_oracle_catches_a_wrong_row_in_real_records(fuzz_slice):
+    """The oracles on rows just recorded, with one thing made wrong: another conversation's
+    rows against cache off (c), rows one slot off against their writer's (a), one bit of one
+    hand-off tensor (b)."""
+    import torch
+
+    engines, results = fuzz_slice
+    group, res = results[0]
+    by_name = {(r.conversation, r.turn): r for r in res.requests}
+    # the last turn of the base and of its variant: same length, different content
+    t = len(group.conversations[0].turns) - 1
+    base, var = by_name[(group.conversations[0].name, t)], by_name[(group.conversations[1].name, t)]
+    assert base.prompt_tokens == var.prompt_tokens
+    off = engines["off"]
+    rows = {}
+    for name in (base.conversation, var.conversation):
+        rid = _request_id(engines["off"], res, name, t)
+        rows[name] = oracles.prompt_rows(fuzz.records(off.dir, rid), base.prompt_tokens)
+    a, b = rows[base.conversation], rows[var.conversation]
+    # (c): another conversation's rows (its embedding rows differ where the variant changed)
+    assert oracles.compare_prompt_rows(b, a, hit=0)[1], "another conversation's rows met the tolerance"
+    # (a): a writer's rows as recorded pass; the same rows one slot off (a row served from the
+    # wrong slot) fail in every block
+    nb = base.prompt_tokens // 32
+    assert oracles.served_rows_mismatches(a, nb * 32, ["w"] * nb, {"w": a}, 32) == (nb, 0, [])
+    shifted = {k: torch.roll(v, 1, 0) for k, v in a.items()}
+    ver, _, bad = oracles.served_rows_mismatches(a, nb * 32, ["w"] * nb, {"w": shifted}, 32)
+    assert ver == nb and len({m.split(" (")[0] for m in bad}) == nb, bad[:3]
+    # (b): one bit of one tensor
+    recs = fuzz.records(off.dir, _request_id(off, res, base.conversation, t))
+    flipped = [dict(x) for x in recs]
+    k = "hidden_states.output"
+    flipped[0][k] = recs[0][k].clone()
+    flipped[0][k].view(torch.int16)[-1, 0] ^= 1
+    assert oracles.handoff_mismatches(flipped, recs) == [f"hand-off 0: {k} differs"]
+
+
+def _request_id(engine, res, conversation: str, turn: int) -> str:
+    return res.request_ids[engine.name][f"{conversation}/{turn}"]

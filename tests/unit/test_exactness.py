@@ -1,0 +1,145 @@
+"""The exactness fuzzer's engine-free parts: seeded conversations and the oracles (each oracle
+shown to catch a wrong row, a stale row and a shifted row, and to pass the right one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omni_cache.exactness import oracles
+from omni_cache.exactness.conversations import Knobs, make_group
+from omni_cache.exactness.fuzz import _owner, _smaller, repro_command
+
+
+def _same_request(a, b) -> bool:
+    pa, pb = a.to_engine_prompt(), b.to_engine_prompt()
+    if pa["prompt"] != pb["prompt"]:
+        return False
+    ma, mb = pa.get("multi_modal_data", {}), pb.get("multi_modal_data", {})
+    if set(ma) != set(mb):
+        return False
+    for k in ma:
+        xa = ma[k] if isinstance(ma[k], list) else [ma[k]]
+        xb = mb[k] if isinstance(mb[k], list) else [mb[k]]
+        for u, v in zip(xa, xb, strict=True):
+            u, v = (u[0], v[0]) if k == "audio" else (np.asarray(u), np.asarray(v))
+            if u.shape != v.shape or not np.array_equal(u, v):
+                return False
+    return True
+
+
+def test_a_seed_gives_the_same_group_bit_for_bit():
+    g1, g2 = make_group(7), make_group(7)
+    assert g1.describe() == g2.describe() and g1.waves == g2.waves
+    for c1, c2 in zip(g1.conversations, g2.conversations, strict=True):
+        for t in range(len(c1.turns)):
+            assert _same_request(c1.request(t), c2.request(t))
+    assert not _same_request(make_group(8).conversations[0].request(0), g1.conversations[0].request(0))
+
+
+def test_variants_change_one_thing_and_keep_the_layout(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    changes = set()
+    for seed in range(40):
+        g = make_group(seed, Knobs(turns=3, variants=2, system_words=20))
+        base = g.conversations[0]
+        assert 1 <= len(base.turns) <= 3 and g.num_requests == 3 * len(base.turns)
+        last = len(base.turns) - 1
+        for var in g.conversations[1:]:
+            changes.add(var.change.split("@")[0])
+            rb, rv = base.request(last).to_engine_prompt(), var.request(last).to_engine_prompt()
+            assert len(tok.encode(rb["prompt"])) == len(tok.encode(rv["prompt"])), var.change
+            for k in ("audio", "image"):
+                xb, xv = rb.get("multi_modal_data", {}).get(k), rv.get("multi_modal_data", {}).get(k)
+                xb, xv = (x if isinstance(x, list) else [x] for x in (xb, xv))
+                for u, v in zip(xb, xv, strict=True):
+                    if u is not None:
+                        su = u[0].shape if k == "audio" else u.size
+                        sv = v[0].shape if k == "audio" else v.size
+                        assert su == sv, var.change
+            assert not _same_request(base.request(last), var.request(last)), var.change
+        # every turn's requests are scheduled exactly once, turn by turn
+        sent = [x for wave in g.waves for batch in wave for x in batch]
+        assert sorted(sent) == sorted((c, t) for c in range(3) for t in range(len(base.turns)))
+    assert {"word_swap", "audio_scale", "image_mirror"} <= changes, changes
+
+
+def test_row_ulps_scale():
+    ref = torch.ones(2, 8, dtype=torch.bfloat16)
+    got = ref.clone()
+    got[1, 3] = torch.tensor(1.0078125, dtype=torch.bfloat16)  # one bf16 ulp above 1.0
+    u = oracles.row_ulps(got, ref)
+    assert u.tolist() == [0.0, 1.0]
+
+
+def _rows(seed: int, n: int = 96, w: int = 16) -> torch.Tensor:
+    return torch.randn(n, w, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _last_bits(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    out = t.clone()
+    out[rows] = (out[rows].float() * (1 + 2 ** -8)).to(torch.bfloat16)  # about one rounding
+    return out
+
+
+def test_oracle_c_tolerates_last_bits_and_catches_wrong_stale_and_shifted_rows():
+    ref = {"hidden": _rows(0), "hidden_states.layer_0": _rows(1)}
+    near = {"hidden": _last_bits(ref["hidden"], slice(64, 96)), "hidden_states.layer_0": ref["hidden_states.layer_0"]}
+    diffs, bad = oracles.compare_prompt_rows(near, ref, hit=64)
+    assert not bad, bad
+    d = next(x for x in diffs if x.key == "hidden")
+    assert d.differing > 0 and d.first_from_hit >= 0 and d.max_ulps <= oracles.TOLERANCE_ULPS
+    wrong = dict(ref, hidden=torch.cat([ref["hidden"][:64], _rows(9)[64:]]))  # another prompt's rows
+    stale = dict(ref, hidden=torch.cat([ref["hidden"][:63], ref["hidden"][62:95]]))  # one row shifted
+    emb = dict(ref, **{"hidden_states.layer_0": _last_bits(ref["hidden_states.layer_0"], slice(0, 1))})
+    for case in (wrong, stale, emb):
+        assert oracles.compare_prompt_rows(case, ref, hit=64)[1]
+
+
+def test_oracle_b_is_bitwise_and_reads_tts_rows_like_the_talker():
+    r = [{"embed.prefill": _rows(0), "embed.tts_bos": _rows(2)[:1].reshape(1, 1, -1)}, {"embed.decode": _rows(3)[:1]}]
+    same = [dict(x) for x in r]
+    same[0]["embed.tts_bos"] = torch.cat([r[0]["embed.tts_bos"]] * 2)  # one row per prefill step
+    assert oracles.handoff_mismatches(same, r) == []
+    off = [dict(x) for x in r]
+    off[1] = {"embed.decode": _last_bits(r[1]["embed.decode"], slice(0, 1))}
+    assert oracles.handoff_mismatches(off, r) == ["hand-off 1: embed.decode differs"]
+    assert oracles.handoff_mismatches(r[:1], r)
+
+
+def test_oracle_a_checks_each_served_block_against_its_writer():
+    writer = {"hidden": _rows(0, n=64)}
+    reader = {"hidden": torch.cat([writer["hidden"][:64], _rows(5, n=32)])}
+    ver, unver, bad = oracles.served_rows_mismatches(reader, 64, ["w", "w"], {"w": writer}, 32)
+    assert (ver, unver, bad) == (2, 0, [])
+    wrong = {"hidden": torch.cat([writer["hidden"][:32], _rows(6, n=64)])}
+    ver, unver, bad = oracles.served_rows_mismatches(wrong, 64, ["w", "w"], {"w": writer}, 32)
+    assert ver == 2 and len(bad) == 1 and bad[0].startswith("block 1")
+    # a block its writer filled by decode (beyond its prompt) cannot be checked: counted, not passed
+    short = {"hidden": writer["hidden"][:32]}
+    assert oracles.served_rows_mismatches(reader, 64, ["w", "w"], {"w": short}, 32)[:2] == (1, 1)
+    assert oracles.served_rows_mismatches(reader, 64, [None, "x"], {"w": writer}, 32)[:2] == (0, 2)
+
+
+def test_prompt_rows_reads_both_record_layouts():
+    n = 40
+    full = [{"hidden": _rows(0, n=n + 5), "hidden_states.layer_0": _rows(1, n=n + 5), "other": torch.zeros(3)}]
+    assert set(oracles.prompt_rows(full, n)) == {"hidden", "hidden_states.layer_0"}
+    streamed = [{"embed.prefill": _rows(0, n=n + 1), "hidden_states.output": _rows(1, n=n + 1),
+                 "embed.tts_bos": torch.zeros(1, 1, 16)}, {"embed.decode": _rows(3, n=1)}]
+    rows = oracles.prompt_rows(streamed, n)
+    assert set(rows) == {"embed.prefill", "hidden_states.output"} and rows["embed.prefill"].shape == (n, 16)
+    with pytest.raises(ValueError, match="rows for a prompt"):
+        oracles.prompt_rows(full, n + 10)
+
+
+def test_shrink_steps_and_repro_command():
+    k = Knobs(turns=2, variants=1, system_words=32, media=True, concurrent=True)
+    smaller = _smaller(k)
+    assert Knobs(turns=1, variants=1, system_words=32) in smaller and all(s != k for s in smaller)
+    cmd = repro_command(3, Knobs(turns=2, media=False), "thinker", True)
+    assert "--seed 3" in cmd and "--no-media" in cmd and "--modes streaming" in cmd
+    assert _owner("run-5-abc", ["run-50", "run-5"]) == "run-5" and _owner("run-50", ["run-5"]) is None
