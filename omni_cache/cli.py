@@ -214,6 +214,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"ready in {ready:.0f} s: {server.url}", flush=True)
         print(f"  OpenAI base_url: {server.base_url}   model: {server.model_name()}", flush=True)
         print(f"  metrics: {server.url}/metrics   health: {server.url}/health", flush=True)
+        if server.realtime_url:
+            print(f"  realtime (OpenAI Realtime protocol, voice sessions): {server.realtime_url}", flush=True)
         print("  stop with Ctrl-C", flush=True)
         rc = server.proc.wait()
         print(f"server exited with code {rc}; log {server.log_path}", file=sys.stderr)

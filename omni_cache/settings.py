@@ -150,6 +150,11 @@ ROUTING_CAPACITY_BLOCKS = Setting(
     "OMNI_CACHE_ROUTING_CAPACITY_BLOCKS", Kind.INT, "0", ReadBy.ORCHESTRATOR, True,
     "prefix routing: KV blocks the router assumes per replica (its LRU record's bound); `0` = "
     "the replica's KV blocks as the engine reports them")
+REALTIME_WINDOW = Setting(
+    "OMNI_CACHE_REALTIME_WINDOW", Kind.CHOICE, "stock", ReadBy.ORCHESTRATOR, False,
+    "realtime (duplex) Qwen3-Omni sessions on omni-cache's pipelines: vLLM-Omni's conversation "
+    "window (`stock`, default until it is tested over the websocket) or omni-cache's, which keeps "
+    "the prompt's prefix stable (`omni_cache`; docs/serving.md)", choices=("omni_cache", "stock"))
 REALTIME_PINNED_TURNS = Setting(
     "OMNI_CACHE_REALTIME_PINNED_TURNS", Kind.INT, "1", ReadBy.ORCHESTRATOR, False,
     "realtime (duplex) sessions with omni-cache's window: opening user turns kept in every "
@@ -177,7 +182,7 @@ VENV = Setting(
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, HIT_AUDIT, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
     FUSED, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, ROUTING,
-    ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, REALTIME_PINNED_TURNS, REALTIME_KEEP_ON_SLIDE,
+    ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, REALTIME_WINDOW, REALTIME_PINNED_TURNS, REALTIME_KEEP_ON_SLIDE,
     TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}
 
 PREFIX = "OMNI_CACHE_"

@@ -113,16 +113,10 @@ def assert_same_chunks(got: list[dict], ref: list[dict], name: str) -> None:
 
 def records_of(out_dir, request_id: str, sub: str = "handoff") -> list[dict]:
     """The hand-off records (tensor name → tensor) a stage wrote for ``request_id`` into
-    ``out_dir/sub`` (``<seq>-<request id>[-<engine suffix>].pt``,
-    :func:`omni_cache.engine.handoff.record_payload`), in the order written."""
-    import re
+    ``out_dir/sub``, in the order written (:func:`omni_cache.exactness.fuzz.records`)."""
+    from omni_cache.exactness.fuzz import records
 
-    import torch
-
-    rid = re.escape(re.sub(r"[^A-Za-z0-9_.-]", "_", request_id))
-    pat = re.compile(rf"(\d+)-{rid}(?:[-_].*)?\.pt")
-    found = [(int(m.group(1)), p) for p in (Path(out_dir) / sub).glob("*.pt") if (m := pat.fullmatch(p.name))]
-    return [torch.load(p) for _, p in sorted(found, key=lambda x: x[0])]
+    return records(out_dir, request_id, sub)
 
 
 def read_metrics(out_dir, prefix: str, until=None, timeout: float = 20.0) -> dict:

@@ -136,6 +136,15 @@ class OmniServer:
         """The OpenAI client's ``base_url``: ``http://host:port/v1``."""
         return self.url + "/v1"
 
+    @property
+    def realtime_url(self) -> str | None:
+        """The OpenAI Realtime websocket, ``ws://host:port/v1/realtime?duplex=1``, when the
+        stage config sets ``session_mode: duplex`` (vLLM-Omni then serves it next to
+        ``/v1/chat/completions``); otherwise None."""
+        if self.stage_config.raw.get("session_mode") != "duplex":
+            return None
+        return f"ws://{self.host}:{self.port}/v1/realtime?duplex=1"
+
     def command(self) -> list[str]:
         """The server command line (runs vLLM-Omni's ``serve`` after registering omni-cache's
         pipeline variants)."""

@@ -18,9 +18,10 @@ cached. The trimming is applied to the history before vLLM-Omni's own method run
 finds everything within its limits and keeps it (its audio bookkeeping, image trimming and
 the current-payload handling are unchanged).
 
-Settings (process environment of the server): ``OMNI_CACHE_REALTIME_PINNED_TURNS`` (default 1)
-and ``OMNI_CACHE_REALTIME_KEEP_ON_SLIDE`` (default 1). The stock window is vLLM-Omni's plugin
-itself (``qwen3_omni_moe``'s ``duplex_plugin``).
+Settings (process environment of the server): ``OMNI_CACHE_REALTIME_WINDOW=omni_cache`` turns
+it on (default ``stock``: the plugin only delegates to vLLM-Omni's, until the window is tested
+over the websocket), ``OMNI_CACHE_REALTIME_PINNED_TURNS`` (default 1),
+``OMNI_CACHE_REALTIME_KEEP_ON_SLIDE`` (default 1).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def plan_window(turns: list[Turn], state: WindowState, *, pinned_turns: int, kee
     """The turns to keep: the pinned opening turns, then the segment from
     ``state.segment_start`` on; when they exceed the budget (audio payloads — one slot left
     for the utterance being answered when ``answering_audio`` — or messages), the segment
-    restarts at the ``keep_on_slide``-th last turn (``state`` updated), dropping older
-    turns as needed until the budget holds. The last turn (the one being answered) is
+    restarts with the last ``keep_on_slide`` turns before the one being answered (``state``
+    updated), dropping older ones as needed until the budget holds. The last turn (the one being answered) is
     always kept.
 
     Returns the kept turns in order.
@@ -101,7 +102,7 @@ def plan_window(turns: list[Turn], state: WindowState, *, pinned_turns: int, kee
 
     segment = [t for t in rest if t.start >= state.segment_start]
     if not fits(segment):
-        segment = rest[-max(keep_on_slide, 1):] if rest else []
+        segment = rest[-(keep_on_slide + 1):] if rest else []  # + the turn being answered
         while len(segment) > 1 and not fits(segment):
             segment = segment[1:]
         if segment:
@@ -116,10 +117,10 @@ class CacheAwareQwen3OmniDuplexPlugin(Qwen3OmniDuplexPlugin):
     stable (module docstring). Selected by omni-cache's Qwen3-Omni pipelines
     (``duplex_plugin``); everything but the window is vLLM-Omni's."""
 
-    plugin_id = "qwen3-omni-omni-cache"
 
     def __init__(self, encode_audio):
         super().__init__(encode_audio)
+        self.stock_window = settings.REALTIME_WINDOW.get() == "stock"
         self.pinned_turns = settings.REALTIME_PINNED_TURNS.get_int()
         self.keep_on_slide = settings.REALTIME_KEEP_ON_SLIDE.get_int()
         self._windows: dict[int, WindowState] = {}
@@ -130,6 +131,8 @@ class CacheAwareQwen3OmniDuplexPlugin(Qwen3OmniDuplexPlugin):
         return state
 
     def prepare_prompt_config(self, config, *, state, payload):
+        if self.stock_window:
+            return super().prepare_prompt_config(config, state=state, payload=payload)
         history = list(config.get("conversation", []))
         window = self._windows.setdefault(id(state), WindowState())
         kept = plan_window(group_turns(history), window, pinned_turns=self.pinned_turns,

@@ -59,6 +59,9 @@ CAPPED_STAGES = {CAPPED_PIPELINE: {0}, RECORDING_PIPELINE: {0}, GEMMA_PIPELINE: 
 #: pipeline → stage ids whose blocks omni-cache hashes from content keys (talker prefix caching,
 #: :mod:`omni_cache.engine.talker_scheduler`): the Qwen3-Omni talker, whose prompt layout the
 #: keys follow (:mod:`omni_cache.core.talker_keys`)
+#: the realtime (duplex) plugin of omni-cache's Qwen3-Omni pipelines: vLLM-Omni's, with a
+#: conversation window that keeps the prompt's prefix stable (:mod:`omni_cache.engine.duplex`)
+DUPLEX_PLUGIN = "omni_cache.engine.duplex.CacheAwareQwen3OmniDuplexPlugin"
 TALKER_IDENTITY_STAGES = {CAPPED_PIPELINE: {1}, RECORDING_PIPELINE: {1}}
 #: model subdirectory per stage of omni-cache's pipelines (read by the stage-config check)
 STAGE_MODEL_SUBDIRS = {GEMMA_PIPELINE: {0: "thinker"}, GEMMA4_PIPELINE: {0: "thinker"}}
@@ -70,7 +73,7 @@ def _variant(name: str, talker_changes: dict | None = None, **stage0_changes):
     stages = tuple(dataclasses.replace(s, **stage0_changes) if s.stage_id == 0
                    else dataclasses.replace(_talker(s), **(talker_changes or {})) if s.stage_id == 1 else s
                    for s in QWEN3_OMNI_PIPELINE.stages)
-    return dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=name, stages=stages)
+    return dataclasses.replace(QWEN3_OMNI_PIPELINE, model_type=name, stages=stages, duplex_plugin=DUPLEX_PLUGIN)
 
 
 def _talker(stage):
