@@ -143,3 +143,24 @@ def test_shrink_steps_and_repro_command():
     cmd = repro_command(3, Knobs(turns=2, media=False), "thinker", True)
     assert "--seed 3" in cmd and "--no-media" in cmd and "--modes streaming" in cmd
     assert _owner("run-5-abc", ["run-50", "run-5"]) == "run-5" and _owner("run-50", ["run-5"]) is None
+
+
+def test_shrink_finds_the_smallest_failing_knobs():
+    """The shrinker on a failure that needs two turns and media (a stand-in for a run; the
+    fuzzer's ``fails`` runs the group on the engines): it ends at two turns, no variant, no
+    concurrency, media kept, short prose — and every group it tried was freshly salted."""
+    from omni_cache.exactness.fuzz import shrink
+
+    salts = []
+
+    def fails(group):
+        salts.append(group.conversations[0].system.split(".")[0])
+        base = group.conversations[0]
+        return len(base.turns) >= 2 and any(t.audio is not None or t.image is not None for t in base.turns)
+
+    start = Knobs(turns=4, variants=2, system_words=64)
+    assert fails(make_group(11, start))
+    small, runs = shrink(11, start, fails, budget=30)
+    assert small.variants == 0 and not small.concurrent and small.media and small.system_words == 16
+    assert small.turns <= 3 and fails(make_group(11, small))
+    assert runs <= 30 and len(set(salts[1:-1])) == len(salts[1:-1])
