@@ -121,6 +121,7 @@ def summarize(report: dict) -> dict:
         "concurrent_requests": sum(r["concurrent"] for r in reqs),
         "concurrent_audio": {
             "omni_cache_differs_from_builtin": sum(r["concurrent"] and not r["audio_equal_builtin"] for r in reqs),
+            "handoff_differs_from_builtin": sum(r.get("concurrent_handoff_equal") is False for r in reqs),
             "off_rerun_differs_from_off": sum(r["off_rerun_audio_equal"] is False for r in reqs)},
     }
 

@@ -8,7 +8,8 @@ received (recorded thinker → talker hand-offs) and the audio:
     names the writer of each served block);
 (b) omni-cache bitwise equal to the built-in cache where both served the same hit: tokens,
     every hand-off tensor, audio (thinker cache alone; with the talker's cache on too, the
-    thinker side);
+    thinker side); for requests in flight together the prompt rows and tokens (their decode
+    rows and audio follow timing: vLLM's CPU kernels are not batch-invariant);
 (c) against cache off: tokens equal, embedding rows bitwise, other prompt rows within the
     tolerance — which the test shows a row of another prompt, a shifted row and a stale
     served row do not meet, on the rows just recorded.
