@@ -12,7 +12,8 @@ placeholders), so oracle (b) compares omni-cache with it where both served the s
 hit: tokens and every thinker → talker hand-off tensor bitwise, and audio bitwise with the
 thinker's cache alone (a talker hit computes the talker's suffix over cached KV, which the
 built-in has no counterpart for) — for requests sent alone; for requests in flight together
-the prompt rows and tokens (their decode rows and audio depend on timing: RequestVerdict). Oracle (c) compares with the cache-off engine: tokens
+the prompt rows and tokens (their decode rows and audio depend on timing: RequestVerdict).
+Oracle (c) compares with the cache-off engine: tokens
 equal, prompt rows within the tolerance.
 """
 
