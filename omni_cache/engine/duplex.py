@@ -26,9 +26,10 @@ over the websocket), ``OMNI_CACHE_REALTIME_PINNED_TURNS`` (default 1),
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_omni.model_executor.models.qwen3_omni.duplex.plugin import Qwen3OmniDuplexPlugin
+from vllm_omni.model_executor.models.qwen3_omni.duplex.session import QwenDuplexSessionState
 
 from omni_cache import settings
 
@@ -112,30 +113,80 @@ def plan_window(turns: list[Turn], state: WindowState, *, pinned_turns: int, kee
     return system + pinned + segment
 
 
+@dataclass(slots=True)
+class CacheAwareSessionState(QwenDuplexSessionState):
+    """vLLM-Omni's per-session state of the Qwen3-Omni plugin plus the window's
+    :class:`WindowState` (it lives and dies with the session)."""
+
+    window: WindowState = field(default_factory=WindowState)
+
+
+#: ``session.update`` → ``session.extra_body`` key that picks a session's window
+#: (``"omni_cache"`` or ``"stock"``; default: ``OMNI_CACHE_REALTIME_WINDOW``)
+WINDOW_KEY = "omni_cache_window"
+WINDOWS = ("omni_cache", "stock")
+#: ``session.extra_body`` key that makes every answer of the session a cache-off reference:
+#: ``skip_reading_prefix_cache`` on the thinker and the talker (no cached row read; blocks are
+#: still written) — for exactness checks against the same server
+REFERENCE_KEY = "omni_cache_reference"
+
+
+def session_window(extra_body: object, default: str) -> str:
+    """The window a session asked for in ``session.extra_body[WINDOW_KEY]``, else ``default``.
+
+    Raises:
+        DuplexRuntimeConfigError: the value is not one of :data:`WINDOWS` (the client gets an
+            ``error`` event naming the key; the session and the server go on).
+    """
+    from vllm_omni.engine.duplex.plugin import DuplexRuntimeConfigError
+
+    value = extra_body.get(WINDOW_KEY, default) if isinstance(extra_body, dict) else default
+    if value not in WINDOWS:
+        raise DuplexRuntimeConfigError(
+            f"session.extra_body.{WINDOW_KEY}={value!r}: expected one of {', '.join(WINDOWS)}")
+    return value
+
+
 class CacheAwareQwen3OmniDuplexPlugin(Qwen3OmniDuplexPlugin):
     """vLLM-Omni's Qwen3-Omni duplex plugin with a window that keeps the prompt's prefix
     stable (module docstring). Selected by omni-cache's Qwen3-Omni pipelines
-    (``duplex_plugin``); everything but the window is vLLM-Omni's."""
+    (``duplex_plugin``); everything but the window is vLLM-Omni's.
 
+    A client picks the window per session with ``session.update`` →
+    ``{"session": {"extra_body": {"omni_cache_window": "omni_cache" | "stock"}}}``; sessions that
+    do not ask get ``OMNI_CACHE_REALTIME_WINDOW``."""
 
     def __init__(self, encode_audio):
         super().__init__(encode_audio)
-        self.stock_window = settings.REALTIME_WINDOW.get() == "stock"
+        self.default_window = settings.REALTIME_WINDOW.get()
         self.pinned_turns = settings.REALTIME_PINNED_TURNS.get_int()
         self.keep_on_slide = settings.REALTIME_KEEP_ON_SLIDE.get_int()
-        self._windows: dict[int, WindowState] = {}
+
+    def validate_client_extra_body(self, extra_body):
+        super().validate_client_extra_body(extra_body)
+        session_window(extra_body, self.default_window)
 
     def create_session_state(self):
-        state = super().create_session_state()
-        self._windows[id(state)] = WindowState()
-        return state
+        return CacheAwareSessionState()
+
+    def runtime_config_for_update(self, config, current):
+        runtime = super().runtime_config_for_update(config, current)
+        extra = config.extra_body if isinstance(config.extra_body, dict) else {}
+        return {**runtime, REFERENCE_KEY: bool(extra.get(REFERENCE_KEY, False))}
+
+    def configure_sampling_params(self, *, runtime_config, defaults):
+        params = super().configure_sampling_params(runtime_config=runtime_config, defaults=defaults)
+        if runtime_config.get(REFERENCE_KEY):
+            for stage_params in params[:2]:  # thinker, talker
+                if stage_params is not None:
+                    stage_params.skip_reading_prefix_cache = True
+        return params
 
     def prepare_prompt_config(self, config, *, state, payload):
-        if self.stock_window:
+        if session_window(config.get("extra_body"), self.default_window) == "stock":
             return super().prepare_prompt_config(config, state=state, payload=payload)
         history = list(config.get("conversation", []))
-        window = self._windows.setdefault(id(state), WindowState())
-        kept = plan_window(group_turns(history), window, pinned_turns=self.pinned_turns,
+        kept = plan_window(group_turns(history), state.window, pinned_turns=self.pinned_turns,
                            keep_on_slide=self.keep_on_slide, answering_audio=bool(payload.get("audio")))
         kept_messages = [m for t in kept for m in t.messages]
         kept_ids = {id(m.get("content")) for m in kept_messages}

@@ -115,6 +115,7 @@ def test_bundled_duplex_config_is_the_cpu_config_in_duplex_mode(tmp_path):
     base = yaml.safe_load(bundled_stage_config("qwen3_omni_cpu.yaml").read_text())
     duplex = yaml.safe_load(bundled_stage_config("qwen3_omni_cpu_duplex.yaml").read_text())
     assert duplex.pop("session_mode") == "duplex"
+    assert duplex.pop("duplex_session")["max_sessions"] == base["stages"][0]["max_num_seqs"]
     assert duplex["stages"][0].pop("limit_mm_per_prompt") == {"audio": 4, "image": 8}
     assert duplex == base
     load_stage_config(bundled_stage_config("qwen3_omni_cpu_duplex.yaml"))
