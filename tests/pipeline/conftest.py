@@ -26,7 +26,7 @@ from tests.pipeline.engines import ENGINES, EngineRegistry
 #: pipeline modules in run order: modules sharing an engine are adjacent
 MODULE_ORDER = ("test_cache_equality", "test_streaming_equality", "test_exactness_fuzz", "test_stress",
                 "test_routing",
-                "test_yoco_pipeline", "test_serve", "test_run", "test_stop")
+                "test_yoco_pipeline", "test_serve", "test_realtime", "test_run", "test_stop")
 
 _registry: EngineRegistry | None = None
 _last_user: dict[str, str] = {}  # engine name -> nodeid of the last test that uses it

@@ -1,0 +1,214 @@
+"""Realtime voice sessions over vLLM-Omni's ``/v1/realtime?duplex=1`` (OpenAI Realtime events
+over a websocket, :mod:`omni_cache.driver.realtime`) on omni-cache's duplex stage config.
+
+One real server: the bundled ``qwen3_omni_cpu_duplex.yaml`` (omni-cache on the thinker, the
+talker's content-keyed cache on, streaming), recording every thinker → talker hand-off and
+every served hit (:func:`omni_cache.exactness.fuzz.recording_stage_config`), started by
+:class:`omni_cache.driver.server.OmniServer` as ``omni-cache serve`` starts it. Sessions use
+omni-cache's conversation window (``extra_body.omni_cache_window``). What the talker received is
+judged by :mod:`omni_cache.exactness.realtime`:
+
+- every turn's thinker hit equals the hit it should get (whole blocks of the longest prefix —
+  same tokens, same embedding rows — it shares with an earlier prompt), and from turn 2 on it
+  is > 0;
+- oracle (a): every served block's rows and tokens equal its writer's;
+- oracle (c): the same conversation as a cache-off reference session on the same server
+  (``extra_body.omni_cache_reference``: nothing read from the thinker's or the talker's cache)
+  gets the same prompt tokens, embedding rows bitwise, other rows within tolerance, the same
+  transcript and the same audio, bitwise (sessions one at a time).
+
+Cases: a long voice session (the window slides); three sessions at once; a barge-in
+(``response.cancel`` + ``conversation.item.truncate``) carried truncated into the next turn; a
+dropped connection resumed (``session.resume``); bad audio (not base64, not 16-bit samples, a
+sample rate out of range, an empty commit) and an unknown window → an ``error`` event naming it, and the session and the server
+go on.
+
+Oracle (b) (omni-cache = vLLM-Omni's built-in cache, bitwise) needs a second server: it is
+checked by ``benchmarks/realtime_bench.py``, which runs both side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import pytest
+import yaml
+
+from omni_cache.driver.realtime import RealtimeError, RealtimeSession, speech_clip
+from omni_cache.driver.server import OmniServer
+from omni_cache.driver.stage_config import bundled_stage_config
+from omni_cache.exactness.fuzz import recording_stage_config
+from omni_cache.exactness.realtime import judge_session, reference_mismatches, session_requests
+
+pytestmark = pytest.mark.pipeline
+#: full pipeline starts in this module (the suite's time table, tests/conftest.py)
+PIPELINE_STARTS = 1
+
+WINDOW = {"omni_cache_window": "omni_cache"}
+LONG_TURNS = 6
+GRACE_S = 5.0
+
+
+def _instructions(tag: str) -> str:
+    return " ".join([f"You are {tag}, a voice assistant; answer briefly and kindly."] * 10)
+
+
+async def _session(url: str, tag: str, turns: int, *, reference: bool = False, offset: float = 0.0) -> dict:
+    extra = {**WINDOW, **({"omni_cache_reference": True} if reference else {})}
+    async with RealtimeSession(url, instructions=_instructions(tag), extra_body=extra) as s:
+        answers = [await s.turn(speech_clip(2.0, offset + 1.7 * k)) for k in range(turns)]
+    return {"id": s.session_id, "turns": answers}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("realtime")
+    cfg = recording_stage_config(out, "omni_cache", streaming=True,
+                                 base=bundled_stage_config("qwen3_omni_cpu_duplex.yaml"))
+    # a closed connection keeps its session (and a max_sessions slot) for disconnect_grace_s,
+    # for a resume: short here, so the cases' sessions do not add up
+    raw = yaml.safe_load(cfg.read_text())
+    raw["duplex_session"]["disconnect_grace_s"] = GRACE_S
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    srv = OmniServer(tiny_model_dir, cfg, log_path=out / "server.log").start()
+    try:
+        srv.wait_ready(timeout=1500)
+        srv.dir = out
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def long_session(server):
+    """One session of LONG_TURNS voice turns, then the same as a cache-off reference."""
+    on = asyncio.run(_session(server.realtime_url, "Ada", LONG_TURNS))
+    ref = asyncio.run(_session(server.realtime_url, "Ada", LONG_TURNS, reference=True))
+    return on, ref
+
+
+def _check_judged(server, session_id: str, min_turns: int) -> list:
+    verdicts = judge_session(server.dir, session_id)
+    assert len(verdicts) >= min_turns, [v.request_id for v in verdicts]
+    for k, v in enumerate(verdicts):
+        assert v.mismatches == [], (k, v.request_id, v.mismatches)
+        assert v.unverified == 0, (k, v)
+        assert v.hit == v.expected_hit, (k, v)
+        if k:
+            assert v.hit > 0 and v.verified == v.hit // 32, (k, v)
+    return verdicts
+
+
+def test_voice_session_hits_from_turn_2_and_served_rows_are_their_writers(server, long_session):
+    on, _ = long_session
+    assert all(t.status == "completed" and t.audio and t.text for t in on["turns"])
+    verdicts = _check_judged(server, on["id"], LONG_TURNS)
+    # the cache-aware window keeps the instructions and the opening turn in every prompt
+    assert min(v.hit for v in verdicts[1:]) >= verdicts[1].hit
+
+
+def test_voice_session_equals_its_cache_off_reference(server, long_session):
+    on, ref = long_session
+    got, want = session_requests(server.dir, on["id"]), session_requests(server.dir, ref["id"])
+    assert len(got) == len(want) == LONG_TURNS
+    assert all(v.hit == 0 for v in judge_session(server.dir, ref["id"]))  # the reference read nothing
+    hits = [v.hit for v in judge_session(server.dir, on["id"])]
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert reference_mismatches(server.dir, a, b, hits[k]) == [], k
+        assert on["turns"][k].text == ref["turns"][k].text, k
+        assert on["turns"][k].audio == ref["turns"][k].audio, k  # pcm16 bytes, bitwise
+
+
+def test_three_sessions_at_once_each_hit_from_turn_2(server, long_session):
+    async def together():
+        return await asyncio.gather(*(_session(server.realtime_url, name, 2, offset=3.0 + i)
+                                      for i, name in enumerate(("Bo", "Cy", "Di"))))
+
+    sessions = asyncio.run(together())
+    assert len({s["id"] for s in sessions}) == 3
+    for s in sessions:
+        assert all(t.status == "completed" and t.audio for t in s["turns"])
+        _check_judged(server, s["id"], 2)
+
+
+def test_barge_in_truncates_the_answer_and_the_next_turn_hits_up_to_it(server, long_session):
+    async def run():
+        async with RealtimeSession(server.realtime_url, instructions=_instructions("Eve"), extra_body=WINDOW) as s:
+            first = await s.turn(speech_clip(2.0, 0.5))
+            cut = await s.turn(speech_clip(2.0, 2.2), stop_after_audio_ms=150)
+            after = await s.turn(speech_clip(2.0, 3.9))
+            truncated = [e for e in s.events if e.get("type") == "conversation.item.truncated"]
+        return s.session_id, first, cut, truncated, after
+
+    sid, first, cut, truncated, after = asyncio.run(run())
+    assert first.status == "completed" and after.status == "completed" and after.audio
+    assert cut.status == "cancelled", cut.status
+    assert truncated and truncated[-1]["item_id"] == cut.item_id, truncated
+    assert cut.audio_ms < first.audio_ms
+    verdicts = _check_judged(server, sid, 3)
+    # the turn after the barge-in reuses everything up to the cut answer, and no more
+    assert verdicts[-1].hit >= verdicts[1].hit
+
+
+def test_dropped_connection_resumes_and_keeps_hitting(server, long_session):
+    async def run():
+        s = RealtimeSession(server.realtime_url, instructions=_instructions("Fay"), extra_body=WINDOW)
+        await s.open()
+        before = await s.turn(speech_clip(2.0, 1.1))
+        await s.drop()
+        resumed = await s.resume()
+        after = await s.turn(speech_clip(2.0, 2.8))
+        await s.close()
+        return s.session_id, before, resumed, after
+
+    sid, before, resumed, after = asyncio.run(run())
+    assert resumed["type"] == "session.resumed" and resumed["session_id"] == sid
+    assert before.status == after.status == "completed"
+    verdicts = _check_judged(server, sid, 2)
+    assert verdicts[-1].hit > 0
+
+
+BAD = {
+    "not base64": ({"type": "input_audio_buffer.append", "audio": "%%% not base64 %%%"}, "bad_audio"),
+    "odd byte count": ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()},
+                       "bad_audio"),
+    "rate out of range": ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0\0" * 800).decode(),
+                           "sample_rate_hz": 4000}, "bad_event"),
+    "empty commit": ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_empty"),
+}
+
+
+def test_bad_audio_gets_an_error_event_and_the_session_goes_on(server, long_session):
+    async def run():
+        seen = {}
+        async with RealtimeSession(server.realtime_url, instructions=_instructions("Gus"), extra_body=WINDOW) as s:
+            for name, (event, _) in BAD.items():
+                await s.send(event)
+                while True:
+                    try:
+                        await s.recv(timeout=60)
+                    except RealtimeError as exc:
+                        seen[name] = exc.error
+                        break
+            good = await s.turn(speech_clip(2.0, 0.3))
+        try:
+            async with RealtimeSession(server.realtime_url, extra_body={"omni_cache_window": "widest"}):
+                pass
+        except RealtimeError as exc:
+            seen["unknown window"] = exc.error
+        return seen, good
+
+    seen, good = asyncio.run(run())
+    for name, (_, code) in BAD.items():
+        assert name in seen and seen[name].get("message"), (name, seen)
+        assert seen[name].get("code") == code, (name, seen[name])
+    assert "omni_cache_window" in seen["unknown window"]["message"] and "widest" in seen["unknown window"]["message"]
+    assert good.status == "completed" and good.audio
+    assert server.alive() and server.get("/health")[0] == 200
+
+
+def test_server_still_serves_after_every_case(server, long_session):
+    on = asyncio.run(_session(server.realtime_url, "Hal", 2, offset=0.9))
+    assert all(t.status == "completed" for t in on["turns"])
+    _check_judged(server, on["id"], 2)
