@@ -20,8 +20,8 @@ judged by :mod:`omni_cache.exactness.realtime`:
 Cases: a long voice session (the window slides); three sessions at once; a barge-in
 (``response.cancel`` + ``conversation.item.truncate``) carried truncated into the next turn; a
 dropped connection resumed (``session.resume``); bad audio (not base64, not 16-bit samples, a
-sample rate out of range, an empty commit) and an unknown window → an ``error`` event naming it, and the session and the server
-go on.
+sample rate out of range, an empty commit) and an unknown window → an ``error`` event naming
+it, and the session and the server go on.
 
 Oracle (b) (omni-cache = vLLM-Omni's built-in cache, bitwise) needs a second server: it is
 checked by ``benchmarks/realtime_bench.py``, which runs both side by side.
