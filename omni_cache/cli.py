@@ -215,6 +215,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"  OpenAI base_url: {server.base_url}   model: {server.model_name()}", flush=True)
         print(f"  metrics: {server.url}/metrics   health: {server.url}/health", flush=True)
         if server.realtime_url:
+            if not args.no_warmup:
+                w = server.warm_up_realtime()
+                print(f"  realtime warm-up turn: first audio after {w['first_audio_s']:.1f} s "
+                      f"({w['wall_s']:.1f} s in all)", flush=True)
             print(f"  realtime (OpenAI Realtime protocol, voice sessions): {server.realtime_url}", flush=True)
         print("  stop with Ctrl-C", flush=True)
         rc = server.proc.wait()
@@ -280,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8091, help="TCP port (0: a free one)")
     sv.add_argument("--log", default="out/serve.log", help="server log file")
     sv.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    sv.add_argument("--no-warmup", action="store_true",
+                    help="duplex stage configs: skip the throwaway realtime turn run before the URL is printed")
     sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- followed by more `vllm serve` arguments")
     sv.set_defaults(func=_cmd_serve)
 

@@ -151,10 +151,11 @@ ROUTING_CAPACITY_BLOCKS = Setting(
     "prefix routing: KV blocks the router assumes per replica (its LRU record's bound); `0` = "
     "the replica's KV blocks as the engine reports them")
 REALTIME_WINDOW = Setting(
-    "OMNI_CACHE_REALTIME_WINDOW", Kind.CHOICE, "stock", ReadBy.ORCHESTRATOR, False,
-    "realtime (duplex) Qwen3-Omni sessions on omni-cache's pipelines: vLLM-Omni's conversation "
-    "window (`stock`, default until it is tested over the websocket) or omni-cache's, which keeps "
-    "the prompt's prefix stable (`omni_cache`; docs/serving.md)", choices=("omni_cache", "stock"))
+    "OMNI_CACHE_REALTIME_WINDOW", Kind.CHOICE, "omni_cache", ReadBy.ORCHESTRATOR, False,
+    "realtime (duplex) Qwen3-Omni sessions on omni-cache's pipelines: omni-cache's conversation "
+    "window, which keeps the prompt's prefix stable (`omni_cache`, default), or vLLM-Omni's "
+    "(`stock`); a session may pick its own (`session.extra_body.omni_cache_window`; docs/serving.md)",
+    choices=("omni_cache", "stock"))
 REALTIME_PINNED_TURNS = Setting(
     "OMNI_CACHE_REALTIME_PINNED_TURNS", Kind.INT, "1", ReadBy.ORCHESTRATOR, False,
     "realtime (duplex) sessions with omni-cache's window: opening user turns kept in every "

@@ -11,6 +11,7 @@ acknowledged, its default overlap policy being listen-only). An interrupted answ
 ``response.cancel`` then ``conversation.item.truncate`` (the assistant item, ``audio_end_ms``
 played). A dropped connection: reconnect with ``?resume=1`` and send ``session.resume``
 (``session_id``, ``resume_token`` from ``session.created``, the last ``server_event_seq`` seen).
+The end of a session: ``session.close`` → ``session.closed``.
 """
 
 from __future__ import annotations
@@ -122,7 +123,18 @@ class RealtimeSession:
         return created
 
     async def close(self) -> None:
-        if self.ws is not None:
+        """End the session for good (``session.close`` → ``session.closed``), then close the
+        connection. A bare websocket close would park the session in vLLM-Omni's disconnect
+        grace (``duplex_session.disconnect_grace_s``, for a resume), where it keeps a
+        ``max_sessions`` slot."""
+        if self.ws is None:
+            return
+        try:
+            await self.send({"type": "session.close"})
+            await self.until("session.closed", timeout=10)
+        except Exception:  # noqa: BLE001 - an error, a timeout or a closed socket: the session ends anyway
+            pass
+        finally:
             await self.ws.close()
             self.ws = None
 
@@ -215,3 +227,23 @@ class RealtimeSession:
         if ack:
             await self.send({"type": "playback.ack", "played_ms": turn.audio_ms, "response_id": turn.response_id})
         return turn
+
+
+def prefix_cache_counters(base_url: str, timeout: float = 10.0) -> dict[str, float]:
+    """vLLM's prefix-cache counters per stage from the server's ``/metrics``:
+    ``{"hits_<stage>": tokens, "queries_<stage>": tokens}`` (``vllm:prefix_cache_hits_total``,
+    ``vllm:prefix_cache_queries_total``; summed over label sets). ``base_url``: ``http://host:port``.
+
+    Raises:
+        urllib.error.URLError: the server did not answer.
+    """
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(base_url + "/metrics", timeout=timeout).read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^vllm:prefix_cache_(hits|queries)_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        stage = re.search(r'stage="(\d+)"', m.group(2))
+        key = f"{m.group(1)}_{stage.group(1) if stage else '?'}"
+        out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out

@@ -220,6 +220,37 @@ class OmniServer:
                          f" | {_last_log_line(self.log_path)}")
             time.sleep(1.0)
 
+    def warm_up_realtime(self, seconds: float = 1.0, timeout: float = 300.0) -> dict | None:
+        """One throwaway realtime turn (``seconds`` of the bundled speech, short instructions),
+        so the first client's first turn does not pay the stages' first-request costs (about
+        4 s of a 4.6 s first turn on this CPU, docs/serving.md); the session is closed for
+        good. vLLM-Omni's own ``duplex_session.warmup_frames`` only appends silence and, for
+        Qwen3-Omni, asks for no answer, so the talker and code2wav stay cold.
+
+        Returns ``{"first_text_s", "first_audio_s", "wall_s"}``, or None when the stage config
+        is not a duplex one.
+
+        Raises:
+            ServeError: the turn failed (message: the server's error event or the exception).
+        """
+        if self.realtime_url is None:
+            return None
+        import asyncio
+
+        from omni_cache.driver.realtime import RealtimeSession, speech_clip
+
+        async def turn():
+            async with RealtimeSession(self.realtime_url, timeout=timeout, instructions="Warm-up.") as s:
+                return await s.turn(speech_clip(seconds))
+
+        t0 = time.perf_counter()
+        try:
+            t = asyncio.run(turn())
+        except Exception as exc:  # noqa: BLE001 - reported with the server's log
+            raise ServeError(f"realtime warm-up turn failed: {exc!r}; "
+                             f"log {self.log_path}:\n{_tail(self.log_path)}") from exc
+        return {"first_text_s": t.first_text_s, "first_audio_s": t.first_audio_s, "wall_s": time.perf_counter() - t0}
+
     def model_name(self) -> str:
         """The served model id from ``GET /v1/models``."""
         status, body = self.get("/v1/models")

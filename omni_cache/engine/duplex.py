@@ -18,10 +18,11 @@ cached. The trimming is applied to the history before vLLM-Omni's own method run
 finds everything within its limits and keeps it (its audio bookkeeping, image trimming and
 the current-payload handling are unchanged).
 
-Settings (process environment of the server): ``OMNI_CACHE_REALTIME_WINDOW=omni_cache`` turns
-it on (default ``stock``: the plugin only delegates to vLLM-Omni's, until the window is tested
-over the websocket), ``OMNI_CACHE_REALTIME_PINNED_TURNS`` (default 1),
-``OMNI_CACHE_REALTIME_KEEP_ON_SLIDE`` (default 1).
+Settings (process environment of the server): ``OMNI_CACHE_REALTIME_WINDOW`` (``omni_cache``,
+default, or ``stock``: the plugin only delegates to vLLM-Omni's; a session picks its own with
+``session.extra_body.omni_cache_window``), ``OMNI_CACHE_REALTIME_PINNED_TURNS`` (default 1),
+``OMNI_CACHE_REALTIME_KEEP_ON_SLIDE`` (default 1). ``session.extra_body.omni_cache_reference``
+makes a session's answers cache-off references (tests and exactness checks).
 """
 
 from __future__ import annotations

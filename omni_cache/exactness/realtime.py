@@ -44,18 +44,21 @@ def session_requests(engine_dir: str | Path, session_id: str) -> list[str]:
 
 
 @dataclass
-class _Prompt:
+class Prompt:
+    """A thinker request's prompt as recorded: ``seq`` (its first hand-off's sequence number),
+    ``ids`` (prompt token ids), ``embed`` (``[num_prompt_tokens, hidden_size]`` embedding rows)."""
+
     seq: int
     ids: list[int]  # prompt token ids
     embed: object  # [num_prompt_tokens, hidden_size] embedding rows (torch.Tensor) or None
 
 
-def _first_records(engine_dir: Path) -> dict[str, _Prompt]:
+def first_prompts(engine_dir: str | Path) -> dict[str, Prompt]:
     """Every thinker request's prompt, from its first hand-off (request id → prompt)."""
     import torch
 
-    seen: dict[str, _Prompt] = {}
-    for p in (engine_dir / "handoff").glob("*.pt"):
+    seen: dict[str, Prompt] = {}
+    for p in (Path(engine_dir) / "handoff").glob("*.pt"):
         m = re.fullmatch(r"(\d+)-(.+)\.pt", p.name)
         if m and (m.group(2) not in seen or int(m.group(1)) < seen[m.group(2)].seq):
             rec = torch.load(p)
@@ -63,7 +66,7 @@ def _first_records(engine_dir: Path) -> dict[str, _Prompt]:
                 ids = rec["ids.prompt"].tolist()
                 key = next((k for k in sorted(oracles.EMBEDDING_KEYS) if k in rec), None)
                 embed = rec[key].reshape(-1, rec[key].shape[-1])[:len(ids)] if key else None
-                seen[m.group(2)] = _Prompt(int(m.group(1)), ids, embed)
+                seen[m.group(2)] = Prompt(int(m.group(1)), ids, embed)
     return seen
 
 
@@ -76,7 +79,7 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _common_prompt(a: _Prompt, b: _Prompt) -> int:
+def common_prompt_tokens(a: Prompt, b: Prompt) -> int:
     """Tokens of the longest common prefix of two prompts: same id and same embedding row."""
     n = _common(a.ids, b.ids)
     if a.embed is None or b.embed is None or n == 0:
@@ -104,7 +107,7 @@ def judge_session(engine_dir: str | Path, session_id: str, *, block_size: int = 
     """Every thinker request of a session (:func:`session_requests`), with its hit, the hit
     it should get and oracle (a) over rows and tokens (module docstring)."""
     engine_dir = Path(engine_dir)
-    prompts = _first_records(engine_dir)
+    prompts = first_prompts(engine_dir)
     hits = {}
     for line in audit_lines(engine_dir):
         hits[re.sub(r"[^A-Za-z0-9_.-]", "_", line["request"])] = line
@@ -121,7 +124,7 @@ def judge_session(engine_dir: str | Path, session_id: str, *, block_size: int = 
     for rid in session_requests(engine_dir, session_id):
         me = prompts[rid]
         prompt, n = me.ids, len(me.ids)
-        best = max((_common_prompt(me, p) for p in prompts.values() if p.seq < me.seq), default=0)
+        best = max((common_prompt_tokens(me, p) for p in prompts.values() if p.seq < me.seq), default=0)
         line = hits.get(rid) or next((v for k, v in hits.items() if rid.startswith(k) or k.startswith(rid)), None)
         v = TurnVerdict(rid, n, int(line["hit_tokens"]) if line else 0, (min(best, n - 1) // block_size) * block_size)
         if line:

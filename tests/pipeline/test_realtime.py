@@ -33,7 +33,6 @@ import asyncio
 import base64
 
 import pytest
-import yaml
 
 from omni_cache.driver.realtime import RealtimeError, RealtimeSession, speech_clip
 from omni_cache.driver.server import OmniServer
@@ -47,7 +46,6 @@ PIPELINE_STARTS = 1
 
 WINDOW = {"omni_cache_window": "omni_cache"}
 LONG_TURNS = 6
-GRACE_S = 5.0
 
 
 def _instructions(tag: str) -> str:
@@ -66,11 +64,6 @@ def server(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("realtime")
     cfg = recording_stage_config(out, "omni_cache", streaming=True,
                                  base=bundled_stage_config("qwen3_omni_cpu_duplex.yaml"))
-    # a closed connection keeps its session (and a max_sessions slot) for disconnect_grace_s,
-    # for a resume: short here, so the cases' sessions do not add up
-    raw = yaml.safe_load(cfg.read_text())
-    raw["duplex_session"]["disconnect_grace_s"] = GRACE_S
-    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
     srv = OmniServer(tiny_model_dir, cfg, log_path=out / "server.log").start()
     try:
         srv.wait_ready(timeout=1500)

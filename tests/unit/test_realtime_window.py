@@ -23,7 +23,7 @@ def _payload(turn: int) -> dict:
     return {"audio": base64.b64encode(pcm.tobytes()).decode()}
 
 
-def _session(plugin, turns: int) -> list[list]:
+def _session(plugin, turns: int, extra_body: dict | None = None) -> list[list]:
     """``turns`` voice turns; per turn the prompt's message list as the plugin builds it,
     each entry reduced to what the prompt encodes (the turn an audio payload came from, or
     the text)."""
@@ -32,8 +32,9 @@ def _session(plugin, turns: int) -> list[list]:
     prompts = []
     for k in range(turns):
         history.append({"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": f"item-{k}"}}]})
-        cfg = plugin.prepare_prompt_config({"conversation": [dict(m) for m in history]}, state=state,
-                                           payload=_payload(k))
+        cfg = plugin.prepare_prompt_config({"conversation": [dict(m) for m in history],
+                                            **({"extra_body": extra_body} if extra_body else {})},
+                                           state=state, payload=_payload(k))
         prompts.append([("audio", round(float(np.frombuffer(base64.b64decode(m["audio_payload"]["audio"]),
                                                             dtype="<f4")[0]) * 100))
                         if "audio_payload" in m else (m["role"], str(m.get("content")))
@@ -50,15 +51,17 @@ def _extends(prev: list, cur: list) -> bool:
 def plugins(monkeypatch):
     from vllm_omni.model_executor.models.qwen3_omni.duplex.plugin import Qwen3OmniDuplexPlugin
 
-    monkeypatch.setenv("OMNI_CACHE_REALTIME_WINDOW", "omni_cache")
+    monkeypatch.delenv("OMNI_CACHE_REALTIME_WINDOW", raising=False)  # the default: omni-cache's window
     return Qwen3OmniDuplexPlugin(lambda *a, **k: b""), CacheAwareQwen3OmniDuplexPlugin(lambda *a, **k: b"")
 
 
-@pytest.mark.parametrize("which", ["vllm_omni", "default_setting"])
+@pytest.mark.parametrize("which", ["vllm_omni", "server_setting", "session_extra_body"])
 def test_stock_window_changes_the_prefix_every_turn_from_the_fifth(plugins, which, monkeypatch):
-    monkeypatch.delenv("OMNI_CACHE_REALTIME_WINDOW")  # the default: vLLM-Omni's window
+    if which == "server_setting":
+        monkeypatch.setenv("OMNI_CACHE_REALTIME_WINDOW", "stock")
     plugin = plugins[0] if which == "vllm_omni" else CacheAwareQwen3OmniDuplexPlugin(lambda *a, **k: b"")
-    stock = _session(plugin, 12)
+    extra = {"omni_cache_window": "stock"} if which == "session_extra_body" else None
+    stock = _session(plugin, 12, extra)
     assert all(_extends(stock[k - 1], stock[k]) for k in range(1, 4))
     assert not any(_extends(stock[k - 1], stock[k]) for k in range(4, 12))
     assert all(sum(e[0] == "audio" for e in p) <= STOCK_MAX_AUDIO for p in stock)
@@ -80,7 +83,6 @@ def test_cache_aware_window_keeps_the_prefix_most_turns_and_the_opening_turn(plu
 
 
 def test_keep_on_slide_zero_slides_every_third_turn(monkeypatch):
-    monkeypatch.setenv("OMNI_CACHE_REALTIME_WINDOW", "omni_cache")
     monkeypatch.setenv("OMNI_CACHE_REALTIME_KEEP_ON_SLIDE", "0")
     ours = _session(CacheAwareQwen3OmniDuplexPlugin(lambda *a, **k: b""), 24)
     assert sum(_extends(ours[k - 1], ours[k]) for k in range(1, 24)) >= 15
@@ -104,7 +106,7 @@ def test_plan_window_budget_and_state():
 
 def test_bundled_duplex_config_is_the_cpu_config_in_duplex_mode(tmp_path):
     """``qwen3_omni_cpu_duplex.yaml`` = ``qwen3_omni_cpu.yaml`` + ``session_mode: duplex`` + the
-    thinker's media limits of vLLM-Omni's duplex deploy; it validates, names omni-cache's
+    thinker's media limits of vLLM-Omni's duplex deploy (the GPU one likewise); it validates, names omni-cache's
     pipeline (whose duplex plugin is the cache-aware window) and the server prints its URL."""
     import yaml
 
@@ -119,6 +121,13 @@ def test_bundled_duplex_config_is_the_cpu_config_in_duplex_mode(tmp_path):
     assert duplex["stages"][0].pop("limit_mm_per_prompt") == {"audio": 4, "image": 8}
     assert duplex == base
     load_stage_config(bundled_stage_config("qwen3_omni_cpu_duplex.yaml"))
+    gpu = yaml.safe_load(bundled_stage_config("qwen3_omni_30b_a3b_gpu.yaml").read_text())
+    gpu_duplex = yaml.safe_load(bundled_stage_config("qwen3_omni_30b_a3b_gpu_duplex.yaml").read_text())
+    assert gpu_duplex.pop("session_mode") == "duplex"
+    assert gpu_duplex.pop("duplex_session")["max_sessions"] == gpu["stages"][0]["max_num_seqs"]
+    assert gpu_duplex["stages"][0].pop("limit_mm_per_prompt") == {"audio": 4, "image": 8}
+    assert gpu_duplex == gpu
+    load_stage_config(bundled_stage_config("qwen3_omni_30b_a3b_gpu_duplex.yaml"))
     register()
     from vllm_omni.config.pipeline_registry import OMNI_PIPELINES
 
@@ -126,3 +135,15 @@ def test_bundled_duplex_config_is_the_cpu_config_in_duplex_mode(tmp_path):
     server = OmniServer(tmp_path / "no-model", bundled_stage_config("qwen3_omni_cpu_duplex.yaml"), port=8123)
     assert server.realtime_url == "ws://127.0.0.1:8123/v1/realtime?duplex=1"
     assert OmniServer(tmp_path / "no-model", bundled_stage_config("qwen3_omni_cpu.yaml"), port=1).realtime_url is None
+
+
+def test_unknown_window_is_a_clear_error_and_a_session_may_pick_its_window():
+    from vllm_omni.engine.duplex.plugin import DuplexRuntimeConfigError
+
+    plugin = CacheAwareQwen3OmniDuplexPlugin(lambda *a, **k: b"")
+    with pytest.raises(DuplexRuntimeConfigError, match="omni_cache_window='widest': expected one of omni_cache, stock"):
+        plugin.validate_client_extra_body({"omni_cache_window": "widest"})
+    plugin.validate_client_extra_body({"omni_cache_window": "stock"})
+    ours = _session(plugin, 8)
+    stock = _session(plugin, 8, {"omni_cache_window": "stock"})
+    assert ours[:4] == stock[:4] and ours[4:] != stock[4:]
