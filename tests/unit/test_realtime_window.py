@@ -114,20 +114,15 @@ def test_bundled_duplex_config_is_the_cpu_config_in_duplex_mode(tmp_path):
     from omni_cache.driver.stage_config import bundled_stage_config, load_stage_config
     from omni_cache.engine.plugin import DUPLEX_PLUGIN, register
 
-    base = yaml.safe_load(bundled_stage_config("qwen3_omni_cpu.yaml").read_text())
-    duplex = yaml.safe_load(bundled_stage_config("qwen3_omni_cpu_duplex.yaml").read_text())
-    assert duplex.pop("session_mode") == "duplex"
-    assert duplex.pop("duplex_session")["max_sessions"] == base["stages"][0]["max_num_seqs"]
-    assert duplex["stages"][0].pop("limit_mm_per_prompt") == {"audio": 4, "image": 8}
-    assert duplex == base
-    load_stage_config(bundled_stage_config("qwen3_omni_cpu_duplex.yaml"))
-    gpu = yaml.safe_load(bundled_stage_config("qwen3_omni_30b_a3b_gpu.yaml").read_text())
-    gpu_duplex = yaml.safe_load(bundled_stage_config("qwen3_omni_30b_a3b_gpu_duplex.yaml").read_text())
-    assert gpu_duplex.pop("session_mode") == "duplex"
-    assert gpu_duplex.pop("duplex_session")["max_sessions"] == gpu["stages"][0]["max_num_seqs"]
-    assert gpu_duplex["stages"][0].pop("limit_mm_per_prompt") == {"audio": 4, "image": 8}
-    assert gpu_duplex == gpu
-    load_stage_config(bundled_stage_config("qwen3_omni_30b_a3b_gpu_duplex.yaml"))
+    for turn_based, name in (("qwen3_omni_cpu.yaml", "qwen3_omni_cpu_duplex.yaml"),
+                             ("qwen3_omni_30b_a3b_gpu.yaml", "qwen3_omni_30b_a3b_gpu_duplex.yaml")):
+        base = yaml.safe_load(bundled_stage_config(turn_based).read_text())
+        duplex = yaml.safe_load(bundled_stage_config(name).read_text())
+        assert duplex.pop("session_mode") == "duplex", name
+        assert duplex.pop("duplex_session")["max_sessions"] == base["stages"][0]["max_num_seqs"], name
+        assert duplex["stages"][0].pop("limit_mm_per_prompt") == {"audio": 4, "image": 8}, name
+        assert duplex == base, name
+        load_stage_config(bundled_stage_config(name))
     register()
     from vllm_omni.config.pipeline_registry import OMNI_PIPELINES
 
