@@ -6,7 +6,8 @@ with vLLM-Omni's conversation window and omni-cache's (issue 30).
 Three duplex servers up at once (``stage_configs/qwen3_omni_cpu_duplex.yaml`` on the bench
 model as :func:`omni_cache.exactness.fuzz.recording_stage_config` variants — every thinker →
 talker hand-off and every served hit recorded — each stage's worker in its engine process,
-vLLM's ``uni`` executor, as the other side-by-side benchmarks run them):
+vLLM's ``uni`` executor, as the other side-by-side benchmarks run them; the two servers not
+being timed are paused, SIGSTOP, unless ``--no-pause-idle``):
 
 - ``off``: prefix caching off on the thinker and the talker;
 - ``builtin``: vLLM-Omni's hidden-state cache on the thinker, talker caching off (as vLLM-Omni
@@ -76,6 +77,24 @@ def _instructions(rnd: int, window: str) -> str:
     return f"Session {rnd + 1} ({window} window). {DEFAULT_SYSTEM_PROMPT}"
 
 
+def _pause(server, paused: bool) -> None:
+    """SIGSTOP (``paused``) or SIGCONT a server and its stage processes: an idle server still
+    polls (~0.06 of a core per stage process here), so the servers not being timed are paused,
+    as the prefill benchmark freezes its idle pipelines."""
+    import psutil
+
+    try:
+        root = psutil.Process(server.proc.pid)
+        tree = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in (tree if paused else reversed(tree)):
+        try:
+            p.suspend() if paused else p.resume()
+        except psutil.Error:
+            pass
+
+
 async def _turn(server, session, audio: bytes) -> dict:
     from omni_cache.driver.realtime import prefix_cache_counters
 
@@ -93,8 +112,14 @@ async def _run(servers: dict, args, records: list[dict], sessions: dict) -> dict
     from omni_cache.driver.realtime import RealtimeSession, speech_clip
 
     cold = {}
+
+    def only(v):  # the one server not paused
+        for name, srv in servers.items():
+            _pause(srv, name != v and args.pause_idle)
+
     for v in VARIANTS:  # the throwaway first turn of each server
-        async with RealtimeSession(servers[v].realtime_url, instructions="Warm up.") as s:
+        only(v)
+        async with RealtimeSession(servers[v].realtime_url, instructions="Warm up.", ping_interval=None) as s:
             cold[v] = await _turn(servers[v], s, speech_clip(args.seconds, 0.0))
         print(f"cold first turn {v:>10}: first audio {cold[v]['first_audio_s']:.2f} s, "
               f"first text {cold[v]['first_text_s']:.2f} s", flush=True)
@@ -103,13 +128,15 @@ async def _run(servers: dict, args, records: list[dict], sessions: dict) -> dict
         for window in WINDOWS:
             live = {}
             for v in VARIANTS:
+                only(v)
                 live[v] = RealtimeSession(servers[v].realtime_url, instructions=_instructions(rnd, window),
-                                          extra_body={"omni_cache_window": window})
+                                          extra_body={"omni_cache_window": window}, ping_interval=None)
                 await live[v].open()
                 sessions[(v, window, rnd)] = live[v].session_id
             for turn in range(args.turns):
                 audio = speech_clip(args.seconds, 0.9 + 1.7 * turn + 0.37 * rnd)
                 for v in VARIANTS[k % 3:] + VARIANTS[:k % 3]:
+                    only(v)
                     rec = {"variant": v, "window": window, "round": rnd, "turn": turn + 1,
                            "session_id": live[v].session_id, **await _turn(servers[v], live[v], audio)}
                     records.append(rec)
@@ -118,8 +145,11 @@ async def _run(servers: dict, args, records: list[dict], sessions: dict) -> dict
                           f"{rec['thinker_hit']:.0f}/{rec['thinker_prompt']:.0f}, talker "
                           f"{rec['talker_hit']:.0f}/{rec['talker_prompt']:.0f}", flush=True)
                 k += 1
-            for s in live.values():
+            for v, s in live.items():
+                only(v)
                 await s.close()
+    for srv in servers.values():
+        _pause(srv, False)
     return cold
 
 
@@ -260,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="sessions per variant and window")
     ap.add_argument("--seconds", type=float, default=2.0, help="speech per turn")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/realtime-<time>")
+    ap.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
+                    help="keep the servers not being timed running (default: SIGSTOP them)")
     args = ap.parse_args(argv)
     if args.turns < 4 or args.rounds < 1:
         ap.error("--turns must be >= 4 (the bars look at turns >= 4) and --rounds >= 1")
@@ -284,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         cold = asyncio.run(_run(servers, args, records, sessions))
     finally:
         for s in servers.values():
+            _pause(s, False)
             s.stop()
     oracle = _oracles(out, records, sessions, args.rounds)
     summary = _summary(records, args.turns)

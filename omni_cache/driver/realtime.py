@@ -94,9 +94,10 @@ class RealtimeSession:
         RealtimeError: the server refused the session (its ``error`` event).
     """
 
-    def __init__(self, url: str, *, timeout: float = 300.0, **session: Any):
+    def __init__(self, url: str, *, timeout: float = 300.0, ping_interval: float | None = 20.0, **session: Any):
         self.url = url
         self.timeout = timeout
+        self.ping_interval = ping_interval  # websockets keepalive (None: off, for a server that may be paused)
         self.session = {"turn_detection": None, **session}
         self.ws = None
         self.session_id: str | None = None
@@ -115,7 +116,7 @@ class RealtimeSession:
         """Connect, send ``session.update``, wait for ``session.created``; returns it."""
         import websockets
 
-        self.ws = await websockets.connect(self.url, max_size=None)
+        self.ws = await websockets.connect(self.url, max_size=None, ping_interval=self.ping_interval)
         await self.send({"type": "session.update", "session": self.session})
         created = await self.until("session.created")
         self.session_id = (created.get("session") or {}).get("id")
@@ -155,7 +156,7 @@ class RealtimeSession:
         import websockets
 
         sep = "&" if "?" in self.url else "?"
-        self.ws = await websockets.connect(self.url + sep + "resume=1", max_size=None)
+        self.ws = await websockets.connect(self.url + sep + "resume=1", max_size=None, ping_interval=self.ping_interval)
         await self.send({"type": "session.resume", "session_id": self.session_id, "resume_token": self.resume_token,
                          "last_received_server_event_seq": self.last_seq})
         return await self.recv()
