@@ -263,14 +263,14 @@ def _plot(summary: dict, turns: int, path: Path, title: str) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     ts = list(range(1, turns + 1))
-    styles = {"off": "o", "builtin": "s", "omni_cache": "D"}
+    styles = {"off": ("o", "C3"), "builtin": ("s", "C0"), "omni_cache": ("D", "C2")}  # marker, colour
     for w, ls in zip(WINDOWS, ("--", "-")):
         for v in VARIANTS:
             for ax, m, scale in ((axes[0], "first_audio_s", 1.0), (axes[1], "first_text_s", 1.0),
                                  (axes[2], "thinker_hit", 1.0)):
                 cells = [summary[f"{v}/{w}/{t}"][m] for t in ts]
                 ys = [c["p50"] * scale if c else float("nan") for c in cells]
-                ax.plot(ts, ys, ls, marker=styles[v], label=f"{v}, {w} window")
+                ax.plot(ts, ys, ls, marker=styles[v][0], color=styles[v][1], label=f"{v}, {w} window")
     axes[0].set_ylabel("commit → first audio delta (s), p50")
     axes[1].set_ylabel("commit → first text delta (s), p50")
     axes[2].set_ylabel("thinker prefix hit (tokens), p50")

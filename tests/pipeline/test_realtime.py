@@ -68,9 +68,15 @@ def server(tiny_model_dir, tmp_path_factory):
     try:
         srv.wait_ready(timeout=1500)
         srv.dir = out
+        srv.warmup = srv.warm_up_realtime()  # as `omni-cache serve` does before printing the URL
         yield srv
     finally:
         srv.stop()
+
+
+def test_warm_up_turn_answers_with_audio(server):
+    assert server.warmup is not None and server.warmup["first_audio_s"] > 0
+    assert server.warmup["first_text_s"] is not None
 
 
 @pytest.fixture(scope="module")
