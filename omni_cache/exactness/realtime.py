@@ -33,7 +33,9 @@ _FILE = re.compile(r"(\d+)-(duplex-s\.([A-Za-z0-9_-]+)\.e\.\d+\.r\.stage0-turn\d
 
 def session_requests(engine_dir: str | Path, session_id: str) -> list[str]:
     """The thinker request ids (as recorded) of realtime session ``session_id``, in the
-    order they ran (their first hand-off's sequence number)."""
+    order they ran (their first hand-off's sequence number). The ids' turn numbers are not
+    turn indexes: a ``response.cancel`` starts a new epoch (``e.<n>``) and the count goes on
+    from there."""
     tag = base64.b64encode(session_id.encode()).decode().rstrip("=")
     first: dict[str, int] = {}
     for p in (Path(engine_dir) / "handoff").glob("*.pt"):
