@@ -59,16 +59,19 @@ def first_prompts(engine_dir: str | Path) -> dict[str, Prompt]:
     """Every thinker request's prompt, from its first hand-off (request id → prompt)."""
     import torch
 
-    seen: dict[str, Prompt] = {}
+    first: dict[str, tuple[int, Path]] = {}
     for p in (Path(engine_dir) / "handoff").glob("*.pt"):
         m = re.fullmatch(r"(\d+)-(.+)\.pt", p.name)
-        if m and (m.group(2) not in seen or int(m.group(1)) < seen[m.group(2)].seq):
-            rec = torch.load(p)
-            if "ids.prompt" in rec:
-                ids = rec["ids.prompt"].tolist()
-                key = next((k for k in sorted(oracles.EMBEDDING_KEYS) if k in rec), None)
-                embed = rec[key].reshape(-1, rec[key].shape[-1])[:len(ids)] if key else None
-                seen[m.group(2)] = Prompt(int(m.group(1)), ids, embed)
+        if m and (m.group(2) not in first or int(m.group(1)) < first[m.group(2)][0]):
+            first[m.group(2)] = (int(m.group(1)), p)
+    seen: dict[str, Prompt] = {}
+    for rid, (seq, p) in first.items():
+        rec = torch.load(p)
+        if "ids.prompt" in rec:
+            ids = rec["ids.prompt"].tolist()
+            key = next((k for k in sorted(oracles.EMBEDDING_KEYS) if k in rec), None)
+            embed = rec[key].reshape(-1, rec[key].shape[-1])[:len(ids)] if key else None
+            seen[rid] = Prompt(seq, ids, embed)
     return seen
 
 
@@ -88,6 +91,11 @@ def common_prompt_tokens(a: Prompt, b: Prompt) -> int:
         return n
     same = (a.embed[:n] == b.embed[:n]).all(dim=-1)
     return n if bool(same.all()) else int((~same).nonzero()[0, 0])
+
+
+def _same_request(a: str, b: str) -> bool:
+    """Two recorded request ids name one request (vLLM-Omni may append ``-<suffix>``)."""
+    return a == b or any(x.startswith(y + sep) for x, y in ((a, b), (b, a)) for sep in "-_")
 
 
 @dataclass
@@ -127,7 +135,7 @@ def judge_session(engine_dir: str | Path, session_id: str, *, block_size: int = 
         me = prompts[rid]
         prompt, n = me.ids, len(me.ids)
         best = max((common_prompt_tokens(me, p) for p in prompts.values() if p.seq < me.seq), default=0)
-        line = hits.get(rid) or next((v for k, v in hits.items() if rid.startswith(k) or k.startswith(rid)), None)
+        line = hits.get(rid) or next((v for k, v in hits.items() if _same_request(k, rid)), None)
         v = TurnVerdict(rid, n, int(line["hit_tokens"]) if line else 0, (min(best, n - 1) // block_size) * block_size)
         if line:
             writers = [re.sub(r"[^A-Za-z0-9_.-]", "_", w) if w else None for w in line["writers"]]

@@ -164,3 +164,47 @@ def test_shrink_finds_the_smallest_failing_knobs():
     assert small.variants == 0 and not small.concurrent and small.media and small.system_words == 16
     assert small.turns <= 3 and fails(make_group(11, small))
     assert runs <= 30 and len(set(salts[1:-1])) == len(salts[1:-1])
+
+
+def _record_session(tmp_path, prompts: dict[str, tuple[list[int], torch.Tensor]], audit: list[dict]) -> None:
+    """Streaming hand-off records (first chunk: ``ids.prompt``, ``embed.prefill``,
+    ``hidden_states.output``) and an audit log as a recording duplex server writes them."""
+    import json
+
+    (tmp_path / "handoff").mkdir()
+    (tmp_path / "audit").mkdir()
+    for seq, (rid, (ids, embed)) in enumerate(prompts.items()):
+        torch.save({"ids.prompt": torch.tensor(ids), "embed.prefill": embed, "hidden_states.output": embed * 2},
+                   tmp_path / "handoff" / f"{seq:05d}-{rid}.pt")
+    (tmp_path / "audit" / "hits-1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in audit))
+
+
+def test_realtime_judge_catches_a_block_served_for_other_tokens_and_other_audio(tmp_path):
+    """``judge_session``: the expected hit stops where tokens *or* embedding rows (another audio
+    clip under the same placeholder ids) differ; a block served for other tokens is a mismatch
+    even when its rows are the writer's bit for bit."""
+    import base64
+
+    from omni_cache.exactness.realtime import judge_session
+
+    sid = "duplex-abc"
+    tag = base64.b64encode(sid.encode()).decode().rstrip("=")
+    writer, same_ids, other_ids = (f"duplex-s.{tag}.e.0.r.stage0-turn{k}" for k in range(3))
+    g = torch.Generator().manual_seed(0)
+    w_embed = torch.randn(80, 8, generator=g).to(torch.bfloat16)
+    ids = list(range(80))
+    # turn 1: the writer's tokens, another audio clip from row 40 (same placeholder ids)
+    clip = w_embed.clone()
+    clip[40:] = torch.randn(40, 8, generator=g).to(torch.bfloat16)
+    # turn 2: tokens differ from 50 on, yet 64 tokens served: rows copied from the writer, so
+    # (a)'s row check alone would pass
+    served = w_embed.clone()
+    _record_session(tmp_path, {writer: (ids, w_embed), same_ids: (ids, clip),
+                               other_ids: (ids[:50] + [999] * 30, served)},
+                    [{"request": same_ids, "hit_tokens": 32, "writers": [writer]},
+                     {"request": other_ids, "hit_tokens": 64, "writers": [writer, writer]}])
+    first, turn1, turn2 = judge_session(tmp_path, sid)
+    assert (first.hit, first.expected_hit) == (0, 0)
+    assert (turn1.hit, turn1.expected_hit, turn1.mismatches) == (32, 32, [])  # ids alone would say 64
+    assert (turn2.hit, turn2.expected_hit, turn2.verified) == (64, 32, 2)
+    assert len(turn2.mismatches) == 1 and "block 1: served for tokens that differ" in turn2.mismatches[0]
