@@ -34,21 +34,14 @@ def in_process_stages(cfg: Path) -> Path:
 
 
 def assert_handoff_equal(got: dict, ref: dict, name: str) -> None:
-    """Two recorded thinker→talker hand-offs (tensor name → tensor) are bitwise equal.
-
-    ``embed.tts_*`` hold one ``[1, 1, hidden]`` row per thinker step (vLLM-Omni accumulates
-    the per-step side outputs), so their count follows the number of steps (chunks, hits);
-    the talker reads one row (``_get_tts_embed``): every row of ``got`` must equal ``ref``'s
-    first row. Every other tensor is token-aligned: same shape, same bits.
+    """Two recorded thinker→talker hand-offs (tensor name → tensor) are bitwise equal: oracle
+    (b), :func:`omni_cache.exactness.oracles.handoff_mismatches` (``embed.tts_*``: every row
+    equals ``ref``'s first, the row the talker reads; every other tensor same shape, same bits).
     """
-    import torch
+    from omni_cache.exactness.oracles import handoff_mismatches
 
-    assert set(got) == set(ref), (name, sorted(ref), sorted(got))
-    for k in ref:
-        if k.startswith("embed.tts_"):
-            assert all(torch.equal(got[k][i], ref[k][0]) for i in range(got[k].shape[0])), (name, k)
-            continue
-        assert got[k].shape == ref[k].shape and torch.equal(got[k], ref[k]), (name, k)
+    bad = handoff_mismatches([got], [ref])
+    assert not bad, (name, bad)
 
 
 #: per-row relative error allowed between cache on and off for requests of a concurrent batch
