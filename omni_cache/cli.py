@@ -148,6 +148,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 "num_prompt_tokens": res.num_prompt_tokens, "num_cached_tokens": res.num_cached_tokens,
                 "talker_num_prompt_tokens": res.talker_num_prompt_tokens,
                 "talker_num_cached_tokens": res.talker_num_cached_tokens,
+                "audio_samples": 0 if res.audio is None else int(res.audio.shape[0]),
+                "audio_s": 0.0 if res.audio is None else res.audio.shape[0] / res.sample_rate,
                 "stage_durations": res.stage_durations, "wav": str(wav) if res.audio is not None else None,
                 "error": res.error,
             })

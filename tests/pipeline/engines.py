@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import count_pipeline_start
+from tests.device import device_stage_config
 from tests.pipeline.workloads import STEP_BUDGET  # the equality engines' thinker budget per step
 from tests.util import REPO, in_process_stages, variant_stage_config
 
@@ -167,6 +168,7 @@ class EngineRegistry:
         cfg = spec.config(d, model_dir)
         if spec.in_process:
             cfg = in_process_stages(cfg)
+        cfg = device_stage_config(cfg)  # the GPU lane: a CUDA variant (tests/device.py)
         if spec.streaming_api:
             from omni_cache.driver.streaming import StreamingPipeline as Pipeline
         else:

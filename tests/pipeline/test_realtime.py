@@ -39,6 +39,7 @@ from omni_cache.driver.server import OmniServer
 from omni_cache.driver.stage_config import bundled_stage_config
 from omni_cache.exactness.fuzz import recording_stage_config
 from omni_cache.exactness.realtime import judge_session, reference_mismatches, session_requests
+from tests.device import device_stage_config
 
 pytestmark = pytest.mark.pipeline
 #: full pipeline starts in this module (the suite's time table, tests/conftest.py)
@@ -64,7 +65,7 @@ def server(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("realtime")
     cfg = recording_stage_config(out, "omni_cache", streaming=True,
                                  base=bundled_stage_config("qwen3_omni_cpu_duplex.yaml"))
-    srv = OmniServer(tiny_model_dir, cfg, log_path=out / "server.log").start()
+    srv = OmniServer(tiny_model_dir, device_stage_config(cfg), log_path=out / "server.log").start()
     try:
         srv.wait_ready(timeout=1500)
         srv.dir = out

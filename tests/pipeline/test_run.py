@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.device import run_args
 from tests.pipeline.proctree import Watched, stop_and_check
 
 pytestmark = pytest.mark.pipeline
@@ -21,7 +22,7 @@ PIPELINE_STARTS = 1  # omni-cache run
 
 
 def test_run_streams_ttft_ttfp_and_packets_then_stops_cleanly(tiny_model_dir, tmp_path):
-    w = Watched(["run", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--repeat", "6"], tmp_path)
+    w = Watched(["run", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--repeat", "6", *run_args()], tmp_path)
     done = lambda: [ln for ln in w.lines if ln.startswith("[request ")]  # noqa: E731
     w.wait_for(lambda: len(done()) >= 2, 900, "two finished requests")
     stop_and_check(w, signal.SIGTERM)  # during request 3 (or later)

@@ -47,6 +47,7 @@ import soundfile as sf
 
 from omni_cache.driver.inputs import sample_path
 from omni_cache.driver.server import OmniServer
+from tests.device import device_stage_config
 from tests.util import CPU_STAGE_CONFIG
 
 pytestmark = pytest.mark.pipeline
@@ -245,7 +246,7 @@ def _expected_hit(p1: list[int], o1: list[int], p2: list[int]) -> int:
 def server_on(tiny_model_dir, tmp_path_factory):
     """The bundled CPU stage config (omni-cache on the thinker), as `omni-cache serve` runs it."""
     log = tmp_path_factory.mktemp("serve_on") / "server.log"
-    srv = OmniServer(tiny_model_dir, CPU_STAGE_CONFIG, log_path=log).start()
+    srv = OmniServer(tiny_model_dir, device_stage_config(CPU_STAGE_CONFIG), log_path=log).start()
     try:
         srv.wait_ready(timeout=1500)
         # The first requests this server answers (same history as the cache-off server's).

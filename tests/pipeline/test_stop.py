@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.device import run_args
 from tests.pipeline.proctree import Watched, stop_and_check
 
 pytestmark = pytest.mark.pipeline
@@ -24,7 +25,8 @@ def _stage_processes_started(w: Watched) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_run_stopped_during_start_up(tiny_model_dir, tmp_path, sig):
-    w = Watched(["run", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--no-image", "--no-audio"],
+    w = Watched(["run", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--no-image", "--no-audio",
+                 *run_args()],
                 tmp_path)
     w.wait_for(lambda: _stage_processes_started(w), 240, "stage processes")
     time.sleep(3)  # the stages are loading
@@ -32,7 +34,8 @@ def test_run_stopped_during_start_up(tiny_model_dir, tmp_path, sig):
 
 
 def test_serve_stopped_during_start_up(tiny_model_dir, tmp_path):
-    w = Watched(["serve", "--model", str(tiny_model_dir), "--port", "0", "--log", str(tmp_path / "s.log")], tmp_path)
+    w = Watched(["serve", "--model", str(tiny_model_dir), "--port", "0", "--log", str(tmp_path / "s.log"),
+                 *run_args()], tmp_path)
     w.wait_for(lambda: _stage_processes_started(w), 240, "server processes")
     time.sleep(3)
     stop_and_check(w, signal.SIGTERM)

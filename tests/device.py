@@ -1,0 +1,81 @@
+"""The device the pipeline tests run on: the CPU (CI, the default) or one CUDA GPU (the GPU
+lane, ``python -m benchmarks.gpu_check``; docs/gpu.md).
+
+``OMNI_CACHE_TEST_DEVICE=cuda`` runs the same tests, with the same engines and workloads, on
+GPU variants of their stage configs (:func:`device_stage_config`): every stage on device 0 of
+the card, a small share of it each (the configs' ``kv_cache_memory_bytes`` keep the KV pools
+the size the tests were written for, so expected hits, evictions and preemptions stay the
+same), the CPU-only keys dropped. ``OMNI_CACHE_TEST_COMPILED=1`` also turns the thinker's
+``enforce_eager`` off there: torch.compile and CUDA graphs (for fast prefill: self- and
+cross-decoder compiled and captured apart, vLLM #22628 / #38879).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+#: ``cpu`` or ``cuda``
+TEST_DEVICE = os.environ.get("OMNI_CACHE_TEST_DEVICE", "cpu").strip().lower()
+#: the thinker with torch.compile + CUDA graphs (GPU lane only)
+TEST_COMPILED = os.environ.get("OMNI_CACHE_TEST_COMPILED", "0") == "1"
+#: the one-GPU stage config (the GPU main job's)
+GPU1_STAGE_CONFIG = REPO / "stage_configs" / "qwen3_omni_gpu1.yaml"
+#: each stage's share of the card in the GPU lane: the KV pool is sized by the configs'
+#: ``kv_cache_memory_bytes``; this only bounds vLLM's start-up check (free memory >= share)
+GPU_STAGE_SHARE = 0.04
+#: environment keys that only mean something on the CPU platform
+_CPU_ONLY_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
+
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise RuntimeError(f"OMNI_CACHE_TEST_DEVICE={TEST_DEVICE!r}: expected 'cpu' or 'cuda'")
+
+
+def on_cuda() -> bool:
+    """Whether the pipeline tests run on a CUDA GPU (``OMNI_CACHE_TEST_DEVICE=cuda``)."""
+    return TEST_DEVICE == "cuda"
+
+
+def device_stage_config(cfg: str | os.PathLike, out_path: str | os.PathLike | None = None) -> Path:
+    """``cfg`` for the test device: unchanged on the CPU; on CUDA, a GPU variant written to
+    ``out_path`` (default: beside ``cfg`` when ``cfg`` is a derived file under a temporary
+    folder, else a new temporary file) — every stage ``devices: "0"`` with
+    ``gpu_memory_utilization`` :data:`GPU_STAGE_SHARE`, CPU-only ``env`` keys removed, and
+    with :data:`TEST_COMPILED` the thinker's ``enforce_eager: false``.
+
+    Returns the path to start the pipeline with.
+    """
+    cfg = Path(cfg)
+    if not on_cuda():
+        return cfg
+    import yaml
+
+    raw = yaml.safe_load(cfg.read_text())
+    for st in raw["stages"]:
+        st["devices"] = "0"
+        st["gpu_memory_utilization"] = GPU_STAGE_SHARE
+        env = st.get("env") or {}
+        for k in _CPU_ONLY_ENV:
+            env.pop(k, None)
+        if env:
+            st["env"] = env
+        else:
+            st.pop("env", None)
+        if TEST_COMPILED and st["stage_id"] == 0:
+            st["enforce_eager"] = False
+    if out_path is None:
+        tmp = Path(tempfile.gettempdir())
+        if tmp in cfg.resolve().parents:
+            out_path = cfg.with_name(cfg.stem + "_cuda.yaml")
+        else:
+            out_path = Path(tempfile.mkdtemp(prefix="omni-cache-cuda-")) / (cfg.stem + "_cuda.yaml")
+    Path(out_path).write_text(yaml.safe_dump(raw, sort_keys=False))
+    return Path(out_path)
+
+
+def run_args() -> list[str]:
+    """Extra ``omni-cache run`` / ``serve`` arguments for the test device: on CUDA the one-GPU
+    stage config (:data:`GPU1_STAGE_CONFIG`); on the CPU none (the bundled CPU config)."""
+    return ["--stage-config", str(GPU1_STAGE_CONFIG)] if on_cuda() else []
