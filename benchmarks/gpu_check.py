@@ -9,7 +9,7 @@ runs, on the card of this host (docs/gpu.md, "The GPU lane"):
 - ``main-job``: ``omni-cache run --stage-config stage_configs/qwen3_omni_gpu1.yaml`` (the
   embedded model, three requests: the repeats hit) — every request must get audio packets and a
   TTFP, the repeats must hit in the thinker and the talker;
-- the pipeline tests on CUDA variants of their engines (``OMNI_CACHE_TEST_DEVICE=cuda``,
+- the pipeline tests on CUDA variants of their engines (``OMNI_TEST_DEVICE=cuda``,
   ``tests/device.py``): ``equality`` (served rows = their writer's, tokens = cache off),
   ``streaming`` (streaming, talker cache; omni-cache = the built-in cache bitwise; the fuzzer's
   slice), ``stress`` (preemptions, aborts), ``serve`` (chat + realtime), ``yoco-eager`` and
@@ -47,7 +47,7 @@ GROUPS: dict[str, tuple[list[str], dict[str, str]]] = {
     "stress": (["tests/pipeline/test_stress.py"], {}),
     "serve": (["tests/pipeline/test_serve.py", "tests/pipeline/test_realtime.py"], {}),
     "yoco-eager": (["tests/pipeline/test_yoco_pipeline.py"], {}),
-    "yoco-compiled": (["tests/pipeline/test_yoco_pipeline.py"], {"OMNI_CACHE_TEST_COMPILED": "1"}),
+    "yoco-compiled": (["tests/pipeline/test_yoco_pipeline.py"], {"OMNI_TEST_COMPILED": "1"}),
 }
 #: longest first, so ``--jobs`` slots fill well
 ORDER = ("streaming", "main-job", "serve", "stress", "yoco-compiled", "yoco-eager", "equality", "unit")
@@ -60,7 +60,7 @@ def log(msg: str) -> None:
 def lane_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of every lane process: the CUDA platform, the test device, the tree
     first on ``PYTHONPATH`` (stage processes import omni-cache from it)."""
-    env = {**os.environ, "OMNI_CACHE_CUDA_PLATFORM": "1", "OMNI_CACHE_TEST_DEVICE": "cuda",
+    env = {**os.environ, "OMNI_CACHE_CUDA_PLATFORM": "1", "OMNI_TEST_DEVICE": "cuda",
            "PYTHONUNBUFFERED": "1", **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
@@ -169,10 +169,10 @@ def main(argv=None) -> int:
     ap.add_argument("--groups", default=",".join(ORDER), help=f"comma-separated, from {', '.join(ORDER)}")
     ap.add_argument("--jobs", type=int, default=4, help="groups run at once (each its own engines)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / f"gpu-check-{time.strftime('%Y%m%d')}"))
-    ap.add_argument("--commit", default=os.environ.get("OMNI_CACHE_COMMIT"), help="the code commit under test")
+    ap.add_argument("--commit", help="the code commit under test")
     ap.add_argument("--install-json", help="install facts to record (bundle size, install seconds, import check)")
     ap.add_argument("--merge", nargs="*", default=[], help="earlier report.json files whose groups are kept")
-    ap.add_argument("--timeout", type=float, default=1500, help="seconds per group")
+    ap.add_argument("--timeout", type=float, default=1500, help="seconds per group (then it counts as failed)")
     args = ap.parse_args(argv)
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = [g for g in groups if g not in ORDER]
@@ -184,7 +184,12 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     model_dir = build_qwen3_omni(default_model_dir("tiny"), "tiny")
-    log(f"embedded model at {model_dir} ({time.perf_counter() - t0:.0f} s); host facts")
+    if any(g.startswith("yoco") for g in groups):  # built once here, not by two groups at once
+        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+
+        build_gemma_omni(default_gemma_dir("tiny", family="gemma4"), "tiny", family="gemma4")
+        build_gemma_omni(default_gemma_dir("tiny"), "tiny")
+    log(f"embedded models built ({time.perf_counter() - t0:.0f} s); host facts")
     facts = host_facts()
     log(f"{facts.get('gpu')} driver {facts.get('driver')}: {facts['versions']}")
     results: list[dict] = []

@@ -137,6 +137,12 @@ CUDA_PLATFORM = Setting(
     "OMNI_CACHE_CUDA_PLATFORM", Kind.CHOICE, "0", ReadBy.EVERY, True,
     "`1`: the opt-in CUDA OmniPlatform whose AR worker runs omni-cache's runner",
     choices=("0", "1"))
+PARALLEL_STAGE_INIT = Setting(
+    "OMNI_CACHE_PARALLEL_STAGE_INIT", Kind.CHOICE, "0", ReadBy.ORCHESTRATOR, True,
+    "`1`: start the stages that share a GPU at the same time (vLLM-Omni's `parallel_stage_init`: "
+    "admission control checks up front that their memory shares fit the card) instead of one "
+    "after another; for a card dedicated to this pipeline (docs/gpu.md, \"Start-up\")",
+    choices=("0", "1"))
 ROUTING = Setting(
     "OMNI_CACHE_ROUTING", Kind.CHOICE, "vllm_omni", ReadBy.ORCHESTRATOR, True,
     "thinker (stage 0) replicas: `prefix` routes a request to the replica holding its longest "
@@ -182,7 +188,7 @@ VENV = Setting(
 #: name → setting, in documentation order.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, HIT_AUDIT, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
-    FUSED, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, ROUTING,
+    FUSED, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, PARALLEL_STAGE_INIT, ROUTING,
     ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, REALTIME_WINDOW, REALTIME_PINNED_TURNS, REALTIME_KEEP_ON_SLIDE,
     TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}
 

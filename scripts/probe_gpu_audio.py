@@ -45,6 +45,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stage-config", type=Path, default=REPO / "stage_configs" / "qwen3_omni_gpu1.yaml")
     ap.add_argument("--text", default="Say something about the sea.")
+    ap.add_argument("--variant", default="as-is", choices=["as-is", "talker-sync", "no-local-seed", "upstream"],
+                    help="as-is: the config; talker-sync: the talker with async_scheduling off; no-local-seed: "
+                         "the talker without tts_local_seed; upstream: vLLM-Omni's own Qwen3-Omni pipeline, "
+                         "every cache off, nothing recorded (run it without OMNI_CACHE_CUDA_PLATFORM)")
+    ap.add_argument("--dry-run", action="store_true", help="print the stage config and stop")
     args = ap.parse_args()
     from omni_cache.driver.inputs import build_request
     from omni_cache.driver.streaming import StreamingPipeline
@@ -54,21 +59,54 @@ def main() -> int:
     model = build_qwen3_omni(default_model_dir("tiny"), "tiny")
     from omni_cache.driver.variants import derive_stage_config
 
-    cfg = recording_stage_config(args.out, "omni_cache", streaming=True, base=args.stage_config)
-    # the talker's DEBUG log says when vLLM-Omni drops a codec frame (stop token first)
-    cfg = derive_stage_config(cfg, cfg, env={1: {"VLLM_LOGGING_LEVEL": "DEBUG"}})
+    # small shares of the card and small KV pools: probes can run side by side
+    small = {i: {"gpu_memory_utilization": 0.04, "kv_cache_memory_bytes": 1 << 28} for i in (0, 1, 2)}
+    if args.variant == "upstream":
+        import yaml
+
+        raw = yaml.safe_load(args.stage_config.read_text())
+        raw.pop("pipeline", None)  # auto-detected: vLLM-Omni's qwen3_omni_moe
+        for st in raw["stages"]:
+            st.pop("env", None)
+            st["enable_prefix_caching"] = False
+            (st.get("default_sampling_params") or {}).pop("extra_args", None)
+            st.update(small[st["stage_id"]])
+        args.out.mkdir(parents=True, exist_ok=True)
+        cfg = args.out / "stage_config_upstream.yaml"
+        cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    else:
+        cfg = recording_stage_config(args.out, "omni_cache", streaming=True, base=args.stage_config)
+        if args.variant == "talker-sync":
+            small[1]["async_scheduling"] = False
+        cfg = derive_stage_config(cfg, cfg, stages=small)
+        if args.variant == "no-local-seed":
+            import yaml
+
+            raw = yaml.safe_load(cfg.read_text())
+            raw["stages"][1]["default_sampling_params"].pop("extra_args", None)
+            cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    if args.dry_run:
+        print(cfg.read_text())
+        return 0
     with StreamingPipeline(model, cfg) as pipe:
-        print(f"[probe] started in {pipe.start_s:.0f} s", flush=True)
+        print(f"[probe {args.variant}] started in {pipe.start_s:.0f} s", flush=True)
         for i in range(2):
             res = pipe.run(build_request(args.text))
             n = 0 if res.audio is None else res.audio.shape[0]
-            print(f"[probe] request {i}: text {res.text!r}; audio {n} samples in {res.audio_packets} packets; "
+            print(f"[probe {args.variant}] request {i}: text {res.text[:40]!r}; audio {n} samples in "
+                  f"{res.audio_packets} packets; "
                   f"TTFP {res.ttfp_s}; talker prompt {res.talker_num_prompt_tokens}, error {res.error}", flush=True)
     for sub in ("handoff", "codec"):
         files = sorted((args.out / sub).glob("*.pt"))
-        print(f"[probe] {sub}: {len(files)} chunks")
-        for f in files[:3] + (files[-2:] if len(files) > 5 else []):
-            print(f"[probe]   {f.name}: {describe(f)}")
+        print(f"[probe {args.variant}] {sub}: {len(files)} chunks")
+        for f in files[:2] + (files[-1:] if len(files) > 3 else []):
+            print(f"[probe {args.variant}]   {f.name}: {describe(f)}")
+    calls = args.out / "codec" / "calls.jsonl"
+    if calls.exists():
+        lines = calls.read_text().splitlines()
+        print(f"[probe {args.variant}] talker hand-off calls: {len(lines)}")
+        for ln in lines[:4] + lines[-2:]:
+            print(f"[probe {args.variant}]   {ln}")
     return 0
 
 

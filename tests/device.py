@@ -1,11 +1,11 @@
 """The device the pipeline tests run on: the CPU (CI, the default) or one CUDA GPU (the GPU
 lane, ``python -m benchmarks.gpu_check``; docs/gpu.md).
 
-``OMNI_CACHE_TEST_DEVICE=cuda`` runs the same tests, with the same engines and workloads, on
+``OMNI_TEST_DEVICE=cuda`` runs the same tests, with the same engines and workloads, on
 GPU variants of their stage configs (:func:`device_stage_config`): every stage on device 0 of
 the card, a small share of it each (the configs' ``kv_cache_memory_bytes`` keep the KV pools
 the size the tests were written for, so expected hits, evictions and preemptions stay the
-same), the CPU-only keys dropped. ``OMNI_CACHE_TEST_COMPILED=1`` also turns the thinker's
+same), the CPU-only keys dropped. ``OMNI_TEST_COMPILED=1`` also turns the thinker's
 ``enforce_eager`` off there: torch.compile and CUDA graphs (for fast prefill: self- and
 cross-decoder compiled and captured apart, vLLM #22628 / #38879).
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 #: ``cpu`` or ``cuda``
-TEST_DEVICE = os.environ.get("OMNI_CACHE_TEST_DEVICE", "cpu").strip().lower()
+TEST_DEVICE = os.environ.get("OMNI_TEST_DEVICE", "cpu").strip().lower()
 #: the thinker with torch.compile + CUDA graphs (GPU lane only)
-TEST_COMPILED = os.environ.get("OMNI_CACHE_TEST_COMPILED", "0") == "1"
+TEST_COMPILED = os.environ.get("OMNI_TEST_COMPILED", "0") == "1"
 #: the one-GPU stage config (the GPU main job's)
 GPU1_STAGE_CONFIG = REPO / "stage_configs" / "qwen3_omni_gpu1.yaml"
 #: each stage's share of the card in the GPU lane: the KV pool is sized by the configs'
@@ -30,11 +30,11 @@ GPU_STAGE_SHARE = 0.04
 _CPU_ONLY_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
 
 if TEST_DEVICE not in ("cpu", "cuda"):
-    raise RuntimeError(f"OMNI_CACHE_TEST_DEVICE={TEST_DEVICE!r}: expected 'cpu' or 'cuda'")
+    raise RuntimeError(f"OMNI_TEST_DEVICE={TEST_DEVICE!r}: expected 'cpu' or 'cuda'")
 
 
 def on_cuda() -> bool:
-    """Whether the pipeline tests run on a CUDA GPU (``OMNI_CACHE_TEST_DEVICE=cuda``)."""
+    """Whether the pipeline tests run on a CUDA GPU (``OMNI_TEST_DEVICE=cuda``)."""
     return TEST_DEVICE == "cuda"
 
 

@@ -93,6 +93,15 @@ def engine_start_environment(stage_config: Any) -> Iterator[None]:
             os.environ[_V1_MULTIPROCESSING] = before
 
 
+def start_kwargs() -> dict[str, Any]:
+    """Keyword arguments for vLLM-Omni's ``Omni`` / ``AsyncOmni`` from omni-cache's settings:
+    ``parallel_stage_init=True`` with ``OMNI_CACHE_PARALLEL_STAGE_INIT=1`` (stages sharing a
+    GPU start together; docs/gpu.md, "Start-up"), else nothing (vLLM-Omni's defaults)."""
+    from omni_cache import settings
+
+    return {"parallel_stage_init": True} if settings.PARALLEL_STAGE_INIT.get() == "1" else {}
+
+
 def _audio_of(out: Any) -> tuple[np.ndarray | None, int]:
     mm = out.multimodal_output or {}
     audio = mm.get("audio")
@@ -155,7 +164,7 @@ class OmniPipeline:
                 deploy_config=str(self.stage_config.path),
                 stage_init_timeout=stage_init_timeout,
                 init_timeout=stage_init_timeout + 300,
-                **dict(engine_args or {}),
+                **{**start_kwargs(), **dict(engine_args or {})},
             )
         self.start_s = time.perf_counter() - t0
         logger.info("pipeline started in %.1f s", self.start_s)

@@ -99,8 +99,11 @@ class StreamingPipeline:
     async def _start(self, stage_init_timeout: int):
         from vllm_omni.entrypoints.async_omni import AsyncOmni
 
+        from omni_cache.driver.pipeline import start_kwargs
+
         return AsyncOmni(model=str(self.model_dir), deploy_config=str(self.stage_config.path),
-                         stage_init_timeout=stage_init_timeout, init_timeout=stage_init_timeout + 300)
+                         stage_init_timeout=stage_init_timeout, init_timeout=stage_init_timeout + 300,
+                         **start_kwargs())
 
     def run(self, request: OmniRequest | dict, on_audio: Callable[[np.ndarray, int], None] | None = None,
             sampling_params_list: Sequence | None = None) -> StreamedResult:

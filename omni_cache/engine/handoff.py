@@ -145,6 +145,35 @@ def record_talker2code2wav_async_chunk(transfer_manager: Any, multimodal_output:
     from vllm_omni.model_executor.stage_input_processors.qwen3_omni import talker2code2wav_async_chunk
 
     payload = talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is_finished)
+    log_talker_call(multimodal_output, request, is_finished, payload is not None)
     if payload is not None:
         record_payload(_flatten(to_dict(payload)), request)
     return payload
+
+
+def log_talker_call(multimodal_output: Any, request: Any, is_finished: bool, sent: bool) -> None:
+    """With ``OMNI_CACHE_HANDOFF_DUMP`` set, append one JSON line per talker hand-off call to
+    ``<dir>/calls.jsonl``: the request, ``is_finished``, whether a codec chunk was sent, and
+    what the step's ``codes.audio`` was (device, shape, dtype, whether any code is non-zero,
+    the first codebook) — the evidence for "why did no audio arrive" (docs/gpu.md)."""
+    import json
+
+    out_dir = settings.HANDOFF_DUMP.get()
+    if not out_dir:
+        return
+    codes = None
+    if isinstance(multimodal_output, dict):
+        c = multimodal_output.get("codes")
+        codes = c.get("audio") if isinstance(c, dict) else None
+    info: dict[str, Any] = {"request": str(getattr(request, "external_req_id", "?")), "is_finished": bool(is_finished),
+                            "sent": sent, "keys": sorted(multimodal_output) if isinstance(multimodal_output, dict)
+                            else type(multimodal_output).__name__}
+    if isinstance(codes, torch.Tensor):
+        info.update(device=str(codes.device), shape=list(codes.shape), dtype=str(codes.dtype),
+                    any=bool(codes.any()) if codes.numel() else False,
+                    first=int(codes.flatten()[0]) if codes.numel() else None)
+    else:
+        info["codes"] = type(codes).__name__
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(out_dir) / "calls.jsonl", "a") as f:
+        f.write(json.dumps(info) + "\n")
