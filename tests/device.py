@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_DEVICE = os.environ.get("OMNI_TEST_DEVICE", "cpu").strip().lower()
 #: the thinker with torch.compile + CUDA graphs (GPU lane only)
 TEST_COMPILED = os.environ.get("OMNI_TEST_COMPILED", "0") == "1"
+#: AR stages with synchronous scheduling (the CPU platform's only mode) on the GPU too
+TEST_SYNC = os.environ.get("OMNI_TEST_SYNC", "0") == "1"
 #: the one-GPU stage config (the GPU main job's)
 GPU1_STAGE_CONFIG = REPO / "stage_configs" / "qwen3_omni_gpu1.yaml"
 #: each stage's share of the card in the GPU lane: the KV pool is sized by the configs'
@@ -63,6 +65,8 @@ def device_stage_config(cfg: str | os.PathLike, out_path: str | os.PathLike | No
             st["env"] = env
         else:
             st.pop("env", None)
+        if TEST_SYNC and st["stage_id"] in (0, 1):
+            st["async_scheduling"] = False
         if TEST_COMPILED and st["stage_id"] == 0:
             st["enforce_eager"] = False
     if out_path is None:
