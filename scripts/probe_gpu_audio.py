@@ -45,7 +45,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stage-config", type=Path, default=REPO / "stage_configs" / "qwen3_omni_gpu1.yaml")
     ap.add_argument("--text", default="Say something about the sea.")
-    ap.add_argument("--variant", default="as-is", choices=["as-is", "talker-sync", "no-local-seed", "upstream"],
+    ap.add_argument("--variant", default="as-is",
+                    choices=["as-is", "as-is-full", "talker-sync", "no-local-seed", "upstream"],
                     help="as-is: the config; talker-sync: the talker with async_scheduling off; no-local-seed: "
                          "the talker without tts_local_seed; upstream: vLLM-Omni's own Qwen3-Omni pipeline, "
                          "every cache off, nothing recorded (run it without OMNI_CACHE_CUDA_PLATFORM)")
@@ -78,7 +79,8 @@ def main() -> int:
         cfg = recording_stage_config(args.out, "omni_cache", streaming=True, base=args.stage_config)
         if args.variant == "talker-sync":
             small[1]["async_scheduling"] = False
-        cfg = derive_stage_config(cfg, cfg, stages=small)
+        if args.variant != "as-is-full":  # as-is-full: the config's own memory shares, KV sized by profiling
+            cfg = derive_stage_config(cfg, cfg, stages=small)
         if args.variant == "no-local-seed":
             import yaml
 

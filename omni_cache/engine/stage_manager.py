@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 #: key of the final hidden states (vLLM-Omni's ``text_hidden_states``) in the cache
 HIDDEN_KEY = "hidden"
+#: the token id vLLM's GPU runner puts in a request's host-side ``output_token_ids`` for a
+#: token sampled under async scheduling whose value is still on the device
+#: (``gpu_model_runner.py``: ``sampled_ids = [-1]``; ``InputBatch.update_async_output_token_ids``)
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -57,12 +61,18 @@ class RequestView:
         num_computed_tokens: tokens computed before the current step.
         hit_tokens: prefix hit to serve in the current step (0: none), tokens.
         block_hashes: chained block hashes of the request's full blocks, computed so far.
+        resolved: position → token id of output tokens the runner's host state holds as
+            placeholders (async scheduling, :meth:`OmniCacheStageManager.keep_async_inputs`).
+        device_inputs: ``(first position, int tensor [n] on the device)``: input ids of
+            steps whose positions hold placeholders, not copied to the host yet.
     """
 
     block_ids: list[int]
     num_computed_tokens: int
     hit_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)
+    resolved: dict[int, int] = field(default_factory=dict)
+    device_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -225,6 +235,7 @@ class OmniCacheStageManager:
                                         num_tokens_unpadded, num_tokens_padded)
         self._ensure_keys(outputs.rows)
         plan = self.plan_step(outputs)
+        self.keep_async_inputs(plan)
         fresh = self.write_rows(plan, outputs)
         prefixes = self.read_hits(plan)
         merged = self.merge(plan, fresh, prefixes)
@@ -294,23 +305,76 @@ class OmniCacheStageManager:
         hits = {r: self.reqs[r].hit_tokens for r in req_ids if self.reqs[r].hit_tokens > 0}
         return StepPlan(req_ids, spans, tuple(outputs.rows), truncated, handoff, hits)
 
+    def keep_async_inputs(self, plan: StepPlan) -> None:
+        """Under async scheduling (vLLM-Omni's default on GPUs) the runner's host-side
+        ``output_token_ids`` hold :data:`PLACEHOLDER_TOKEN` for tokens sampled in earlier
+        steps: their values stay on the device. A decode step's input ids — this step's
+        tokens, in the runner's device ``input_ids`` — are those tokens: keep the slice of
+        each request whose positions hold a placeholder (a device copy, no host sync), for
+        :meth:`block_hashes` to hash the real tokens. Without this the writer's decode-filled
+        blocks were cached under hashes of placeholders, and the next turn's hit on them was
+        refused (``StaleRowsError``, the engine stopped) — found on an H200 (docs/gpu.md).
+        Nothing to do under synchronous scheduling (the CPU platform's only mode)."""
+        ids = getattr(getattr(self.runner, "input_ids", None), "gpu", None)
+        if ids is None:
+            return
+        for rid in plan.req_ids:
+            st = self.runner.requests.get(rid)
+            out = getattr(st, "output_token_ids", None)
+            if not out or out[-1] != PLACEHOLDER_TOKEN:
+                continue
+            view = self.reqs[rid]
+            n_prompt = len(st.prompt_token_ids or [])
+            s, e = plan.spans[rid]
+            start = view.num_computed_tokens
+            lo = max(start, n_prompt)
+            hi = min(start + (e - s), n_prompt + len(out))
+            if any(out[p - n_prompt] == PLACEHOLDER_TOKEN for p in range(lo, hi)):
+                view.device_inputs.append((start, ids[s:e].clone()))
+
+    def _known_tokens(self, view: RequestView, st, lo: int, hi: int) -> list[int]:
+        """The request's token ids at positions ``[lo, hi)``: prompt, then output tokens with
+        placeholders replaced by their kept device values (copied to the host here, once per
+        kept step — a block filled by decode tokens, every ``block_size`` steps). A position
+        still unknown stays :data:`PLACEHOLDER_TOKEN`."""
+        prompt = st.prompt_token_ids or []
+        n_prompt = len(prompt)
+        tokens = (list(prompt[lo:hi])
+                  + list(st.output_token_ids or [])[max(lo - n_prompt, 0):max(hi - n_prompt, 0)])
+        if PLACEHOLDER_TOKEN not in tokens[max(n_prompt - lo, 0):]:
+            return tokens
+        for first, t in view.device_inputs:
+            for i, tok in enumerate(t.tolist()):
+                view.resolved[first + i] = int(tok)
+        view.device_inputs.clear()
+        for i in range(max(n_prompt - lo, 0), len(tokens)):
+            if tokens[i] == PLACEHOLDER_TOKEN:
+                tokens[i] = view.resolved.get(lo + i, PLACEHOLDER_TOKEN)
+        return tokens
+
     def block_hashes(self, rid: str, upto_tokens: int) -> list[int]:
         """Chained block hashes of the request's first ``upto_tokens // block_size`` blocks
         (token ids + multimodal identifiers, :func:`~omni_cache.core.chained_block_hashes`);
-        only blocks not hashed yet are hashed, continuing the chain from the last hash."""
+        only blocks not hashed yet are hashed, continuing the chain from the last hash. The
+        chain stops before a block holding a token whose value is unknown (a placeholder the
+        kept device inputs do not resolve): such a block is written but never cached, so no
+        hit is ever served from it."""
         view = self.reqs[rid]
         nfull = upto_tokens // self.block_size
         done = len(view.block_hashes)
         if done < nfull:
             st = self.runner.requests[rid]
             lo, hi = done * self.block_size, nfull * self.block_size
-            prompt = st.prompt_token_ids or []
-            n_prompt = len(prompt)
-            tokens = (list(prompt[lo:hi])
-                      + list(st.output_token_ids or [])[max(lo - n_prompt, 0):max(hi - n_prompt, 0)])
-            extra = [(a - lo, b - lo, ident) for a, b, ident in mm_extra_keys(st) if b > lo and a < hi]
-            view.block_hashes = view.block_hashes + chained_block_hashes(
-                tokens, self.block_size, extra, parent=view.block_hashes[-1] if view.block_hashes else None)
+            tokens = self._known_tokens(view, st, lo, hi)
+            if PLACEHOLDER_TOKEN in tokens:
+                hi = lo + (tokens.index(PLACEHOLDER_TOKEN) // self.block_size) * self.block_size
+                tokens = tokens[:hi - lo]
+            if hi > lo:
+                extra = [(a - lo, b - lo, ident) for a, b, ident in mm_extra_keys(st) if b > lo and a < hi]
+                view.block_hashes = view.block_hashes + chained_block_hashes(
+                    tokens, self.block_size, extra, parent=view.block_hashes[-1] if view.block_hashes else None)
+            for p in [p for p in view.resolved if p < len(view.block_hashes) * self.block_size]:
+                del view.resolved[p]
         return view.block_hashes[:nfull]
 
     # ---- 4. write --------------------------------------------------------------------------

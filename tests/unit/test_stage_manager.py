@@ -35,8 +35,12 @@ class FakeEngine:
     """The runner-side state the manager reads, and a forward that computes
     :func:`prefix_rows` for the hidden states and (optionally) a captured layer."""
 
-    def __init__(self, keys=(HIDDEN_KEY, LAYER)):
+    def __init__(self, keys=(HIDDEN_KEY, LAYER), *, async_tokens: bool = False):
         self.keys = keys
+        #: as vLLM's GPU runner under async scheduling: a sampled token is -1 in the host-side
+        #: ``output_token_ids``; its value is only in the device ``input_ids`` of the next step
+        self.async_tokens = async_tokens
+        self.real: dict[str, list[int]] = {}
         self.runner = NS(cache_config=NS(kv_sharing_fast_prefill=False),
                          kv_sharing_fast_prefill_eligible_layers=None,
                          model=NS(omni_pooler_payload_include_hidden=True),
@@ -45,10 +49,11 @@ class FakeEngine:
 
     def add(self, rid: str, prompt: list[int]) -> None:
         self.runner.requests[rid] = NS(prompt_token_ids=prompt, output_token_ids=[], mm_features=None)
+        self.real[rid] = []
 
     def tokens(self, rid: str) -> list[int]:
-        st = self.runner.requests[rid]
-        return list(st.prompt_token_ids) + list(st.output_token_ids)
+        """The request's real tokens (prompt + sampled), whatever the host state holds."""
+        return list(self.runner.requests[rid].prompt_token_ids) + self.real[rid]
 
     def step(self, *, new=(), cached=(), resumed=(), finished=(), keys=None):
         """One engine step. ``new``: ``(rid, block_ids, num_computed, num_scheduled)``;
@@ -68,6 +73,7 @@ class FakeEngine:
         order = [r for r, *_ in (*new, *cached)]
         self.runner.input_batch.req_ids = order
         spans = {r: (c, c + n) for r, _, c, n in (*new, *cached)}
+        self.runner.input_ids = NS(gpu=torch.tensor([t for r in order for t in self.tokens(r)[slice(*spans[r])]]))
         hidden = torch.cat([prefix_rows(self.tokens(r), *spans[r]) for r in order])
         mm = {k: hidden * 2 + 1 for k in keys if k != HIDDEN_KEY}
         step_id = self.manager.save_outputs(hidden, mm, num_tokens_unpadded=hidden.shape[0],
@@ -77,7 +83,8 @@ class FakeEngine:
                 for r in order}
 
     def sample(self, rid: str, token: int) -> None:
-        self.runner.requests[rid].output_token_ids.append(token)
+        self.real[rid].append(token)
+        self.runner.requests[rid].output_token_ids.append(-1 if self.async_tokens else token)
 
 
 def expected(tokens: list[int], start: int, end: int, keys=(HIDDEN_KEY, LAYER)) -> dict[str, torch.Tensor]:
@@ -124,6 +131,42 @@ def test_hit_on_a_block_filled_by_decode_tokens():
     got = eng.step(new=[("T2", [0, 1, 5], 8, 3)], finished=["A"])["T2"]
     assert_rows(got, expected(turn2, 0, 11))
     assert eng.manager.metrics()["hit_tokens"] == 8
+
+
+def _decode_then_turn2(eng: FakeEngine):
+    a = list(range(6))
+    eng.add("A", a)
+    eng.step(new=[("A", [0, 1], 0, 6)])
+    for i, tok in enumerate([70, 71]):  # positions 6, 7 complete block 1
+        eng.sample("A", tok)
+        eng.step(cached=[("A", None, 6 + i, 1)])
+    eng.sample("A", 72)  # sampled, not fed back yet: its value is on the device only
+    turn2 = a + [70, 71, 9, 9, 9]
+    eng.add("T2", turn2)
+    return turn2, eng.step(new=[("T2", [0, 1, 5], 8, 3)], finished=["A"])["T2"]
+
+
+def test_async_scheduling_placeholders_hash_the_real_decode_tokens():
+    """Under async scheduling (vLLM-Omni's default on GPUs) the runner's host-side output
+    tokens are -1 placeholders: the writer hashes its decode-filled block from the device
+    input ids, so turn 2's hit on it is served — rows equal to a recompute (oracle: the
+    writer's rows, :func:`prefix_rows`), bitwise. On an H200 this hit stopped the engine
+    (``StaleRowsError``: block hashed from placeholders)."""
+    eng = FakeEngine(async_tokens=True)
+    turn2, got = _decode_then_turn2(eng)
+    assert eng.runner.requests["A"].output_token_ids == [-1, -1, -1]  # the placeholders were there
+    assert_rows(got, expected(turn2, 0, 11))
+    assert eng.manager.metrics()["hit_tokens"] == 8
+
+
+def test_an_unresolved_placeholder_block_is_never_cached(monkeypatch):
+    """Fault: the device input ids are not kept. The decode-filled block is then written but
+    never cached (no hash made of placeholders), and the hit on it is refused — not served."""
+    eng = FakeEngine(async_tokens=True)
+    monkeypatch.setattr(OmniCacheStageManager, "keep_async_inputs", lambda self, plan: None)
+    with pytest.raises(StaleRowsError):
+        _decode_then_turn2(eng)
+    assert eng.manager.cache.ledger.block_hash[1] is None and eng.manager.cache.ledger.block_hash[0] is not None
 
 
 def test_resumed_request_serves_its_hit_from_the_cache():
