@@ -117,23 +117,8 @@ def test_chunked_prefill_decode_and_a_hit_hand_off_what_a_recompute_gives():
     assert m["hits_served"] == 1 and m["hit_tokens"] == 8 and m["hits_refused"] == 0
 
 
-def test_hit_on_a_block_filled_by_decode_tokens():
-    """Turn 2 of a chat hits the block that turn 1's answer filled (prompt + output tokens)."""
-    eng = FakeEngine()
-    a = list(range(6))
-    eng.add("A", a)
-    eng.step(new=[("A", [0, 1], 0, 6)])
-    for i, tok in enumerate([70, 71]):  # positions 6, 7 complete block 1
-        eng.sample("A", tok)
-        eng.step(cached=[("A", None, 6 + i, 1)])
-    turn2 = a + [70, 71, 9, 9, 9]
-    eng.add("T2", turn2)
-    got = eng.step(new=[("T2", [0, 1, 5], 8, 3)], finished=["A"])["T2"]
-    assert_rows(got, expected(turn2, 0, 11))
-    assert eng.manager.metrics()["hit_tokens"] == 8
-
-
 def _decode_then_turn2(eng: FakeEngine):
+    """Turn 1 decodes two tokens that complete its block 1; turn 2 repeats them and hits it."""
     a = list(range(6))
     eng.add("A", a)
     eng.step(new=[("A", [0, 1], 0, 6)])
@@ -144,6 +129,13 @@ def _decode_then_turn2(eng: FakeEngine):
     turn2 = a + [70, 71, 9, 9, 9]
     eng.add("T2", turn2)
     return turn2, eng.step(new=[("T2", [0, 1, 5], 8, 3)], finished=["A"])["T2"]
+
+
+def test_hit_on_a_block_filled_by_decode_tokens():
+    """Turn 2 of a chat hits the block that turn 1's answer filled (prompt + output tokens)."""
+    turn2, got = _decode_then_turn2(eng := FakeEngine())
+    assert_rows(got, expected(turn2, 0, 11))
+    assert eng.manager.metrics()["hit_tokens"] == 8
 
 
 def test_async_scheduling_placeholders_hash_the_real_decode_tokens():
