@@ -41,7 +41,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     if family in ("gemma4", "gemma3n"):
         from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
 
-        if args.size not in ("tiny", "bench"):
+        if args.size not in ("tiny", "bench"):  # (full: Qwen3-Omni only)
             print(f"error: --family {family} has sizes tiny and bench, not {args.size!r}", file=sys.stderr)
             return 2
         out = Path(args.out) if args.out else default_gemma_dir(args.size, family=family)
@@ -50,6 +50,11 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         return _build(f"{what} + Qwen3-Omni talker ({args.size})", out,
                       lambda: build_gemma_omni(out, args.size, force=args.force, family=family))
     out = Path(args.out) if args.out else default_model_dir(args.size)
+    if args.size == "full":
+        from omni_cache.models_full import build_full
+
+        return _build("Qwen3-Omni-30B-A3B-Instruct's shape (config + tokenizer, no weights: load_format dummy)",
+                      out, lambda: build_full(out, force=args.force))
     return _build(f"the embedded Qwen3-Omni ({args.size})", out,
                   lambda: build_qwen3_omni(out, args.size, force=args.force))
 
@@ -241,9 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     mm = sub.add_parser("make-model", help="build the embedded Qwen3-Omni model directory (no downloads)")
-    mm.add_argument("--size", default="tiny", choices=["tiny", "bench", "bench-voice"],
+    mm.add_argument("--size", default="tiny", choices=["tiny", "bench", "bench-voice", "full"],
                     help="tiny (tests), bench (benchmarks), bench-voice (qwen3-omni only: the bench "
-                         "thinker with a talker proportioned like Qwen3-Omni's)")
+                         "thinker with a talker proportioned like Qwen3-Omni's), full (qwen3-omni only: "
+                         "Qwen3-Omni-30B-A3B-Instruct's published config, no weights: load it with "
+                         "load_format: dummy, stage_configs/qwen3_omni_30b_a3b_*_dummy.yaml)")
     mm.add_argument("--family", default="qwen3-omni", choices=["qwen3-omni", "gemma4", "gemma3n"],
                     help="qwen3-omni (default); gemma4: a multimodal KV-shared (YOCO) thinker with vision and "
                          "audio towers in thinker/ feeding the Qwen3-Omni talker "

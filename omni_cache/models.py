@@ -351,7 +351,7 @@ def build_tokenizer(out_dir: Path):
     return hf
 
 
-def _build_processor(tokenizer):
+def build_processor(tokenizer):
     from transformers import (
         Qwen2VLImageProcessor,
         Qwen3OmniMoeProcessor,
@@ -432,7 +432,7 @@ def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
     model.save_pretrained(out, safe_serialization=True)
     del model
     tokenizer = build_tokenizer(out)
-    processor = _build_processor(tokenizer)
+    processor = build_processor(tokenizer)
     processor.save_pretrained(out)
     tokenizer.save_pretrained(out)
     stamp.write_text(json.dumps({"size": size, "seed": SEED, "fingerprint": fp}, indent=2))

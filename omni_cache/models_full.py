@@ -1,0 +1,141 @@
+"""Qwen3-Omni at its released size, without weights: ``omni-cache make-model --size full``.
+
+The model directory holds the published ``config.json`` shape of
+**Qwen/Qwen3-Omni-30B-A3B-Instruct** (:data:`FULL_CONFIG`) and the embedded tokenizer and
+processor files (:func:`omni_cache.models.build_tokenizer`: the real special-token ids, the
+152,064-token thinker vocabulary), and no weights: the stage configs load it with vLLM's
+``load_format: dummy``, which builds the real architecture from the config alone — so
+timings are the released model's, and its text and audio are noise.
+
+Source of every number in :data:`FULL_CONFIG`: the released ``config.json`` of
+``Qwen/Qwen3-Omni-30B-A3B-Instruct`` (Hugging Face), as parsed by transformers 5.7 in a public
+model-information dump of that checkpoint (read through this project's code-search index,
+2026-11-26); it agrees with ``../shared/notes/gpu.md`` (thinker 48 layers, hidden 2048,
+32 / 4 heads, head_dim 128, 128 experts / 8 active, MoE intermediate 768, vocabulary 152,064,
+``mrope_section`` [24, 20, 20], ``accept_hidden_layer`` 24). Thinker ≈ 30.5 B parameters
+(≈ 61 GB in bf16): one H200 holds the three stages; one H100 does not with room for KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+#: the fingerprint of this builder's output (bump when the written files change)
+FULL_FORMAT_VERSION = 1
+
+_ROPE_TEXT = {"interleaved": True, "mrope_interleaved": True, "mrope_section": [24, 20, 20],
+              "rope_theta": 1000000, "rope_type": "default"}
+
+#: Qwen3-Omni-30B-A3B-Instruct's configuration (see the module docstring for its source);
+#: the keys transformers fills with defaults are left out.
+FULL_CONFIG: dict = {
+    "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+    "model_type": "qwen3_omni_moe",
+    "dtype": "bfloat16",
+    "enable_audio_output": True,
+    "im_start_token_id": 151644, "im_end_token_id": 151645,
+    "tts_pad_token_id": 151671, "tts_bos_token_id": 151672, "tts_eos_token_id": 151673,
+    "system_token_id": 8948, "user_token_id": 872, "assistant_token_id": 77091,
+    "thinker_config": {
+        "model_type": "qwen3_omni_moe_thinker",
+        "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
+        "audio_start_token_id": 151669, "audio_end_token_id": 151670,
+        "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+        "user_token_id": 872, "position_id_per_seconds": 13, "seconds_per_chunk": 2,
+        "initializer_range": 0.02,
+        "audio_config": {
+            "num_mel_bins": 128, "encoder_layers": 32, "encoder_attention_heads": 20,
+            "encoder_ffn_dim": 5120, "d_model": 1280, "output_dim": 2048, "downsample_hidden_size": 480,
+            "n_window": 50, "n_window_infer": 800, "conv_chunksize": 500, "max_source_positions": 1500,
+            "activation_function": "gelu", "scale_embedding": False,
+        },
+        "vision_config": {
+            "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+            "hidden_act": "gelu_pytorch_tanh", "patch_size": 16, "spatial_patch_size": 16,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3, "out_hidden_size": 2048,
+            "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24], "image_size": 768,
+            "apply_vit_abs_pos_embed": True, "tokens_per_second": 2,
+        },
+        "text_config": {
+            "vocab_size": 152064, "hidden_size": 2048, "intermediate_size": 768, "num_hidden_layers": 48,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu",
+            "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "shared_expert_intermediate_size": 0, "use_qk_norm": True, "rms_norm_eps": 1e-06,
+            "max_position_embeddings": 65536, "rope_parameters": dict(_ROPE_TEXT),
+            "tie_word_embeddings": False,
+        },
+    },
+    "talker_config": {
+        "accept_hidden_layer": 24, "thinker_hidden_size": 2048, "num_code_groups": 16,
+        "spatial_merge_size": 2, "position_id_per_seconds": 13, "seconds_per_chunk": 2,
+        "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
+        "audio_start_token_id": 151669, "audio_end_token_id": 151670, "vision_start_token_id": 151652,
+        "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_nothink_id": 2155,
+        "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
+        "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
+        "text_config": {
+            "vocab_size": 3072, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 20,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "hidden_act": "silu",
+            "moe_intermediate_size": 384, "shared_expert_intermediate_size": 768, "num_experts": 128,
+            "num_experts_per_tok": 6, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "rms_norm_eps": 1e-06, "max_position_embeddings": 65536,
+            "rope_parameters": {"interleaved": True, "mrope_section": [24, 20, 20], "rope_theta": 1000000,
+                                "rope_type": "default"},
+        },
+        "code_predictor_config": {
+            "vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "num_code_groups": 16,
+            "rms_norm_eps": 1e-06, "max_position_embeddings": 32768,
+            "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+        },
+    },
+    "code2wav_config": {
+        "codebook_size": 2048, "codebook_dim": 512, "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16, "num_quantizers": 16,
+        "num_semantic_quantizers": 1, "semantic_codebook_size": 4096, "sliding_window": 72,
+        "decoder_dim": 1536, "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2],
+        "vector_quantization_hidden_dimension": 512, "layer_scale_initial_scale": 0.01,
+        "max_position_embeddings": 8000, "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 10000, "rope_type": "default"},
+    },
+}
+
+
+def full_fingerprint() -> str:
+    """Digest of what :func:`build_full` writes (config + format version)."""
+    import hashlib
+
+    payload = json.dumps({"cfg": FULL_CONFIG, "v": FULL_FORMAT_VERSION}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def build_full(out_dir: str | os.PathLike, *, force: bool = False) -> Path:
+    """Write the full-size model directory: ``config.json`` (:data:`FULL_CONFIG`, checked by
+    constructing transformers' ``Qwen3OmniMoeConfig`` from it), the tokenizer and processor
+    files, and the build stamp — no weights (load it with ``load_format: dummy``).
+
+    Returns:
+        The model directory (``out_dir``).
+    """
+    from transformers import Qwen3OmniMoeConfig
+
+    from omni_cache.models import build_processor, build_tokenizer, is_up_to_date
+
+    out = Path(out_dir)
+    stamp = out / "omni_cache_model.json"
+    fp = full_fingerprint()
+    if not force and is_up_to_date(stamp, fp):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    Qwen3OmniMoeConfig(**{k: v for k, v in FULL_CONFIG.items() if k != "model_type"})  # raises if malformed
+    (out / "config.json").write_text(json.dumps(FULL_CONFIG, indent=2))
+    tokenizer = build_tokenizer(out)
+    build_processor(tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stamp.write_text(json.dumps({"size": "full", "weights": "none (load_format: dummy)",
+                                 "source": "Qwen/Qwen3-Omni-30B-A3B-Instruct config.json",
+                                 "fingerprint": fp}, indent=2))
+    return out
