@@ -352,6 +352,9 @@ def build_tokenizer(out_dir: Path):
 
 
 def build_processor(tokenizer):
+    """Qwen3-Omni's processor (Qwen2-VL image and video processors, Whisper feature extractor
+    at 16 kHz, ``tokenizer``) as the released checkpoint configures it; returns a
+    ``Qwen3OmniMoeProcessor`` to ``save_pretrained`` next to the model."""
     from transformers import (
         Qwen2VLImageProcessor,
         Qwen3OmniMoeProcessor,
