@@ -60,7 +60,8 @@ def log(msg: str) -> None:
 def lane_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of every lane process: the CUDA platform, the test device, the tree
     first on ``PYTHONPATH`` (stage processes import omni-cache from it)."""
-    env = {**os.environ, "OMNI_CACHE_CUDA_PLATFORM": "1", "OMNI_TEST_DEVICE": "cuda",
+    env = {"OMNI_CACHE_PARALLEL_STAGE_INIT": "1",  # stages start together (docs/gpu.md, "Start-up")
+           **os.environ, "OMNI_CACHE_CUDA_PLATFORM": "1", "OMNI_TEST_DEVICE": "cuda",
            "PYTHONUNBUFFERED": "1", **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
