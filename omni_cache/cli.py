@@ -73,7 +73,17 @@ def _build(what: str, out: Path, build) -> int:
         print(f"up to date (build stamp matches), checked in {time.perf_counter() - t0:.1f} s")
     else:
         print(f"built in {time.perf_counter() - t0:.1f} s: {out}")
+    _print_model_notice(out)
     return 0
+
+
+def _print_model_notice(model: str | Path) -> None:
+    """Say so when ``model`` is the embedded seeded-random model
+    (:data:`omni_cache.models.EMBEDDED_MODEL_NOTICE`); nothing for a real checkpoint."""
+    from omni_cache.models import EMBEDDED_MODEL_NOTICE, ModelKind, model_kind
+
+    if model_kind(model) is ModelKind.EMBEDDED:
+        print(EMBEDDED_MODEL_NOTICE, flush=True)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -125,8 +135,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from omni_cache.driver.streaming import StreamingPipeline
 
+    from omni_cache.models import ModelKind, model_kind
+
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    kind = model_kind(model)
+    _print_model_notice(model)
     print(f"starting the pipeline ({cfg.path.name}, model {model}) — about 2-3 min on CPU ...", flush=True)
     summary = []
     with StreamingPipeline(model, cfg.path) as pipe:
@@ -159,8 +173,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 "error": res.error,
             })
             # after every request, so a run stopped early keeps what it has done
-            (out_dir / "summary.json").write_text(json.dumps({"start_s": pipe.start_s, "requests": summary}, indent=2))
+            (out_dir / "summary.json").write_text(json.dumps(
+                {"model": {"path": str(model), "kind": kind.value}, "start_s": pipe.start_s,
+                 "requests": summary}, indent=2))
     print(f"wrote {out_dir}/summary.json")
+    if kind is ModelKind.EMBEDDED:
+        print("(embedded model: its text is not language and its audio near-silent noise by design; "
+              "see the note above)")
     return 0
 
 
@@ -197,6 +216,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     model = args.model or str(default_model_dir("tiny"))
     if not args.model:
         build_qwen3_omni(model, "tiny")
+    _print_model_notice(model)
     extra = list(args.vllm_args or [])
     if extra and extra[0] == "--":
         extra = extra[1:]

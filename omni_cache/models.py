@@ -26,6 +26,7 @@ Sources: the sub-config fields and special-token ids follow the released
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
@@ -35,6 +36,17 @@ from pathlib import Path
 from omni_cache import settings
 
 SEED = 1234
+#: What a user of the embedded model must be told before listening to it (``omni-cache
+#: make-model`` / ``run`` print it; the README says the same).
+EMBEDDED_MODEL_NOTICE = (
+    "note: this is the embedded test model: a tiny Qwen3-Omni with seeded random weights, no "
+    "trained checkpoint. Its text is not language and its audio is near-silent noise; it exists to "
+    "run and test the real pipeline and the cache without downloads. For real answers pass "
+    "--model DIR with a real Qwen3-Omni checkpoint (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct) and a "
+    "GPU stage config (README: 'On GPUs')."
+)
+#: Build stamps the embedded model builders write (this module's and :mod:`omni_cache.models_gemma`'s).
+EMBEDDED_STAMPS = ("omni_cache_model.json", "omni_cache_gemma_omni.json")
 MODEL_FORMAT_VERSION = 2  # bump when the built model changes; part of the cache key
 
 # Real Qwen3-Omni special-token ids (tokenizer_config.json of the released model).
@@ -451,3 +463,20 @@ def default_model_dir(size: str = "tiny") -> Path:
     """Where ``omni-cache make-model`` puts a model by default:
     ``$OMNI_CACHE_HOME/models/qwen3-omni-<size>`` (:func:`models_home`)."""
     return models_home() / f"qwen3-omni-{size}"
+
+
+class ModelKind(str, enum.Enum):
+    """What a model directory holds, as ``omni-cache run`` records it in ``summary.json``."""
+
+    #: built by :func:`build_qwen3_omni` / :mod:`omni_cache.models_gemma`: seeded random weights
+    EMBEDDED = "embedded-seeded-random"
+    #: anything else (a downloaded or trained checkpoint, or a model id)
+    CHECKPOINT = "checkpoint"
+
+
+def model_kind(model_dir: str | os.PathLike) -> ModelKind:
+    """:attr:`ModelKind.EMBEDDED` if ``model_dir`` carries an embedded builder's stamp
+    (:data:`EMBEDDED_STAMPS`), else :attr:`ModelKind.CHECKPOINT` (also for a model id that is
+    not a local directory). Never raises."""
+    d = Path(model_dir)
+    return ModelKind.EMBEDDED if any((d / s).is_file() for s in EMBEDDED_STAMPS) else ModelKind.CHECKPOINT
