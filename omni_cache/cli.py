@@ -92,7 +92,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     try:
         cfg = load_stage_config(stage_config_path(args.stage_config), model_dir=args.model)
     except StageConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _print_errors(exc)
+        n = len(exc.problems)
+        print(f"{exc.path}: {n} problem{'s' if n > 1 else ''}", file=sys.stderr)
         return 2
     for sid in cfg.stage_ids:
         print(f"stage {sid}: prefix cache = {cfg.prefix_cache_backend(sid) or 'off'}")
@@ -100,6 +102,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     print(f"{cfg.path}: OK")
     return 0
+
+
+def _print_errors(exc: Exception) -> None:
+    """``error: <problem>`` on stderr, one line per problem of a
+    :class:`~omni_cache.driver.stage_config.StageConfigError` (else one line)."""
+    for problem in getattr(exc, "problems", None) or [exc]:
+        print(f"error: {problem}", file=sys.stderr)
 
 
 def _default_model(cfg) -> Path:
@@ -130,11 +139,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         requests = [build_request(args.text, image=image, audio=audio, system=args.system, family=cfg.thinker_family)
                     for _ in range(args.repeat)]
     except (StageConfigError, InputError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _print_errors(exc)
         return 2
 
     from omni_cache.driver.streaming import StreamingPipeline
-
     from omni_cache.models import ModelKind, model_kind
 
     out_dir = Path(args.out)
@@ -224,7 +232,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         server = OmniServer(model, stage_config_path(args.stage_config), host=args.host, port=args.port,
                             log_path=args.log, extra_args=extra)
     except StageConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _print_errors(exc)
         return 2
     print("server command: " + " ".join(server.command()), flush=True)
     print(f"server log: {server.log_path}", flush=True)

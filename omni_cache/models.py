@@ -20,8 +20,11 @@ Sizes (parameters, fp32 bytes on disk):
   as wide) — the other sizes' talker is a stub (hidden 64, 2 layers) whose prefill costs
   next to nothing.
 
-Sources: the sub-config fields and special-token ids follow the released
-``Qwen/Qwen3-Omni-30B-A3B-Instruct`` ``config.json``; sizes from ``../shared/notes``.
+Sources: the sub-config fields, special-token ids and settings (``audio_end_token_id``,
+``vision_end_token_id``, ``seconds_per_chunk``, ``position_id_per_seconds``, ...) follow the
+released ``Qwen/Qwen3-Omni-30B-A3B-Instruct`` ``config.json`` (every one of its token ids and
+settings is here with its value; ``tests/unit/test_model_config.py`` compares the keys and
+cites the copy it was read from); sizes from ``../shared/notes``.
 """
 
 from __future__ import annotations
@@ -167,9 +170,12 @@ def qwen3_omni_config_dict(size: ModelSize) -> dict:
             "image_token_id": SPECIAL_TOKENS["<|image_pad|>"],
             "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
             "audio_start_token_id": SPECIAL_TOKENS["<|audio_start|>"],
+            "audio_end_token_id": SPECIAL_TOKENS["<|audio_end|>"],
             "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
+            "vision_end_token_id": SPECIAL_TOKENS["<|vision_end|>"],
             "user_token_id": WORD_TOKENS["user"],
             "position_id_per_seconds": 13,
+            "seconds_per_chunk": 2,
             "initializer_range": 0.02,
             "audio_config": {
                 "num_mel_bins": 128,
@@ -223,7 +229,10 @@ def qwen3_omni_config_dict(size: ModelSize) -> dict:
             "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
             "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
             "audio_start_token_id": SPECIAL_TOKENS["<|audio_start|>"],
+            "audio_end_token_id": SPECIAL_TOKENS["<|audio_end|>"],
             "position_id_per_seconds": 13,
+            "seconds_per_chunk": 2,
+            "output_router_logits": False,
             "codec_pad_id": 2148,
             "codec_bos_id": 2149,
             "codec_eos_token_id": 2150,
@@ -465,7 +474,7 @@ def default_model_dir(size: str = "tiny") -> Path:
     return models_home() / f"qwen3-omni-{size}"
 
 
-class ModelKind(str, enum.Enum):
+class ModelKind(enum.StrEnum):
     """What a model directory holds, as ``omni-cache run`` records it in ``summary.json``."""
 
     #: built by :func:`build_qwen3_omni` / :mod:`omni_cache.models_gemma`: seeded random weights

@@ -2,8 +2,11 @@
 
 A stage config is vLLM-Omni's deploy YAML (``stages:`` list, ``platforms:``, pipeline-wide
 keys). vLLM-Omni passes unknown stage keys silently through to the engine, so a typo such
-as ``enable_prefix_cache`` is lost without a word; :func:`load_stage_config` refuses it
-with one :class:`StageConfigError` naming the file, the stage and the key.
+as ``enable_prefix_cache`` is lost without a word; :func:`load_stage_config` refuses it.
+It checks the whole file and raises one :class:`StageConfigError` listing **every** problem
+(:class:`StageConfigProblem`: file, line where the YAML loader gives it, stage, key, reason),
+so a user fixes them in one pass. Only a file that cannot be read as a YAML mapping with a
+``stages:`` list stops the checks early.
 
 omni-cache's own per-stage settings live in the stage's ``env:`` mapping (the schema's
 channel into the stage process, so the same YAML works with ``vllm-omni serve``); which
@@ -38,19 +41,97 @@ def bundled_stage_config(name: str) -> Path | None:
     return Path(str(f)) if f.is_file() else None
 
 
-class StageConfigError(ValueError):
-    """A stage config is invalid. ``path``, ``stage_id`` (or None) and ``key`` say where."""
+@dataclass(frozen=True)
+class StageConfigProblem:
+    """One problem in a stage config: ``path`` (the file), ``line`` (1-based, of the key or
+    item at fault; None where the YAML gives none), ``stage_id`` (None: pipeline-wide),
+    ``key`` (dotted for ``env.<NAME>``; None: the whole file) and ``reason``."""
 
-    def __init__(self, path: str | Path, reason: str, *, stage_id: int | None = None, key: str | None = None):
-        self.path = str(path)
-        self.stage_id = stage_id
-        self.key = key
-        where = self.path
-        if stage_id is not None:
-            where += f": stage {stage_id}"
-        if key is not None:
-            where += f": key {key!r}"
-        super().__init__(f"{where}: {reason}")
+    path: str
+    reason: str
+    stage_id: int | None = None
+    key: str | None = None
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        if self.stage_id is not None:
+            where += f": stage {self.stage_id}"
+        if self.key is not None:
+            where += f": key {self.key!r}"
+        return f"{where}: {self.reason}"
+
+
+class StageConfigError(ValueError):
+    """A stage config is invalid. ``problems`` lists every :class:`StageConfigProblem` found
+    (at least one), one per line of the message; ``path``, ``stage_id``, ``key`` and ``line``
+    are the first problem's."""
+
+    def __init__(self, path: str | Path, reason: str | None = None, *, stage_id: int | None = None,
+                 key: str | None = None, line: int | None = None,
+                 problems: typing.Sequence[StageConfigProblem] = ()):
+        problems = list(problems)
+        if reason is not None:
+            problems.insert(0, StageConfigProblem(str(path), reason, stage_id, key, line))
+        assert problems, "a StageConfigError needs at least one problem"
+        self.problems = problems
+        first = problems[0]
+        self.path, self.stage_id, self.key, self.line = first.path, first.stage_id, first.key, first.line
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+class _Problems:
+    """Collects :class:`StageConfigProblem` s of one file; lines come from the composed YAML
+    (:func:`_key_lines`), looked up by the item's path in the document."""
+
+    def __init__(self, path: Path, lines: dict[tuple, int]):
+        self.path, self.lines, self.found = path, lines, []
+        self.stage_index: dict[int, int] = {}  # stage_id -> index in ``stages``
+
+    def add(self, reason: str, *, stage_id: int | None = None, key: str | None = None,
+            at: tuple = ()) -> None:
+        """Record a problem; ``at``: its path in the document (e.g. ``("stages", 0, "env",
+        "OMNI_CACHE_X")``), for the line (the nearest enclosing item that has one)."""
+        line = None
+        for n in range(len(at), 0, -1):
+            if at[:n] in self.lines:
+                line = self.lines[at[:n]]
+                break
+        self.found.append(StageConfigProblem(str(self.path), reason, stage_id, key, line))
+
+    def at_stage(self, stage_id: int, *rest) -> tuple:
+        """The document path of ``rest`` inside the stage with ``stage_id``."""
+        i = self.stage_index.get(stage_id)
+        return () if i is None else ("stages", i, *rest)
+
+    def raise_if_any(self) -> None:
+        if self.found:
+            raise StageConfigError(self.path, problems=self.found)
+
+
+def _key_lines(text: str) -> dict[tuple, int]:
+    """1-based line of every mapping key and sequence item of the YAML document ``text``, by
+    its path (``("stages", 0, "env", "NAME")``); {} if it cannot be composed."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    out: dict[tuple, int] = {}
+
+    def walk(node, path: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else None
+                out[(*path, key)] = k.start_mark.line + 1
+                walk(v, (*path, key))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                out[(*path, i)] = v.start_mark.line + 1
+                walk(v, (*path, i))
+
+    if root is not None:
+        walk(root, ())
+    return out
 
 
 @dataclass
@@ -101,8 +182,8 @@ class StageConfig:
             return None
         if stage_id != 0:
             return "talker"
-        s = self.stage(stage_id)
-        return settings.PREFIX_CACHE_BACKEND.get({k: str(v) for k, v in (s.get("env") or {}).items()})
+        env = self.stage(stage_id).get("env")
+        return settings.PREFIX_CACHE_BACKEND.get({k: str(v) for k, v in env.items()} if isinstance(env, dict) else {})
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -136,26 +217,26 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _check_keys(path: Path, mapping: dict, schema: dict[str, Any], stage_id: int | None) -> None:
+def _check_keys(problems: _Problems, mapping: dict, schema: dict[str, Any], stage_id: int | None,
+                at: tuple = ()) -> None:
+    """Unknown keys (with the closest known one) and values of the wrong declared type."""
     for key, value in mapping.items():
         if key not in schema:
-            close = difflib.get_close_matches(key, list(schema), n=1)
+            close = difflib.get_close_matches(str(key), list(schema), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise StageConfigError(path, f"unknown key{hint}", stage_id=stage_id, key=key)
-        if not _type_ok(value, schema[key]):
-            raise StageConfigError(
-                path,
-                f"expected {_type_name(schema[key])}, got {type(value).__name__} {value!r}",
-                stage_id=stage_id,
-                key=key,
-            )
+            problems.add(f"unknown key{hint}", stage_id=stage_id, key=key, at=(*at, key))
+        elif not _type_ok(value, schema[key]):
+            problems.add(f"expected {_type_name(schema[key])}, got {type(value).__name__} {value!r}",
+                         stage_id=stage_id, key=key, at=(*at, key))
 
 
-def _check_env(path: Path, env: Any, stage_id: int) -> None:
+def _check_env(problems: _Problems, env: Any, stage_id: int, at: tuple) -> None:
+    """The ``OMNI_CACHE_*`` variables of a stage's ``env:``: known, per-stage, valid values."""
     if env is None:
         return
     if not isinstance(env, dict):
-        raise StageConfigError(path, f"expected a mapping, got {type(env).__name__}", stage_id=stage_id, key="env")
+        problems.add(f"expected a mapping, got {type(env).__name__}", stage_id=stage_id, key="env", at=at)
+        return
     for name, value in env.items():
         if not str(name).startswith(settings.PREFIX):
             continue
@@ -165,17 +246,17 @@ def _check_env(path: Path, env: Any, stage_id: int) -> None:
             close = difflib.get_close_matches(name, stage_names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             what = "unknown omni-cache setting" if setting is None else "not a per-stage setting"
-            raise StageConfigError(path, f"{what}{hint}", stage_id=stage_id, key=f"env.{name}")
+            problems.add(f"{what}{hint}", stage_id=stage_id, key=f"env.{name}", at=(*at, name))
+            continue
         try:
             setting.check(str(value))
-        except settings.SettingError as exc:
-            raise StageConfigError(path, f"expected {setting.kind.value}"
-                                   + (f" {setting.choices}" if setting.choices else "") + f", got {value!r}",
-                                   stage_id=stage_id, key=f"env.{name}") from exc
+        except settings.SettingError:
+            problems.add(f"expected {setting.kind.value}" + (f" {setting.choices}" if setting.choices else "")
+                         + f", got {value!r}", stage_id=stage_id, key=f"env.{name}", at=(*at, name))
 
 
 def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) -> StageConfig:
-    """Load and validate a vLLM-Omni deploy YAML.
+    """Load and validate a vLLM-Omni deploy YAML, reporting every problem at once.
 
     Args:
         path: the YAML file.
@@ -185,9 +266,13 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
         The validated :class:`StageConfig`.
 
     Raises:
-        StageConfigError: missing/unreadable file, YAML syntax, unknown top-level or stage
-            key, wrong value type, duplicate or missing ``stage_id``, bad omni-cache
-            setting, missing model directory. The message names file, stage and key.
+        StageConfigError: with every problem found (``.problems``, one line each in the
+            message: file, line, stage, key, reason): unknown top-level or stage keys (with a
+            suggestion), wrong value types, duplicate or missing ``stage_id``, bad omni-cache
+            settings, cross-stage rules (capped scheduler, talker identity, routing, KV-shared
+            layers), a missing model directory. A missing or unreadable file, a YAML syntax
+            error, or a document that is not a mapping with a ``stages:`` list is reported
+            alone (nothing else can be checked).
     """
     from omni_cache.driver.schema import deploy_fields, stage_fields
 
@@ -195,58 +280,73 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
     if not p.is_file():
         raise StageConfigError(p, "file not found")
     try:
-        raw = yaml.safe_load(p.read_text())
+        text = p.read_text()
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise StageConfigError(p, f"not valid YAML: {exc}") from exc
+        mark = getattr(exc, "problem_mark", None)
+        raise StageConfigError(p, f"not valid YAML: {exc}", line=None if mark is None else mark.line + 1) from exc
     except OSError as exc:
         raise StageConfigError(p, f"cannot read: {exc}") from exc
     if not isinstance(raw, dict):
         raise StageConfigError(p, "expected a mapping at the top level")
-    top = deploy_fields()
-    _check_keys(p, {k: v for k, v in raw.items() if k not in ("stages", "platforms")}, top, None)
+    problems = _Problems(p, _key_lines(text))
+    _check_keys(problems, {k: v for k, v in raw.items() if k not in ("stages", "platforms")}, deploy_fields(), None)
     stages = raw.get("stages")
     if not isinstance(stages, list) or not stages:
-        raise StageConfigError(p, "expected a non-empty list", key="stages")
+        problems.add("expected a non-empty list", key="stages", at=("stages",))
+        problems.raise_if_any()
     schema = stage_fields()
     seen: list[int] = []
+    good: list[dict] = []  # the stages with a usable stage_id, for the cross-stage checks
     for i, s in enumerate(stages):
         if not isinstance(s, dict):
-            raise StageConfigError(p, f"stages[{i}] is not a mapping", key="stages")
+            problems.add(f"stages[{i}] is not a mapping", key="stages", at=("stages", i))
+            continue
         sid = s.get("stage_id")
         if not isinstance(sid, int) or isinstance(sid, bool):
-            raise StageConfigError(p, f"stages[{i}] needs an integer stage_id", key="stage_id")
+            problems.add(f"stages[{i}] needs an integer stage_id", key="stage_id", at=("stages", i, "stage_id"))
+            continue
         if sid in seen:
-            raise StageConfigError(p, "duplicate stage_id", stage_id=sid, key="stage_id")
+            problems.add("duplicate stage_id", stage_id=sid, key="stage_id", at=("stages", i, "stage_id"))
+            continue
         seen.append(sid)
-        _check_keys(p, s, schema, sid)
-        _check_env(p, s.get("env"), sid)
+        good.append(s)
+        problems.stage_index[sid] = i
+        _check_keys(problems, s, schema, sid, at=("stages", i))
+        _check_env(problems, s.get("env"), sid, at=("stages", i, "env"))
     platforms = raw.get("platforms") or {}
     if not isinstance(platforms, dict):
-        raise StageConfigError(p, "expected a mapping", key="platforms")
+        problems.add("expected a mapping", key="platforms", at=("platforms",))
+        platforms = {}
     for name, section in platforms.items():
-        for s in (section or {}).get("stages", []) or []:
+        for j, s in enumerate((section or {}).get("stages", []) or []):
+            at = ("platforms", name, "stages", j)
             sid = s.get("stage_id")
             if sid not in seen:
-                raise StageConfigError(p, f"platforms.{name} names stage {sid!r}, which is not in stages",
-                                       key="stage_id")
-            _check_keys(p, {k: v for k, v in s.items()}, schema, sid)
-    cfg = StageConfig(path=p, raw=raw, stage_ids=seen)
-    _check_capped_scheduler(cfg)
-    _check_talker_identity(cfg)
-    _check_routing(cfg)
+                problems.add(f"platforms.{name} names stage {sid!r}, which is not in stages", key="stage_id",
+                             at=(*at, "stage_id"))
+                continue
+            _check_keys(problems, dict(s), schema, sid, at=at)
+    cfg = StageConfig(path=p, raw={**raw, "stages": good}, stage_ids=seen)
+    _check_capped_scheduler(cfg, problems)
+    _check_talker_identity(cfg, problems)
+    _check_routing(cfg, problems)
     if model_dir is not None:
         md = Path(model_dir)
         if not (md / "config.json").is_file():
-            raise StageConfigError(p, f"model directory {str(md)!r} has no config.json (run 'omni-cache make-model')",
-                                   key="model")
-        _check_yoco(p, raw, stages, md)
+            problems.add(f"model directory {str(md)!r} has no config.json (run 'omni-cache make-model')",
+                         key="model")
+        else:
+            _check_yoco(problems, raw, good, md)
     else:
         cfg.notes.extend(f"stage {s['stage_id']}: KV-shared (YOCO) check skipped: it reads the model's config, "
-                         "pass --model DIR" for s in stages if _is_yoco_stage(s))
+                         "pass --model DIR" for s in good if _is_yoco_stage(s))
+    problems.raise_if_any()
+    cfg.raw = raw
     return cfg
 
 
-def _check_capped_scheduler(cfg: StageConfig) -> None:
+def _check_capped_scheduler(cfg: StageConfig, problems: _Problems) -> None:
     """A stage with omni-cache as its prefix-cache backend must run the capped scheduler
     (registered pipelines, :data:`omni_cache.engine.plugin.CAPPED_STAGES`): without it a hit
     whose rows are not covered would stop the model runner instead of being recomputed."""
@@ -254,16 +354,20 @@ def _check_capped_scheduler(cfg: StageConfig) -> None:
 
     pipeline = cfg.raw.get("pipeline")
     for sid in cfg.stage_ids:
-        if cfg.prefix_cache_backend(sid) != "omni_cache" or sid in CAPPED_STAGES.get(str(pipeline), ()):
+        try:
+            backend = cfg.prefix_cache_backend(sid)
+        except settings.SettingError:
+            continue  # reported by _check_env
+        if backend != "omni_cache" or sid in CAPPED_STAGES.get(str(pipeline), ()):
             continue
         hint = f"set `pipeline: {CAPPED_PIPELINE}` (Qwen3-Omni) or another omni-cache pipeline"
-        raise StageConfigError(
-            cfg.path, f"prefix cache backend omni_cache needs omni-cache's capped scheduler, which pipeline "
+        problems.add(
+            f"prefix cache backend omni_cache needs omni-cache's capped scheduler, which pipeline "
             f"{pipeline!r} does not run on this stage; {hint}, or set "
-            f"{settings.PREFIX_CACHE_BACKEND.name}: builtin", stage_id=sid, key="pipeline")
+            f"{settings.PREFIX_CACHE_BACKEND.name}: builtin", stage_id=sid, key="pipeline", at=("pipeline",))
 
 
-def _check_talker_identity(cfg: StageConfig) -> None:
+def _check_talker_identity(cfg: StageConfig, problems: _Problems) -> None:
     """Prefix caching on a stage after the thinker needs content identity for its blocks:
     vLLM-Omni gives the talker placeholder prompt ids (``[0] * n``), so without omni-cache's
     talker scheduler (:data:`omni_cache.engine.plugin.TALKER_IDENTITY_STAGES`) two
@@ -274,35 +378,40 @@ def _check_talker_identity(cfg: StageConfig) -> None:
     for sid in cfg.stage_ids:
         if sid == 0 or not cfg.prefix_caching(sid) or sid in TALKER_IDENTITY_STAGES.get(str(pipeline), ()):
             continue
-        raise StageConfigError(
-            cfg.path, f"prefix caching here needs content identity for the stage's blocks (vLLM-Omni hands "
+        problems.add(
+            f"prefix caching here needs content identity for the stage's blocks (vLLM-Omni hands "
             f"the talker placeholder prompt ids: two conversations of equal lengths would share KV), and "
             f"pipeline {pipeline!r} does not give it on this stage; omni-cache gives it on the talker "
             f"(stage 1) of `pipeline: {CAPPED_PIPELINE}` (Qwen3-Omni) — or set enable_prefix_caching: false",
-            stage_id=sid, key="enable_prefix_caching")
+            stage_id=sid, key="enable_prefix_caching", at=problems.at_stage(sid, "enable_prefix_caching"))
 
 
 _ROUTING_KNOBS = (settings.ROUTING_LOAD_MARGIN, settings.ROUTING_CAPACITY_BLOCKS)
 
 
-def _check_routing(cfg: StageConfig) -> None:
+def _check_routing(cfg: StageConfig, problems: _Problems) -> None:
     """Prefix routing (``OMNI_CACHE_ROUTING: prefix``, docs/routing.md) routes the thinker's
     replicas only: talker and code2wav keep vLLM-Omni's routing (their requests follow the
     thinker's through the orchestrator). Its knobs without it are a mistake, not a no-op."""
     for sid in cfg.stage_ids:
-        env = {k: str(v) for k, v in (cfg.stage(sid).get("env") or {}).items()}
-        mode = settings.ROUTING.get(env)
+        env = cfg.stage(sid).get("env")
+        env = {k: str(v) for k, v in env.items()} if isinstance(env, dict) else {}
+        try:
+            mode = settings.ROUTING.get(env)
+        except settings.SettingError:
+            continue  # reported by _check_env
         if sid != 0 and (settings.ROUTING.name in env or any(k.name in env for k in _ROUTING_KNOBS)):
             key = settings.ROUTING.name if settings.ROUTING.name in env else next(
                 k.name for k in _ROUTING_KNOBS if k.name in env)
-            raise StageConfigError(cfg.path, "omni-cache routes the thinker's (stage 0) replicas only; "
-                                   "talker and code2wav keep vLLM-Omni's routing — move it to stage 0",
-                                   stage_id=sid, key=f"env.{key}")
+            problems.add("omni-cache routes the thinker's (stage 0) replicas only; "
+                         "talker and code2wav keep vLLM-Omni's routing — move it to stage 0",
+                         stage_id=sid, key=f"env.{key}", at=problems.at_stage(sid, "env", key))
+            continue
         if mode != "prefix":
             for k in _ROUTING_KNOBS:
                 if k.name in env:
-                    raise StageConfigError(cfg.path, f"has no effect without {settings.ROUTING.name}: prefix",
-                                           stage_id=sid, key=f"env.{k.name}")
+                    problems.add(f"has no effect without {settings.ROUTING.name}: prefix",
+                                 stage_id=sid, key=f"env.{k.name}", at=problems.at_stage(sid, "env", k.name))
             continue
         s = cfg.stage(sid)
         replicas = (s.get("runtime") or {}).get("num_replicas", s.get("num_replicas", 1))
@@ -311,18 +420,19 @@ def _check_routing(cfg: StageConfig) -> None:
                              "nothing to route on this host (distributed replicas may still register)")
         enabled = s.get("enable_prefix_caching", cfg.raw.get("enable_prefix_caching"))
         if not enabled:
-            raise StageConfigError(cfg.path, "prefix routing sends a request where its prefix is cached, "
-                                   "which needs enable_prefix_caching: true on the thinker",
-                                   stage_id=sid, key=f"env.{settings.ROUTING.name}")
+            problems.add("prefix routing sends a request where its prefix is cached, "
+                         "which needs enable_prefix_caching: true on the thinker",
+                         stage_id=sid, key=f"env.{settings.ROUTING.name}",
+                         at=problems.at_stage(sid, "env", settings.ROUTING.name))
 
 
 def _is_yoco_stage(stage: dict) -> bool:
-    env = stage.get("env") or {}
+    env = stage.get("env") if isinstance(stage.get("env"), dict) else {}
     return bool(stage.get("kv_sharing_fast_prefill", False)) or bool(
         env.keys() & {settings.YOCO_ACCEPT_LAYER.name, settings.YOCO_CAPTURE_LAYERS.name})
 
 
-def _check_yoco(p: Path, raw: dict, stages: list[dict], model_dir: Path) -> None:
+def _check_yoco(problems: _Problems, raw: dict, stages: list[dict], model_dir: Path) -> None:
     """KV-shared (YOCO) thinkers: refuse a stage whose hand-off needs rows that
     ``kv_sharing_fast_prefill`` truncates (rule: captured layers must be full-length; the
     final hidden states are not) — at start-up, not as silent wrong data. See docs/yoco.md."""
@@ -331,20 +441,23 @@ def _check_yoco(p: Path, raw: dict, stages: list[dict], model_dir: Path) -> None
     from omni_cache.engine.plugin import STAGE_MODEL_SUBDIRS
     from omni_cache.yoco import YocoConfigError, stage_plan
 
+    p = problems.path
     subdirs = STAGE_MODEL_SUBDIRS.get(str(raw.get("pipeline", "")), {})
     for s in stages:
-        sid, env = s["stage_id"], s.get("env") or {}
+        sid, env = s["stage_id"], s.get("env") if isinstance(s.get("env"), dict) else {}
         fast = bool(s.get("kv_sharing_fast_prefill", False))
         if not _is_yoco_stage(s):
             continue
+        at = problems.at_stage(sid, "kv_sharing_fast_prefill")
         cfg_dir = Path(s["model"]) if s.get("model") else model_dir / subdirs.get(sid, "")
         try:
             hf = json.loads((cfg_dir / "config.json").read_text())
         except (OSError, ValueError) as exc:
-            raise StageConfigError(p, f"cannot read the stage's model config {str(cfg_dir / 'config.json')!r}: {exc}",
-                                   stage_id=sid, key="kv_sharing_fast_prefill") from exc
+            problems.add(f"cannot read the stage's model config {str(cfg_dir / 'config.json')!r}: {exc}",
+                         stage_id=sid, key="kv_sharing_fast_prefill", at=at)
+            continue
         try:
             stage_plan(hf, fast, {k: str(v) for k, v in env.items()})[0].check(where=f"{p}: stage {sid}")
         except YocoConfigError as exc:
-            raise StageConfigError(p, str(exc).replace(f"{p}: stage {sid}: ", ""), stage_id=sid,
-                                   key="kv_sharing_fast_prefill") from exc
+            problems.add(str(exc).replace(f"{p}: stage {sid}: ", ""), stage_id=sid,
+                         key="kv_sharing_fast_prefill", at=at)

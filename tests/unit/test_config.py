@@ -140,3 +140,62 @@ def test_yoco_check_without_model_says_it_was_skipped(capsys):
     assert main(["validate", "gemma3n_yoco_cpu.yaml"]) == 0
     out = capsys.readouterr().out
     assert "note: stage 0: KV-shared (YOCO) check skipped" in out and "--model" in out
+
+
+THREE_PROBLEMS = """\
+pipeline: qwen3_omni_moe_omni_cache
+stages:
+  - stage_id: 0
+    enable_prefix_cache: true
+    env:
+      OMNI_CACHE_PREFIX_CACHE_BACKEND: lmcache
+  - stage_id: 1
+    max_num_seqs: many
+  - stage_id: 2
+    enable_prefix_caching: true
+"""
+
+
+def test_every_problem_is_reported_at_once_with_line_stage_and_key(tmp_path):
+    p = tmp_path / "three.yaml"
+    p.write_text(THREE_PROBLEMS)
+    with pytest.raises(StageConfigError) as e:
+        load_stage_config(p)
+    got = {(q.line, q.stage_id, q.key) for q in e.value.problems}
+    assert got == {(4, 0, "enable_prefix_cache"), (6, 0, "env.OMNI_CACHE_PREFIX_CACHE_BACKEND"),
+                   (8, 1, "max_num_seqs"), (10, 2, "enable_prefix_caching")}, e.value.problems
+    lines = str(e.value).splitlines()
+    assert len(lines) == 4 and all(ln.startswith(f"{p}:") for ln in lines), lines
+    assert f"{p}:4: stage 0: key 'enable_prefix_cache': unknown key (did you mean 'enable_prefix_caching'?)" in lines
+    assert any(ln.startswith(f"{p}:8: stage 1: key 'max_num_seqs': expected int") for ln in lines), lines
+    # the first problem's fields stay on the error (callers that read .stage_id / .key)
+    assert (e.value.line, e.value.stage_id, e.value.key) == (4, 0, "enable_prefix_cache")
+
+
+def test_cli_validate_prints_every_problem_and_exits_non_zero(tmp_path, capsys):
+    p = tmp_path / "three.yaml"
+    p.write_text(THREE_PROBLEMS)
+    assert main(["validate", str(p)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert [ln.split(": ")[0] for ln in err[:4]] == ["error"] * 4, err
+    for where in (":4: stage 0: key 'enable_prefix_cache'", ":6: stage 0: key 'env.OMNI_CACHE_PREFIX_CACHE_BACKEND'",
+                  ":8: stage 1: key 'max_num_seqs'", ":10: stage 2: key 'enable_prefix_caching'"):
+        assert sum(where in ln for ln in err) == 1, (where, err)
+    assert err[-1] == f"{p}: 4 problems"
+
+
+def test_yaml_syntax_error_names_its_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - stage_id: 0\n    block_size: [32\n")
+    with pytest.raises(StageConfigError, match=r"bad.yaml:\d+: not valid YAML") as e:
+        load_stage_config(bad)
+    assert e.value.line is not None and len(e.value.problems) == 1
+
+
+def test_stages_without_usable_ids_are_reported_and_the_rest_still_checked(tmp_path):
+    p = tmp_path / "ids.yaml"
+    p.write_text("stages:\n  - stage_id: zero\n    blocksize: 32\n  - 7\n  - stage_id: 1\n    blocksize: 32\n")
+    with pytest.raises(StageConfigError) as e:
+        load_stage_config(p)
+    got = [(q.line, q.stage_id, q.key) for q in e.value.problems]
+    assert got == [(2, None, "stage_id"), (4, None, "stages"), (6, 1, "blocksize")], e.value.problems

@@ -42,3 +42,20 @@ def test_a_server_that_exits_is_reported_with_its_log(tiny_model_dir, tmp_path):
             srv.wait_ready(timeout=600)
     finally:
         srv.stop()
+
+
+def test_embedded_model_notice_and_kind(tiny_model_dir, tmp_path, capsys):
+    """The embedded model says what it is (seeded random weights); a checkpoint directory
+    without an embedded builder's stamp is a ``checkpoint`` and gets no notice."""
+    from omni_cache.cli import _print_model_notice
+    from omni_cache.models import EMBEDDED_MODEL_NOTICE, ModelKind, model_kind
+
+    assert model_kind(tiny_model_dir) is ModelKind.EMBEDDED
+    assert model_kind(tmp_path) is ModelKind.CHECKPOINT
+    assert model_kind("Qwen/Qwen3-Omni-30B-A3B-Instruct") is ModelKind.CHECKPOINT
+    _print_model_notice(tmp_path)
+    assert capsys.readouterr().out == ""
+    assert main(["make-model", "--out", str(tiny_model_dir)]) == 0  # up to date: no rebuild
+    out = capsys.readouterr().out
+    assert EMBEDDED_MODEL_NOTICE in out
+    assert "seeded random" in EMBEDDED_MODEL_NOTICE and "--model DIR" in EMBEDDED_MODEL_NOTICE
