@@ -7,7 +7,9 @@ tests/pipeline/test_serve.py; here a small Starlette app stands in for the route
 from __future__ import annotations
 
 import json
+import logging
 
+import pytest
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -15,6 +17,7 @@ from starlette.testclient import TestClient
 
 from omni_cache.driver.http_errors import (
     ValidationErrorStatusMiddleware,
+    dedupe_message,
     rewrite_validation_500,
     validation_error_param,
 )
@@ -78,3 +81,96 @@ def test_middleware_maps_validation_500_to_400_and_passes_the_rest():
     assert c.get("/v1/ok").json() == {"ok": True}
     assert c.get("/v1/stream").text == "data: 1\n\ndata: [DONE]\n\n"
     assert c.get("/other").status_code == 500  # only /v1/* routes are looked at
+
+
+TRUNCATED = "image file is truncated (6 bytes not processed)"
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def logged():
+    """A handler on vLLM's ``vllm`` logger (where vLLM-Omni's records go), added before the
+    middleware is built (it puts its filter on that logger's handlers)."""
+    h = _Records()
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(h)
+    yield h
+    vllm_logger.removeHandler(h)
+
+
+def _logging_app() -> TestClient:
+    log = logging.getLogger("vllm.omni_cache_test")
+
+    async def bad_image(request):  # as vLLM-Omni's chat route answers a truncated JPEG
+        await request.json()
+        try:
+            raise ValueError(TRUNCATED) from OSError(TRUNCATED)
+        except ValueError as e:
+            log.exception("Error in preprocessing prompt inputs")
+            return JSONResponse(_err(f"{e} {e.__cause__}", 400), status_code=400)
+
+    async def server_bug(request):
+        try:
+            raise RuntimeError("engine core died")
+        except RuntimeError:
+            log.exception("Error in chat completion")
+            return JSONResponse(_err("engine core died", 500), status_code=500)
+
+    async def ok(request):
+        log.warning("served")
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", bad_image, methods=["POST"]),
+                            Route("/v1/bug", server_bug), Route("/v1/ok", ok)])
+    app.add_middleware(ValidationErrorStatusMiddleware)
+    return TestClient(app)
+
+
+def test_dedupe_message():
+    assert dedupe_message(f"{TRUNCATED} {TRUNCATED}") == TRUNCATED
+    assert dedupe_message(f"Failed to load image: {TRUNCATED} {TRUNCATED}") == f"Failed to load image: {TRUNCATED}"
+    assert dedupe_message(TRUNCATED) == TRUNCATED
+    assert dedupe_message("no no") == "no no"  # too short to be a repeated cause
+
+
+def test_rejected_request_logs_one_warning_without_traceback(logged, caplog):
+    c = _logging_app()
+    image = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,/9j/"}}
+    with caplog.at_level(logging.WARNING, logger="omni_cache.server"):
+        r = c.post("/v1/chat/completions", headers={"X-Request-Id": "req-42"},
+                   json={"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == TRUNCATED  # said once
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert not [x for x in logged.records if x.exc_info], "the traceback reached the log"
+    warnings = [x.getMessage() for x in caplog.records if x.name == "omni_cache.server"]
+    assert warnings == ["rejected request req-42: POST /v1/chat/completions: HTTP 400: "
+                        f"messages[0].content[1].image_url: {TRUNCATED}"], warnings
+    assert all(x.levelno == logging.WARNING for x in caplog.records if x.name == "omni_cache.server")
+
+
+def test_rejected_request_without_an_id_gets_one_in_the_log_and_the_answer(logged, caplog):
+    c = _logging_app()
+    with caplog.at_level(logging.WARNING, logger="omni_cache.server"):
+        r = c.post("/v1/chat/completions", json={"messages": []})
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 400 and rid.startswith("rejected-")
+    assert [x.getMessage().split(":")[0] for x in caplog.records if x.name == "omni_cache.server"] == \
+        [f"rejected request {rid}"]
+
+
+def test_server_errors_keep_their_traceback_and_other_records_pass(logged):
+    c = _logging_app()
+    assert c.get("/v1/bug").status_code == 500
+    tb = [x for x in logged.records if x.exc_info]
+    assert len(tb) == 1 and tb[0].getMessage() == "Error in chat completion"
+    assert c.get("/v1/ok").status_code == 200
+    assert [x.getMessage() for x in logged.records][-1] == "served"
