@@ -18,8 +18,14 @@ streaming path in ``test_streaming_equality.py``). Checked:
   one — the initial codec chunk — arriving before the rest); the same two-turn chat streamed
   gets the same exact hit and its text, token ids and every audio packet are bitwise equal to
   its cache-off reference's;
-- a non-image in ``image_url``, undecodable audio, and a prompt longer than ``max_model_len``
-  answer HTTP 400 with a message naming the problem, and the next request is served;
+- a non-image in ``image_url``, a truncated JPEG, undecodable audio, and a prompt longer than
+  ``max_model_len`` answer HTTP 400 with a message naming the problem (said once), the server
+  log has one ``WARNING`` line per rejected request (its ``X-Request-Id``) and no
+  ``Traceback``, and the next request is served;
+- video with its audio track (``video_url`` + ``mm_processor_kwargs.use_audio_in_video``, a
+  2 s 224×224 clip with speech) and without it: each reply is bitwise equal to its cache-off
+  reference; two same-size clips with other pixels (same token ids) share hits only up to the
+  last whole block before the clip, the same clip again hits through it;
 - the server stops cleanly (exit code 0, port closed).
 
 Two properties of the setup the checks depend on:
@@ -45,6 +51,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from omni_cache.driver.http_errors import dedupe_message
 from omni_cache.driver.inputs import sample_path
 from omni_cache.driver.server import OmniServer
 from tests.device import device_stage_config
@@ -90,16 +97,18 @@ def _stage_params(thinker_params: dict | None, reference: bool) -> list | None:
 
 
 def _chat(server: OmniServer, messages: list, max_tokens: int | None = None, thinker_params: dict | None = None,
-          reference: bool = False) -> dict:
+          reference: bool = False, extra_body: dict | None = None, request_id: str | None = None) -> dict:
     """One non-streaming chat completion with text + audio out; the response as a dict.
     ``thinker_params``: the thinker's sampling parameters (vLLM-Omni's ``sampling_params_list``;
     the talker and code2wav keep their stage-config defaults); ``reference``: a cache-off
     reference (:func:`_stage_params`)."""
     kw = {"max_tokens": max_tokens} if max_tokens else {}
-    extra = {"return_token_ids": True}
+    extra = {"return_token_ids": True, **(extra_body or {})}
     params = _stage_params(thinker_params, reference)
     if params is not None:
         extra["sampling_params_list"] = params
+    if request_id is not None:
+        kw["extra_headers"] = {"X-Request-Id": request_id}
     r = _client(server).chat.completions.create(
         model=server.model_name(), messages=messages, modalities=["text", "audio"], seed=SEED,
         extra_body=extra, **kw)
@@ -356,6 +365,12 @@ BAD = {
           "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"plain text, no image").decode()}},
          {"type": "text", "text": "What is this?"}],
         ("image",)),
+    "truncated JPEG": (
+        [{"type": "image_url",
+          "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(
+              open(sample_path("astronaut.jpg"), "rb").read()[:4000]).decode()}},
+         {"type": "text", "text": "What is this?"}],
+        ("image",)),
     "undecodable audio": (
         [{"type": "input_audio",
           "input_audio": {"data": base64.b64encode(b"RIFF....WAVEnot audio").decode(), "format": "wav"}},
@@ -371,11 +386,104 @@ def test_bad_request_is_4xx_and_server_keeps_serving(server_on, name):
 
     content, words = BAD[name]
     with pytest.raises(openai.BadRequestError) as ei:
-        _chat(server_on, [{"role": "user", "content": content}])
+        _chat(server_on, [{"role": "user", "content": content}], request_id=_bad_id(name))
     assert ei.value.status_code == 400
-    assert any(w in str(ei.value).lower() for w in words), str(ei.value)
+    message = ei.value.body["message"] if isinstance(ei.value.body, dict) else str(ei.value)
+    assert any(w in message.lower() for w in words), message
+    assert dedupe_message(message) == message, f"the message repeats itself: {message!r}"
     assert server_on.alive() and server_on.get("/health")[0] == 200
     _check_text_and_audio(_chat(server_on, [{"role": "user", "content": "Still there?"}]))
+
+
+def _bad_id(name: str) -> str:
+    return "bad-" + name.replace(" ", "-")
+
+
+def test_bad_requests_log_one_warning_each_and_no_traceback(server_on):
+    """After the bad-request cases: one WARNING line per rejected request, naming it; no
+    traceback anywhere in the server log (bad input is not a server failure)."""
+    log = server_on.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, log[log.index("Traceback") - 2000:log.index("Traceback") + 2000]
+    for name in BAD:
+        lines = [ln for ln in log.splitlines() if f"rejected request {_bad_id(name)}:" in ln]
+        assert len(lines) == 1 and "WARNING" in lines[0], (name, lines)
+
+
+VISION_START, AUDIO_PAD = 151652, 151675  # the real Qwen3-Omni ids (omni_cache.models.SPECIAL_TOKENS)
+
+
+def _clip(pixel_seed: int, seconds: float = 2.0, size: int = 224, fps: int = 4) -> str:
+    """A ``seconds`` mp4 (MPEG-4 video, ``size`` × ``size`` random pixels drawn from
+    ``pixel_seed``; AAC audio: the bundled speech recording) as a data URL. Same arguments but
+    the seed: same length and size, so the same prompt token ids."""
+    import av
+
+    wav, sr = sf.read(sample_path("speech.wav"), dtype="float32")
+    wav = (wav.mean(axis=1) if wav.ndim > 1 else wav)[:int(seconds * sr)]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        v = c.add_stream("mpeg4", rate=fps)
+        v.width = v.height = size
+        v.pix_fmt = "yuv420p"
+        a = c.add_stream("aac", rate=sr)
+        a.layout = "mono"
+        rng = np.random.default_rng(pixel_seed)
+        for _ in range(int(seconds * fps)):
+            img = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+            for packet in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(packet)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wav[None, :]), format="flt", layout="mono")
+        frame.sample_rate = sr
+        for stream, item in ((v, None), (a, frame), (a, None)):
+            for packet in stream.encode(item):
+                c.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _video_chat(server: OmniServer, clip: str, audio_in_video: bool, reference: bool = False) -> dict:
+    messages = [{"role": "system", "content": "Video. " + SYSTEM},
+                {"role": "user", "content": [{"type": "video_url", "video_url": {"url": clip}},
+                                             {"type": "text", "text": "What happens in this clip?"}]}]
+    return _chat(server, messages, reference=reference,
+                 extra_body={"mm_processor_kwargs": {"use_audio_in_video": audio_in_video}})
+
+
+@pytest.fixture(scope="module")
+def video_chats(server_on):
+    """Clip A with its audio track, clip B (other pixels, same size) with it, clip A again,
+    clip A without it; then each as a cache-off reference."""
+    a, b = _clip(1), _clip(2)
+    cases = {"a": (a, True), "b": (b, True), "a again": (a, True), "a, no audio": (a, False)}
+    on = {k: _video_chat(server_on, clip, audio) for k, (clip, audio) in cases.items()}
+    off = {k: _video_chat(server_on, clip, audio, reference=True) for k, (clip, audio) in cases.items()}
+    return on, off
+
+
+@pytest.mark.parametrize("case", ["a", "b", "a again", "a, no audio"])
+def test_video_with_and_without_its_audio_equals_cache_off(video_chats, case):
+    on, off = video_chats[0][case], video_chats[1][case]
+    _check_text_and_audio(on)
+    assert on["prompt_token_ids"] == off["prompt_token_ids"]
+    # the audio track is in the prompt exactly when use_audio_in_video is on
+    assert (AUDIO_PAD in on["prompt_token_ids"]) == (case != "a, no audio")
+    assert off["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert on["choices"][0]["token_ids"] == off["choices"][0]["token_ids"], case
+    assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"], case
+    a_on, sr_on, _ = _wav(on)
+    a_off, sr_off, _ = _wav(off)
+    assert sr_on == sr_off and a_on.shape == a_off.shape and np.array_equal(a_on, a_off), case
+
+
+def test_video_hits_stop_where_the_clips_part(video_chats):
+    on = video_chats[0]
+    p = on["a"]["prompt_token_ids"]
+    assert on["b"]["prompt_token_ids"] == p  # same size: only the pixels differ
+    first_media = p.index(VISION_START) + 1  # the clip's placeholder starts after <|vision_start|>
+    cached = {k: r["usage"]["prompt_tokens_details"]["cached_tokens"] for k, r in on.items()}
+    # other pixels: the hit ends at the last whole block before the clip ...
+    assert cached["b"] == (first_media // BLOCK) * BLOCK > 0, (cached, first_media)
+    # ... the same clip again hits through it (all whole blocks but vLLM's last token)
+    assert cached["a again"] == ((len(p) - 1) // BLOCK) * BLOCK > first_media, (cached, len(p))
 
 
 def test_cache_off_reference_gives_identical_text_and_audio(chat_on, chat_off):
