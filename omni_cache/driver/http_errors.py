@@ -85,20 +85,22 @@ def rewrite_validation_500(body: bytes) -> bytes | None:
     return json.dumps(data).encode()
 
 
-_MEDIA_PARTS = {"image": ("image_url", "image"), "audio": ("input_audio", "audio_url", "audio"),
-                "video": ("video_url", "video")}
+#: content-part types of each modality, and the words of an error message that name it
+_MEDIA_PARTS = {("image", "jpeg", "png"): ("image_url", "image"),
+                ("audio", "wav", "sound"): ("input_audio", "audio_url", "audio"),
+                ("video", "mp4"): ("video_url", "video")}
 
 
 def media_fields(body: bytes, message: str) -> list[str]:
     """The request's media parts (``messages[i].content[j].<type>``) of each modality (image,
-    audio, video) that ``message`` names; [] when the body is not a chat request or the
-    message names none."""
+    audio, video) that ``message`` names (e.g. "wav" names audio); [] when the body is not a
+    chat request or the message names none."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return []
     msg = message.lower()
-    kinds = {t for word, types in _MEDIA_PARTS.items() if word in msg for t in types}
+    kinds = {t for words, types in _MEDIA_PARTS.items() if any(w in msg for w in words) for t in types}
     out = []
     for i, m in enumerate((data.get("messages") or []) if isinstance(data, dict) else []):
         content = m.get("content") if isinstance(m, dict) else None

@@ -18,6 +18,7 @@ from starlette.testclient import TestClient
 from omni_cache.driver.http_errors import (
     ValidationErrorStatusMiddleware,
     dedupe_message,
+    media_fields,
     rewrite_validation_500,
     validation_error_param,
 )
@@ -174,3 +175,17 @@ def test_server_errors_keep_their_traceback_and_other_records_pass(logged):
     assert len(tb) == 1 and tb[0].getMessage() == "Error in chat completion"
     assert c.get("/v1/ok").status_code == 200
     assert [x.getMessage() for x in logged.records][-1] == "served"
+
+
+def test_media_fields_names_the_parts_of_the_modality_the_message_names():
+    body = json.dumps({"messages": [
+        {"role": "system", "content": "hi"},
+        {"role": "user", "content": [{"type": "text", "text": "x"},
+                                     {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                                     {"type": "image_url", "image_url": {"url": ""}}]}]}).encode()
+    assert media_fields(body, "Error opening <_io.BytesIO object>: Error in WAV file.") == \
+        ["messages[1].content[1].input_audio"]
+    assert media_fields(body, "Failed to load image: cannot identify image file") == \
+        ["messages[1].content[2].image_url"]
+    assert media_fields(body, "maximum context length") == []
+    assert media_fields(b"not json", "image") == []
