@@ -404,9 +404,14 @@ def test_bad_requests_log_one_warning_each_and_no_traceback(server_on):
     traceback anywhere in the server log (bad input is not a server failure)."""
     log = server_on.log_path.read_text(errors="replace")
     assert "Traceback" not in log, log[log.index("Traceback") - 2000:log.index("Traceback") + 2000]
+    field = {"non-image in image_url": "messages[0].content[0].image_url",
+             "truncated JPEG": "messages[0].content[0].image_url",
+             "undecodable audio": "messages[0].content[0].input_audio",
+             "prompt longer than max_model_len": "input_tokens"}
     for name in BAD:
         lines = [ln for ln in log.splitlines() if f"rejected request {_bad_id(name)}:" in ln]
         assert len(lines) == 1 and "WARNING" in lines[0], (name, lines)
+        assert f": HTTP 400: {field[name]}: " in lines[0], lines[0]
 
 
 VISION_START, AUDIO_PAD = 151652, 151675  # the real Qwen3-Omni ids (omni_cache.models.SPECIAL_TOKENS)
