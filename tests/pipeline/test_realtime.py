@@ -222,14 +222,10 @@ def test_server_still_serves_after_every_case(server, long_session):
     _check_judged(server, on["id"], 2)
 
 
-def _event(e) -> dict:
-    """An SDK server event as a dict (the SDK parses known types into models)."""
-    return e if isinstance(e, dict) else e.to_dict()
-
-
 async def _sdk_session(server, tag: str, turns: int) -> dict:
-    """``turns`` voice turns through the official SDK's realtime client (the code
-    docs/serving.md shows): the session id and each turn's (status, audio bytes, text)."""
+    """``turns`` voice turns through the official SDK's realtime client, as docs/serving.md
+    shows it (events read as the SDK's models): the session id and each turn's (status, audio
+    bytes, transcript)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
@@ -238,38 +234,35 @@ async def _sdk_session(server, tag: str, turns: int) -> dict:
         await conn.send({"type": "session.update",
                          "session": {"instructions": _instructions(tag), "turn_detection": None, "extra_body": WINDOW}})
         async for e in conn:
-            if _event(e)["type"] == "session.created":
-                session_id = _event(e)["session"]["id"]
+            if e.type == "session.created":
+                session_id = e.session.id
                 break
         for k in range(turns):
             pcm = speech_clip(2.0, 0.4 + 1.7 * k)
-            for i in range(0, len(pcm), 32_000):
-                await conn.send({"type": "input_audio_buffer.append",
-                                 "audio": base64.b64encode(pcm[i:i + 32_000]).decode()})
+            await conn.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
             await conn.send({"type": "input_audio_buffer.commit"})
             await conn.send({"type": "response.create"})
             audio, text = b"", ""
             async for e in conn:
-                ev = _event(e)
-                assert ev["type"] != "error", ev
-                if ev["type"] == "response.output_audio.delta":
-                    audio += base64.b64decode(ev["delta"])
-                elif ev["type"] == "response.output_audio_transcript.delta":
-                    text += ev["delta"]
-                elif ev["type"] == "response.done":
+                assert e.type != "error", e
+                if e.type == "response.output_audio.delta":
+                    audio += base64.b64decode(e.delta)
+                elif e.type == "response.output_audio_transcript.delta":
+                    text += e.delta
+                elif e.type == "response.done":
                     break
-            played_ms = len(audio) // 2 * 1000 // 24_000
-            await conn.send({"type": "playback.ack", "played_ms": played_ms, "response_id": ev["response"]["id"]})
-            answers.append((ev["response"]["status"], audio, text))
+            await conn.send({"type": "playback.ack", "played_ms": len(audio) // 48, "response_id": e.response.id})
+            answers.append((e.response.status, audio, text))
         await conn.send({"type": "session.close"})
         async for e in conn:
-            if _event(e)["type"] == "session.closed":
+            if e.type == "session.closed":
                 break
     return {"id": session_id, "turns": answers}
 
 
-async def _beta_sdk_opens_a_session(server) -> dict:
-    """The beta client turns an ``http`` base URL into ``wss``: it needs ``websocket_base_url``."""
+async def _beta_sdk_opens_a_session(server) -> str:
+    """The beta client turns an ``http`` base URL into ``wss``: it needs ``websocket_base_url``.
+    Returns the session id."""
     from openai import AsyncOpenAI
 
     ws_base = server.base_url.replace("http://", "ws://")
@@ -277,14 +270,14 @@ async def _beta_sdk_opens_a_session(server) -> dict:
     async with client.beta.realtime.connect(model=server.model_name(), extra_query={"duplex": "1"}) as conn:
         await conn.send({"type": "session.update", "session": {"turn_detection": None}})
         async for e in conn:
-            if _event(e)["type"] == "session.created":
-                created = _event(e)
+            if e.type == "session.created":
+                session_id = e.session.id
                 break
         await conn.send({"type": "session.close"})
         async for e in conn:
-            if _event(e)["type"] == "session.closed":
+            if e.type == "session.closed":
                 break
-    return created
+    return session_id
 
 
 def test_openai_sdk_realtime_client_two_turns_hit_from_turn_2(server, long_session):
@@ -293,5 +286,5 @@ def test_openai_sdk_realtime_client_two_turns_hit_from_turn_2(server, long_sessi
     assert all(t[1] and t[2] for t in sdk["turns"])  # audio and a transcript each turn
     verdicts = _check_judged(server, sdk["id"], 2)  # turn 2 hits, exactly as expected
     assert verdicts[1].hit > 0
-    created = asyncio.run(_beta_sdk_opens_a_session(server))
-    assert created["session"]["id"] and created["session"]["id"] != sdk["id"]
+    beta_session = asyncio.run(_beta_sdk_opens_a_session(server))
+    assert beta_session and beta_session != sdk["id"]
