@@ -235,7 +235,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _print_errors(exc)
         return 2
     print("server command: " + " ".join(server.command()), flush=True)
-    print(f"server log: {server.log_path}", flush=True)
+    print(f"server log (appended): {server.log_path.resolve()}", flush=True)
     # SIGTERM to us stops the server too (Ctrl-C arrives as KeyboardInterrupt).
     def _interrupt(*_):
         raise KeyboardInterrupt
