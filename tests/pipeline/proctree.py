@@ -73,4 +73,7 @@ def stop_and_check(w: Watched, sig: int) -> None:
             pass
     assert len(w.seen) >= 2, f"no stage processes were seen: {w.seen}"
     assert not left, f"left behind after {signal.Signals(sig).name}: {left}"
+    # every stage exited within vLLM's grace: none was force-killed
+    killed = [ln for ln in w.lines if "force killing" in ln]
+    assert not killed, "".join(killed)
     assert rc in (128 + sig, 130, 143, 0), rc

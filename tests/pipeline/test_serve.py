@@ -526,3 +526,6 @@ def test_server_stopped_cleanly(server_on, stopped):
     assert stopped == 0, f"the server exited with {stopped}"
     assert not server_on.alive()
     assert server_on.get("/health")[0] == 0
+    # every stage exited within vLLM's grace: none was force-killed
+    killed = [ln for ln in server_on.log_path.read_text(errors="replace").splitlines() if "force killing" in ln]
+    assert not killed, killed
