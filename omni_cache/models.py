@@ -46,7 +46,7 @@ EMBEDDED_MODEL_NOTICE = (
     "trained checkpoint. Its text is not language and its audio is near-silent noise; it exists to "
     "run and test the real pipeline and the cache without downloads. For real answers pass "
     "--model DIR with a real Qwen3-Omni checkpoint (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct) and a "
-    "GPU stage config (README: 'On GPUs')."
+    "GPU stage config (--stage-config qwen3_omni_30b_a3b_gpu.yaml; README, 'On GPUs')."
 )
 #: Build stamps the embedded model builders write (this module's and :mod:`omni_cache.models_gemma`'s).
 EMBEDDED_STAMPS = ("omni_cache_model.json", "omni_cache_gemma_omni.json")
