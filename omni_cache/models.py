@@ -42,11 +42,12 @@ SEED = 1234
 #: What a user of the embedded model must be told before listening to it (``omni-cache
 #: make-model`` / ``run`` print it; the README says the same).
 EMBEDDED_MODEL_NOTICE = (
-    "note: this is the embedded test model: a tiny Qwen3-Omni with seeded random weights, no "
-    "trained checkpoint. Its text is not language and its audio is near-silent noise; it exists to "
-    "run and test the real pipeline and the cache without downloads. For real answers pass "
-    "--model DIR with a real Qwen3-Omni checkpoint (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct) and a "
-    "GPU stage config (--stage-config qwen3_omni_30b_a3b_gpu.yaml; README, 'On GPUs')."
+    "note: this model was built by 'omni-cache make-model' and has no trained weights (seeded "
+    "random ones; none for --size full, which runs on vLLM's dummy weights). Its text is not "
+    "language and its audio is near-silent noise; it exists to run and test the real pipeline and "
+    "the cache without downloads. For real answers pass --model DIR with a real Qwen3-Omni "
+    "checkpoint (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct) and a GPU stage config (--stage-config "
+    "qwen3_omni_30b_a3b_gpu.yaml; README, 'On GPUs')."
 )
 #: Build stamps the embedded model builders write (this module's and :mod:`omni_cache.models_gemma`'s).
 EMBEDDED_STAMPS = ("omni_cache_model.json", "omni_cache_gemma_omni.json")
@@ -477,8 +478,9 @@ def default_model_dir(size: str = "tiny") -> Path:
 class ModelKind(enum.StrEnum):
     """What a model directory holds, as ``omni-cache run`` records it in ``summary.json``."""
 
-    #: built by :func:`build_qwen3_omni` / :mod:`omni_cache.models_gemma`: seeded random weights
-    EMBEDDED = "embedded-seeded-random"
+    #: built by ``omni-cache make-model`` (:func:`build_qwen3_omni`, :mod:`omni_cache.models_gemma`,
+    #: :mod:`omni_cache.models_full`): seeded random weights, or none (``load_format: dummy``)
+    EMBEDDED = "embedded-untrained"
     #: anything else (a downloaded or trained checkpoint, or a model id)
     CHECKPOINT = "checkpoint"
 

@@ -34,11 +34,11 @@ def test_run_streams_ttft_ttfp_and_packets_then_stops_cleanly(tiny_model_dir, tm
     assert not [ln for ln in w.lines if "Task was destroyed" in ln], "".join(w.lines[-40:])
     assert all("TTFT" in ln and "first audio packet (TTFP)" in ln for ln in lines), lines
     # the embedded model says what it is, before anyone listens to its near-silent WAVs
-    from omni_cache.models import EMBEDDED_MODEL_NOTICE
+    from omni_cache.models import EMBEDDED_MODEL_NOTICE, ModelKind
 
     assert any(ln.rstrip("\n") == EMBEDDED_MODEL_NOTICE for ln in w.lines), "".join(w.lines[:20])
     full = json.loads((tmp_path / "summary.json").read_text())
-    assert full["model"] == {"path": str(tiny_model_dir), "kind": "embedded-seeded-random"}, full["model"]
+    assert full["model"] == {"path": str(tiny_model_dir), "kind": ModelKind.EMBEDDED.value}, full["model"]
     summary = full["requests"]
     assert len(summary) == len(lines)
     for r in summary:

@@ -88,3 +88,13 @@ def test_every_size_sets_the_published_token_ids_and_settings(size):
     for level, values in PUBLISHED_VALUES.items():
         got = {k: _level(cfg, level).get(k) for k in values}
         assert got == values, (size, level)
+
+
+@pytest.mark.parametrize("level", list(PUBLISHED_VALUES), ids=lambda lv: lv or "top")
+def test_the_full_size_config_agrees(level):
+    """``make-model --size full`` writes the released shape from the same published config
+    (:mod:`omni_cache.models_full`): its token ids and settings are these too."""
+    from omni_cache.models_full import FULL_CONFIG
+
+    got = {k: _level(FULL_CONFIG, level).get(k) for k in PUBLISHED_VALUES[level]}
+    assert got == PUBLISHED_VALUES[level]

@@ -58,4 +58,5 @@ def test_embedded_model_notice_and_kind(tiny_model_dir, tmp_path, capsys):
     assert main(["make-model", "--out", str(tiny_model_dir)]) == 0  # up to date: no rebuild
     out = capsys.readouterr().out
     assert EMBEDDED_MODEL_NOTICE in out
-    assert "seeded random" in EMBEDDED_MODEL_NOTICE and "--model DIR" in EMBEDDED_MODEL_NOTICE
+    assert "no trained weights" in EMBEDDED_MODEL_NOTICE and "--model DIR" in EMBEDDED_MODEL_NOTICE
+    assert ModelKind("embedded-untrained") is ModelKind.EMBEDDED  # the value summary.json records
