@@ -1,0 +1,182 @@
+"""The mutation run: plant one fault at a time — each a real way omni-cache could serve a wrong
+row (:mod:`tests.mutants`) — run the tests that should catch it, and report which faults the
+suite kills.
+
+A fault is planted from test code only: in the engine processes through a throw-away
+``vllm.general_plugins`` entry point on ``PYTHONPATH`` (:func:`tests.mutants.write_plugin_dist`),
+in the test process as a pytest plugin (``-p tests.mutants``); the fault's name travels in
+:data:`tests.mutants.ENV`. Each mutant runs only its own selection (the affected modules, not
+the suite), each selection with ``-x`` (a mutant is killed at its first failing test). A
+selection that starts a pipeline runs under ``--lock`` (``flock``), one at a time.
+
+A mutant is **killed** when some selection fails (pytest exit 1); **survived** when every
+selection passed; **error** when a selection could not run (collection error, no tests, time
+out). Writes ``report.json`` into ``--out``; prints a table.
+
+    .venv/bin/python -m benchmarks.mutants --lock /tmp/cpu-heavy.lock
+    .venv/bin/python -m benchmarks.mutants --only bit_flip,cap_disabled --baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.mutants import ENV, FAULTS, write_plugin_dist  # noqa: E402
+
+CACHE_EQ = "tests/pipeline/test_cache_equality.py"
+STREAM_EQ = "tests/pipeline/test_streaming_equality.py"
+STRESS = "tests/pipeline/test_stress.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A fault (:data:`tests.mutants.FAULTS` key), what it models, and the pytest selections
+    (each a list of pytest arguments) that should catch it."""
+
+    name: str
+    models: str
+    selections: tuple[tuple[str, ...], ...]
+
+
+MUTANTS = (
+    Mutant("foreign_block", "another request's rows served for a block (the last block of every hit)",
+           ((CACHE_EQ,),)),
+    Mutant("slot_shift", "served rows one KV slot off", ((CACHE_EQ,),)),
+    Mutant("stale_generation", "a block served after its slot was reused: the new generation's rows "
+           "never reach the pool, the ledger records them", ((STRESS,),)),
+    Mutant("cap_disabled", "the scheduler cap disabled: vLLM's KV hit served whatever the hidden tier "
+           "covers", (("tests/unit/test_scheduler_cap.py",), (STREAM_EQ, "-k", "capped"))),
+    Mutant("deferred_write_dropped", "a deferred ledger write dropped",
+           (("tests/unit/test_core_ledger.py", "tests/unit/test_core_cache.py",
+             "tests/unit/test_core_properties.py"),)),
+    Mutant("talker_length_keys", "talker blocks keyed by length only",
+           (("tests/unit/test_talker_identity.py",), (CACHE_EQ, "-k", "talker"))),
+    Mutant("talker_media_dropped", "a media identifier left out of the talker's block keys",
+           (("tests/unit/test_talker_identity.py",), (CACHE_EQ, "-k", "talker"))),
+    Mutant("thinker_media_dropped", "a media identifier left out of the thinker's block hash (the ledger's)",
+           (("tests/unit/test_core_block_hashes.py", "tests/unit/test_stage_manager.py"),)),
+    Mutant("yoco_truncation_ignored", "the hit not truncated at a YOCO fast-prefill boundary (final rows of "
+           "fast-prefill chunks written and vouched for)",
+           (("tests/unit/test_yoco_manager.py", "tests/unit/test_scheduler_cap.py",
+             "tests/unit/test_core_coverage.py"),)),
+    Mutant("bit_flip", "one bit flipped in a served row", ((CACHE_EQ,),)),
+)
+assert {m.name for m in MUTANTS} == set(FAULTS), "every planted fault has a mutant and vice versa"
+
+
+@dataclass
+class SelectionRun:
+    tests: str
+    outcome: str  # "failed" | "passed" | "error"
+    rc: int
+    seconds: float
+    failed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MutantResult:
+    name: str
+    models: str
+    verdict: str  # "killed" | "survived" | "error"
+    minutes: float
+    runs: list[SelectionRun]
+
+
+def _heavy(selection: tuple[str, ...]) -> bool:
+    return any(a.startswith("tests/pipeline") for a in selection)
+
+
+def run_selection(selection: tuple[str, ...], fault: str | None, plugin_dir: Path, *, lock: str | None,
+                  timeout_s: float, log: Path) -> SelectionRun:
+    """One pytest run of ``selection`` with ``fault`` planted (None: nothing planted)."""
+    env = dict(os.environ)
+    env.pop(ENV, None)
+    if fault:
+        env[ENV] = fault
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir), str(REPO), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", "-p", "tests.mutants",
+           *selection]
+    if lock and _heavy(selection):
+        cmd = ["flock", lock, *cmd]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out = -1, f"timed out after {timeout_s} s\n{exc.stdout or ''}"
+    secs = time.perf_counter() - t0
+    log.write_text(out if isinstance(out, str) else out.decode(errors="replace"))
+    failed = re.findall(r"^FAILED (\S+)", out, flags=re.M) if isinstance(out, str) else []
+    outcome = "failed" if rc == 1 else "passed" if rc == 0 else "error"
+    return SelectionRun(" ".join(selection), outcome, rc, round(secs, 1), failed)
+
+
+def run_mutant(m: Mutant, plugin_dir: Path, out: Path, *, lock: str | None, timeout_s: float,
+               baseline: bool) -> MutantResult:
+    runs = []
+    t0 = time.perf_counter()
+    for i, sel in enumerate(m.selections):
+        fault = None if baseline else m.name
+        runs.append(run_selection(sel, fault, plugin_dir, lock=lock, timeout_s=timeout_s,
+                                  log=out / f"{m.name}-{i}{'-baseline' if baseline else ''}.log"))
+        r = runs[-1]
+        print(f"  {m.name}: {r.tests}: {r.outcome} in {r.seconds:.0f} s {r.failed[:2]}", flush=True)
+    outcomes = {r.outcome for r in runs}
+    verdict = "killed" if "failed" in outcomes else "error" if "error" in outcomes else "survived"
+    return MutantResult(m.name, m.models, verdict, round((time.perf_counter() - t0) / 60, 2), runs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated mutant names (default: all)")
+    ap.add_argument("--lock", default=None, help="flock file held around each selection that starts a pipeline")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per selection")
+    ap.add_argument("--baseline", action="store_true", help="run the selections with nothing planted")
+    ap.add_argument("--out", default=None, help="report folder (default benchmarks/results/mutants-<date>)")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"mutants-{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    results = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="omni-cache-mutants-") as tmp:
+        plugin_dir = Path(tmp)
+        write_plugin_dist(plugin_dir)
+        for m in chosen:
+            print(f"[mutants] {m.name}: {m.models}", flush=True)
+            results.append(run_mutant(m, plugin_dir, out, lock=args.lock, timeout_s=args.timeout,
+                                      baseline=args.baseline))
+    report = {"date": stamp, "commit": commit, "baseline": args.baseline,
+              "command": "python -m benchmarks.mutants " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "minutes": round((time.perf_counter() - t0) / 60, 2),
+              "killed": sum(r.verdict == "killed" for r in results), "mutants": len(results),
+              "results": [asdict(r) for r in results]}
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\n{'mutant':<26} {'verdict':<9} {'min':>5}  tests")
+    for r in results:
+        print(f"{r.name:<26} {r.verdict:<9} {r.minutes:>5.1f}  " + " | ".join(
+            f"{x.tests} ({x.outcome})" for x in r.runs))
+    print(f"[mutants] {report['killed']}/{len(results)} killed in {report['minutes']:.1f} min; {out / 'report.json'}")
+    # baseline: every selection passes with nothing planted; else: every mutant killed
+    expected = "survived" if args.baseline else "killed"
+    return 0 if all(r.verdict == expected for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

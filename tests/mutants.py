@@ -1,0 +1,265 @@
+"""Planted faults for the mutation run (``benchmarks/mutants.py``): each one a real way this
+product could serve a wrong row, planted from test code only — monkeypatches applied by
+:func:`plant` in every process that matters, never a switch in a production class.
+
+How a fault reaches the processes:
+
+- the engine processes (vLLM-Omni's stage engine cores; with the ``uni`` executor the worker
+  runs there too) load vLLM's entry-point group ``vllm.general_plugins``; the mutation run
+  puts a throw-away ``*.dist-info`` on ``PYTHONPATH`` whose entry point is
+  :func:`plant_from_env` (:func:`write_plugin_dist`), so no installed file changes;
+- the test process (the driver: the talker identity hook, engine-free unit tests) loads this
+  module as a pytest plugin (``pytest -p tests.mutants``), which plants at import, before the
+  test modules are imported.
+
+Both read the fault's name from :data:`ENV`; unset, nothing is planted (this module is inert
+in the normal suite). A fault is planted once per process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+#: environment variable naming the fault to plant (unset: none)
+ENV = "OMNI_CACHE_TEST_MUTANT"
+#: the entry point's distribution name (a throw-away ``*.dist-info`` directory)
+DIST = "omni_cache_test_mutants"
+
+_planted: list[str] = []
+
+
+def _replace(module_names: tuple[str, ...], attr: str, new) -> None:
+    """``attr`` of every module in ``module_names`` (imported now) set to ``new``: the
+    function and every module that bound it by name at import."""
+    import importlib
+
+    for name in module_names:
+        setattr(importlib.import_module(name), attr, new)
+
+
+# ---- faults in the thinker's read path (worker process) ----------------------------------
+
+def _wrap_read_prefix(corrupt: Callable) -> None:
+    """``HiddenStateCache.read_prefix`` returns ``corrupt(cache, block_ids, num_tokens, keys,
+    out_device, rows)`` instead of its rows (the ledger check still runs first)."""
+    from omni_cache.core.cache import HiddenStateCache
+
+    orig = HiddenStateCache.read_prefix
+
+    def read_prefix(self, req_id, block_ids, num_tokens, block_hashes, keys, out_device=None):
+        keys = tuple(keys)
+        rows = orig(self, req_id, block_ids, num_tokens, block_hashes, keys, out_device)
+        if num_tokens <= 0:
+            return rows
+        return corrupt(self, req_id, list(block_ids)[:num_tokens // self.block_size], num_tokens, keys,
+                       out_device, rows)
+
+    HiddenStateCache.read_prefix = read_prefix
+
+
+def _foreign_block() -> None:
+    """Another request's rows for a block: the last block of every hit is served from a
+    block that another request filled (the most recently listed such block in the ledger)."""
+    import numpy as np
+
+    def corrupt(cache, req_id, ids, num_tokens, keys, out_device, rows):
+        hit_ids = set(int(b) for b in ids)
+        writers = {cache.ledger.owner[b] for b in hit_ids}
+        other = next((b for b in range(cache.num_blocks - 1, -1, -1)
+                      if b not in hit_ids and cache.ledger.owner[b] not in (None, *writers)), None)
+        if other is None:
+            return rows
+        bs = cache.block_size
+        for k in keys:
+            foreign = cache.pools[k].gather_blocks(np.asarray([other], dtype=np.int64), out_device)
+            rows[k][num_tokens - bs:num_tokens] = foreign.to(rows[k].device, rows[k].dtype)
+        return rows
+
+    _wrap_read_prefix(corrupt)
+
+
+def _slot_shift() -> None:
+    """Rows one slot off: every served row is read from the KV slot after its own."""
+    import numpy as np
+
+    def corrupt(cache, req_id, ids, num_tokens, keys, out_device, rows):
+        bs = cache.block_size
+        slots = (np.asarray(ids, dtype=np.int64)[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1) + 1
+        slots = np.minimum(slots, cache.num_blocks * bs - 1)
+        return {k: cache.pools[k].gather(slots, out_device) for k in keys}
+
+    _wrap_read_prefix(corrupt)
+
+
+def _bit_flip() -> None:
+    """One bit flipped in a served row: the lowest mantissa bit of the first element of the
+    last served row, of every key."""
+    import torch
+
+    def corrupt(cache, req_id, ids, num_tokens, keys, out_device, rows):
+        for k in keys:
+            t = rows[k]
+            words = {2: torch.int16, 4: torch.int32}[t.element_size()]
+            t[num_tokens - 1:num_tokens, :1].view(words).bitwise_xor_(1)
+        return rows
+
+    _wrap_read_prefix(corrupt)
+
+
+# ---- faults in the write path / ledger (worker process) -----------------------------------
+
+def _stale_generation() -> None:
+    """A block served after its writer left and the slot was reused (stale generation): a
+    write into a block that another request filled before is dropped from the pool (the
+    pool keeps the earlier generation's rows) while the ledger records the new fill, so a
+    later hit on the new content is served the old rows."""
+    from omni_cache.core.cache import HiddenStateCache
+
+    orig = HiddenStateCache._store_rows
+
+    def _store_rows(self, write):
+        ids = [int(b) for b in list(write.blocks.block_ids)]
+        owners = [self.ledger.owner[b] for b in ids]
+        if any(o is not None and o != write.req_id for o in owners):
+            return
+        return orig(self, write)
+
+    HiddenStateCache._store_rows = _store_rows
+
+
+def _deferred_write_dropped() -> None:
+    """A deferred ledger write dropped: a request's step write that the ledger would defer
+    (more than ``scalar_max`` blocks, or behind another deferred one) is never applied."""
+    from omni_cache.core.ledger import BlockLedger
+
+    orig = BlockLedger.defer_request_write
+
+    def defer_request_write(self, write):
+        n = len(write.block_ids)
+        if self.defer and n and (n > self.scalar_max or self._pending):
+            return
+        return orig(self, write)
+
+    BlockLedger.defer_request_write = defer_request_write
+
+
+def _thinker_media_dropped() -> None:
+    """A media identifier left out of the thinker's block hash (the ledger's
+    ``chained_block_hashes``): blocks are hashed from their token ids alone."""
+    import omni_cache.core.block_hashes as bh
+
+    orig = bh.chained_block_hashes
+
+    def chained_block_hashes(token_ids, block_size, extra_keys=(), *args, **kwargs):
+        return orig(token_ids, block_size, (), *args, **kwargs)
+
+    _replace(("omni_cache.core.block_hashes", "omni_cache.core", "omni_cache.engine.stage_manager"),
+             "chained_block_hashes", chained_block_hashes)
+
+
+# ---- faults in the scheduler (engine core) -------------------------------------------------
+
+def _cap_disabled() -> None:
+    """The scheduler cap disabled: vLLM's KV prefix hit is returned uncapped, whatever the
+    hidden-state tier covers (uncovered rows are served, or refused by the worker)."""
+    from omni_cache.engine.scheduler import OmniCacheSchedulerMixin
+
+    def _get_local_prefix_cache_hit(self, request):
+        self._omni_cache_state()
+        return super(OmniCacheSchedulerMixin, self)._get_local_prefix_cache_hit(request)
+
+    OmniCacheSchedulerMixin._get_local_prefix_cache_hit = _get_local_prefix_cache_hit
+
+
+def _yoco_truncation_ignored() -> None:
+    """The hit not truncated at a YOCO fast-prefill boundary: the runner writes the final
+    hidden rows of fast-prefill chunks as valid, and the scheduler records every block valid
+    for every key (so a hit needing the final rows is served the self-decoder output)."""
+    import omni_cache.engine.scheduler as sched
+    import omni_cache.engine.stage_manager as sm
+    from omni_cache.core.coverage import RowValidity
+
+    orig_rules = sched._yoco_rules
+    sm.fast_prefill_truncates = lambda runner: False
+    sched._yoco_rules = lambda vllm_config: (False, orig_rules(vllm_config)[1])
+    RowValidity.serves = lambda self, need: True
+
+
+# ---- faults in the talker's keys (driver process) ------------------------------------------
+
+def _talker_length_keys() -> None:
+    """Talker blocks keyed by length only: the key of block ``j`` says only ``j`` (what vLLM's
+    hash of the talker's placeholder prompt ``[0] * n`` amounts to)."""
+    import omni_cache.core.talker_keys as tk
+
+    orig = tk.talker_block_keys
+
+    def talker_block_keys(prompt_token_ids, media, *, talker_prompt_len, block_size, seed=()):
+        keys = orig(prompt_token_ids, media, talker_prompt_len=talker_prompt_len, block_size=block_size, seed=seed)
+        return [f"length/{block_size}/{j}" for j in range(len(keys))]
+
+    _replace(("omni_cache.core.talker_keys", "omni_cache.driver.talker_identity"), "talker_block_keys",
+             talker_block_keys)
+
+
+def _talker_media_dropped() -> None:
+    """A media identifier left out of the talker's block keys: keys from token ids alone."""
+    import omni_cache.core.talker_keys as tk
+
+    orig = tk.talker_block_keys
+
+    def talker_block_keys(prompt_token_ids, media, *, talker_prompt_len, block_size, seed=()):
+        return orig(prompt_token_ids, [], talker_prompt_len=talker_prompt_len, block_size=block_size, seed=seed)
+
+    _replace(("omni_cache.core.talker_keys", "omni_cache.driver.talker_identity"), "talker_block_keys",
+             talker_block_keys)
+
+
+#: fault name → what plants it
+FAULTS: dict[str, Callable[[], None]] = {
+    "foreign_block": _foreign_block,
+    "slot_shift": _slot_shift,
+    "stale_generation": _stale_generation,
+    "cap_disabled": _cap_disabled,
+    "deferred_write_dropped": _deferred_write_dropped,
+    "talker_length_keys": _talker_length_keys,
+    "talker_media_dropped": _talker_media_dropped,
+    "thinker_media_dropped": _thinker_media_dropped,
+    "yoco_truncation_ignored": _yoco_truncation_ignored,
+    "bit_flip": _bit_flip,
+}
+
+
+def plant(name: str) -> None:
+    """Plant fault ``name`` in this process (once).
+
+    Raises:
+        KeyError: an unknown fault.
+    """
+    if name in _planted:
+        return
+    FAULTS[name]()
+    _planted.append(name)
+
+
+def plant_from_env() -> None:
+    """The ``vllm.general_plugins`` entry point: plant the fault :data:`ENV` names, if any."""
+    name = os.environ.get(ENV)
+    if name:
+        plant(name)
+
+
+def write_plugin_dist(directory: Path) -> Path:
+    """A ``*.dist-info`` in ``directory`` declaring :func:`plant_from_env` as a
+    ``vllm.general_plugins`` entry point (put ``directory`` on ``PYTHONPATH``). Returns it."""
+    d = Path(directory) / f"{DIST}-0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: 0\n")
+    (d / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{DIST} = tests.mutants:plant_from_env\n")
+    return d
+
+
+# as a pytest plugin (``-p tests.mutants``): plant in the test process before collection
+plant_from_env()
