@@ -134,11 +134,13 @@ def compare_prompt_rows(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch
 def handoff_mismatches(got: Sequence[Mapping[str, torch.Tensor]], ref: Sequence[Mapping[str, torch.Tensor]]
                        ) -> list[str]:
     """Oracle (b): two requests' recorded hand-offs are bitwise equal — the same number of
-    hand-offs (streamed chunks), the same keys, every tensor the same shape and bits.
+    hand-offs (streamed chunks), the same keys, every tensor the same dtype, shape and bits,
+    every other value equal.
 
     ``embed.tts_*`` hold one row per thinker step (vLLM-Omni accumulates per-step side
-    outputs; their count follows the steps a prompt took): each row must equal ``ref``'s
-    first row, which the talker reads."""
+    outputs; their count follows the steps a prompt took, so it may differ): both must hold
+    at least one row of the same dtype and row shape, and each of ``got``'s rows must equal
+    ``ref``'s first row, which the talker reads."""
     if len(got) != len(ref):
         return [f"{len(got)} hand-offs != {len(ref)}"]
     bad = []
@@ -148,15 +150,30 @@ def handoff_mismatches(got: Sequence[Mapping[str, torch.Tensor]], ref: Sequence[
             continue
         for k in r:
             gk, rk = g[k], r[k]
-            if not isinstance(rk, torch.Tensor):
-                continue
-            if k.startswith("embed.tts_"):
-                ok = all(torch.equal(gk[j], rk[0]) for j in range(gk.shape[0]))
+            if not isinstance(rk, torch.Tensor) or not isinstance(gk, torch.Tensor):
+                ok = type(gk) is type(rk) and _values_equal(gk, rk)
+            elif gk.dtype != rk.dtype:
+                ok = False
+            elif k.startswith("embed.tts_"):
+                ok = (gk.dim() >= 1 and rk.dim() >= 1 and gk.shape[0] >= 1 and rk.shape[0] >= 1
+                      and gk.shape[1:] == rk.shape[1:] and all(torch.equal(gk[j], rk[0]) for j in range(gk.shape[0])))
             else:
                 ok = gk.shape == rk.shape and torch.equal(gk, rk)
             if not ok:
                 bad.append(f"hand-off {i}: {k} differs")
     return bad
+
+
+def _values_equal(a, b) -> bool:
+    """Non-tensor hand-off values (ints, lists, nested containers of tensors) equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_values_equal(a[x], b[x]) for x in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
+    return bool(a == b)
 
 
 def served_rows_mismatches(reader: Mapping[str, torch.Tensor], hit_tokens: int, writers: Sequence[str | None],

@@ -110,6 +110,25 @@ def test_oracle_b_is_bitwise_and_reads_tts_rows_like_the_talker():
     assert oracles.handoff_mismatches(r[:1], r)
 
 
+def test_oracle_b_rejects_empty_or_reshaped_tts_rows_other_dtypes_and_other_values():
+    """What (b) used to wave through: an ``embed.tts_*`` with no row (``all`` over zero rows),
+    rows of another width, another dtype, and a non-tensor value that differs."""
+    r = [{"embed.prefill": _rows(0), "embed.tts_bos": _rows(2)[:1].reshape(1, 1, -1), "meta": [1, 2]}]
+    assert oracles.handoff_mismatches([dict(x) for x in r], r) == []
+    cases = {"no tts row": {"embed.tts_bos": r[0]["embed.tts_bos"][:0]},
+             "other row shape": {"embed.tts_bos": r[0]["embed.tts_bos"].reshape(1, 2, -1)},
+             "ref without rows": None,
+             "other dtype": {"embed.prefill": r[0]["embed.prefill"].to(torch.float16)},
+             "other value": {"meta": [1, 3]},
+             "tensor for a value": {"meta": torch.tensor([1, 2])}}
+    for name, change in cases.items():
+        if change is None:  # the reference holds no row: nothing the talker could read
+            got, ref = r, [dict(r[0], **{"embed.tts_bos": r[0]["embed.tts_bos"][:0]})]
+        else:
+            got, ref = [dict(r[0], **change)], r
+        assert oracles.handoff_mismatches(got, ref), name
+
+
 def test_oracle_a_checks_each_served_block_against_its_writer():
     writer = {"hidden": _rows(0, n=64)}
     reader = {"hidden": torch.cat([writer["hidden"][:64], _rows(5, n=32)])}
