@@ -32,6 +32,7 @@ from tests.pipeline.workloads import (
     REPEAT,
     STEP_BUDGET,
     assert_talker_workload,
+    expected_talker_blocks,
     run_talker_workload,
     run_workload,
 )
@@ -76,7 +77,8 @@ def runs(sync_omni):
     sp = reference_params(pipe)
     sp[1].extra_args = {}
     unseeded = [pipe.generate([build_request(FIRST_PROMPT)], sp)[0] for _ in range(2)]
-    return {"dir": sync_omni.dir, "omni_cache": (named, t1_len, batch), "off": (off_named, t1_len, off_batch),
+    return {"dir": sync_omni.dir, "model_dir": model_dir, "omni_cache": (named, t1_len, batch),
+            "off": (off_named, t1_len, off_batch),
             "talker-omni_cache": talker_on[:2], "talker-off": talker_off[:2], "unseeded": unseeded}
 
 
@@ -188,7 +190,7 @@ def test_talker_prefix_cache_exact_and_content_keyed(runs):
     the codec frames code2wav received equal cache off bitwise for every request sent alone."""
     (on, keys), (off, _) = runs["talker-omni_cache"], runs["talker-off"]
     on, off = dict(on), dict(off)
-    assert_talker_workload(on, off, keys)
+    assert_talker_workload(on, off, keys, expected=expected_talker_blocks(runs["model_dir"]))
     alone = [(r_on, dict(runs["off"][0])[n]) for n, r_on in runs["omni_cache"][0]]
     alone += [(r_on, off[n]) for n, r_on in on.items() if not n.startswith("placeholder:")]
     for r_on, r_off in alone:

@@ -42,6 +42,7 @@ from tests.pipeline.workloads import (
     REPEAT,
     STEP_BUDGET,
     assert_talker_workload,
+    expected_talker_blocks,
     run_talker_workload,
     run_workload,
 )
@@ -63,7 +64,8 @@ def _run(engine, *, placeholder_demo: bool, forget_first: bool):
     for k, (name, text) in enumerate(LOST_PAIR):
         sps = thinker_params(pipe, **{FORGET_ROWS: True}) if forget_first and k == 0 else None
         lost[name] = pipe.run(build_request(text), sampling_params_list=sps)
-    return {"dir": engine.dir, "named": named, "t1_len": t1_len, "batch": batch, "talker": talker[:2], "lost": lost}
+    return {"dir": engine.dir, "model_dir": model_dir,
+            "named": named, "t1_len": t1_len, "batch": batch, "talker": talker[:2], "lost": lost}
 
 
 @pytest.fixture(scope="session")
@@ -229,7 +231,7 @@ def test_streamed_talker_prefix_cache_exact_and_content_keyed(stream_runs):
     codec chunks code2wav received too (what the talker computed from it)."""
     (on, keys), (off, _) = stream_runs["omni_cache"]["talker"], stream_runs["off"]["talker"]
     on, off = dict(on), dict(off)
-    assert_talker_workload(on, off, keys)
+    assert_talker_workload(on, off, keys, expected=expected_talker_blocks(stream_runs["omni_cache"]["model_dir"]))
     d_on, d_off = stream_runs["omni_cache"]["dir"], stream_runs["off"]["dir"]
     for name, r_off in off.items():
         r_on = on[name]

@@ -211,7 +211,61 @@ def recorded_by_request(out_dir, sub: str = "codec") -> list[list[dict]]:
     return [[r for _, r in sorted(recs, key=lambda x: x[0])] for recs in reqs]
 
 
-def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK) -> None:
+def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int, int]]:
+    """For each negative conversation (:func:`talker_negative_requests`), computed here
+    without omni-cache's key code: ``(talker prompt rows, full talker blocks it shares with
+    A)``.
+
+    The thinker prompt's token ids come from the model's own HF processor (what vLLM's input
+    processing runs, placeholders expanded); the talker's prompt rows are the user segments'
+    tokens (``<|im_start|>user`` … ``<|im_end|>\\n``) plus 9 assistant rows (vLLM-Omni's
+    layout, checked against the talker's reported prompt length by the caller); a talker block
+    is shared iff the thinker position of its last row is before the first difference from A
+    (the first differing token id, or, where the ids are equal, the first image token: the
+    photo's pixels differ)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    proc = AutoProcessor.from_pretrained(model_dir)
+    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    (user,), (nl,) = tok.encode("user"), tok.encode("\n")
+    image = tok.convert_tokens_to_ids("<|image_pad|>")
+
+    def thinker_ids(req) -> list[int]:
+        p = req.to_engine_prompt()
+        mm = p.get("multi_modal_data", {})
+        return proc(text=[p["prompt"]], images=mm.get("image"), return_tensors="pt")["input_ids"][0].tolist()
+
+    def user_positions(ids: list[int]) -> list[int]:
+        pos, i = [], 0
+        while i < len(ids) - 1:
+            if ids[i] == im_start and ids[i + 1] == user:
+                end = next(j for j in range(i, len(ids) - 1) if ids[j] == im_end and ids[j + 1] == nl) + 2
+                pos += range(i, end)
+                i = end
+            else:
+                i += 1
+        return pos
+
+    reqs = dict(talker_negative_requests(tok))
+    a = thinker_ids(reqs["A"])
+    out = {}
+    for name, req in reqs.items():
+        ids = thinker_ids(req)
+        assert len(ids) == len(a), (name, len(ids), len(a))
+        diff = next((i for i, (x, y) in enumerate(zip(ids, a)) if x != y), None)
+        if diff is None:
+            diff = ids.index(image) if name != "A" else len(ids)
+        rows = user_positions(ids)
+        shared = 0
+        while (shared + 1) * block <= len(rows) and rows[(shared + 1) * block - 1] < diff:
+            shared += 1
+        out[name] = (len(rows) + 9, shared)
+    return out
+
+
+def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK, *,
+                           expected: dict[str, tuple[int, int]] | None = None) -> None:
     """The talker-cache checks shared by the streaming and non-streaming equality tests.
 
     ``on`` / ``off``: name → result of :func:`run_talker_workload` with the talker's prefix
@@ -221,11 +275,13 @@ def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK) 
     - the voice chat from turn 2 on: the talker hits at least every full block of the earlier
       turns' user rows and computes only the new user segment, the 9 assistant positions and
       the rest of a partial block;
-    - the negatives: each B hits exactly the blocks whose keys it shares with A (none for
-      another system prompt; fewer for another photo than for other words), never a block
-      after its first difference — and under the placeholder scheme (index-only keys, what
-      vLLM's hash of ``[0] * n`` amounts to) the same B's hit past it and their audio differs
-      from cache off: the test can tell a wrong block from a right one.
+    - the negatives: each B hits exactly the blocks it shares with A — ``expected``
+      (:func:`expected_talker_blocks`: from the processor's token ids and the talker's row
+      layout, computed without omni-cache's key code; none for another system prompt, fewer
+      for another photo than for other words), never a block after its first difference; the
+      hook's keys agree (the same common prefix); and under the placeholder scheme
+      (index-only keys, what vLLM's hash of ``[0] * n`` amounts to) the same B's hit past it
+      and their audio differs from cache off: the test can tell a wrong block from a right one.
     """
     import numpy as np
 
@@ -253,9 +309,13 @@ def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK) 
             n += 1
         return n
 
-    assert len(keys["A"]) >= 3, keys["A"]
-    shared = {b: common("A", b) for b in ("B:system", "B:image", "B:words")}
+    assert expected is not None and len(keys["A"]) >= 3, keys["A"]
+    for name, (rows, _) in expected.items():  # the layout, against vLLM-Omni's talker prompt
+        assert on[name].talker_num_prompt_tokens == rows, (name, on[name].talker_num_prompt_tokens, rows)
+    assert len(keys["A"]) == (expected["A"][0] - 9) // block, (len(keys["A"]), expected["A"])
+    shared = {b: expected[b][1] for b in ("B:system", "B:image", "B:words")}
     assert shared["B:system"] == 0 and 0 < shared["B:image"] < shared["B:words"] < len(keys["A"]), shared
+    assert {b: common("A", b) for b in shared} == shared, ({b: common("A", b) for b in shared}, shared)
     for b, n in shared.items():
         assert on[b].talker_num_prompt_tokens == on["A"].talker_num_prompt_tokens, b
         assert on[b].talker_num_cached_tokens == n * block, (b, on[b].talker_num_cached_tokens, n)
