@@ -24,9 +24,12 @@ import pytest
 from omni_cache.exactness import fuzz, oracles
 from omni_cache.exactness.conversations import Knobs, make_group
 
-#: two groups: thinker cache alone, then thinker + talker; small enough for CI (~1.5 min)
-CASES = ((9001, "thinker"), (9002, "thinker+talker"))
-KNOBS = Knobs(turns=3, variants=1, system_words=40)
+#: three groups, small enough for CI: the thinker's cache alone with a turn's requests in flight
+#: together (a word swapped in a turn), one request at a time (speech reversed: (b) then holds
+#: every chunk, the audio too), and thinker + talker with both (a photo mirrored)
+CASES = ((9001, "thinker", Knobs(turns=3, variants=1, system_words=40)),
+         (9012, "thinker", Knobs(turns=3, variants=1, system_words=40, concurrent=False)),
+         (9029, "thinker+talker", Knobs(turns=3, variants=1, system_words=40)))
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +37,8 @@ def fuzz_slice(stream_off, stream_builtin, stream_omni):
     engines = {n: fuzz.FuzzEngine(n, e.pipe, e.dir)
                for n, e in (("off", stream_off), ("builtin", stream_builtin), ("omni", stream_omni))}
     results = []
-    for seed, cache in CASES:
-        group = make_group(seed, KNOBS, salt=f"ci-{seed}")
+    for seed, cache, knobs in CASES:
+        group = make_group(seed, knobs, salt=f"ci-{seed}")
         results.append((group, fuzz.run_group(group, engines, cache, streaming=True)))
     return engines, results
 
@@ -45,13 +48,22 @@ def test_fuzzed_conversations_hold_every_oracle(fuzz_slice):
     for group, res in results:
         bad = [(r.conversation, r.turn, r.violations) for r in res.requests if any(r.violations.values())]
         assert res.violated == {}, (group.describe(), res.cache, bad)
+    kinds = {c.change.split("@")[0] for g, _ in results for c in g.conversations[1:]}
+    assert kinds == {"word_swap", "audio_reverse", "image_mirror"}, kinds
     reqs = [r for _, res in results for r in res.requests]
-    assert len(reqs) >= 6
+    assert len(reqs) == sum(g.num_requests for g, _ in results) == 18
     # the oracles had something to judge: hits served (and audited), (b) compared, talker hits
     assert sum(r.served_blocks_verified for r in reqs) >= 20, [(r.hit, r.served_blocks_verified) for r in reqs]
-    assert sum(1 for r in reqs if r.hit and r.b_skipped is None) >= 3, [(r.hit, r.builtin_hit) for r in reqs]
-    assert any(r.talker_hit > 0 for r in results[1][1].requests)
-    assert all(r.talker_hit == 0 for r in results[0][1].requests)
+    # (b) in full — every chunk (decode rows, ids, tts rows) and the audio — on requests sent
+    # alone, and on the prompt rows of requests sent together
+    alone = [r for r in reqs if r.hit and r.b_skipped is None and not r.concurrent]
+    together = [r for r in reqs if r.hit and r.b_skipped is None and r.concurrent]
+    assert len(alone) >= 3 and len(together) >= 3, ([(r.hit, r.builtin_hit, r.concurrent) for r in reqs])
+    by_cache = {res.cache: [] for _, res in results}
+    for _, res in results:
+        by_cache[res.cache] += res.requests
+    assert any(r.talker_hit > 0 for r in by_cache["thinker+talker"])
+    assert all(r.talker_hit == 0 for r in by_cache["thinker"])
 
 
 def test_rows_that_must_not_be_served_mostly_exceed_the_tolerance(fuzz_slice):
@@ -67,8 +79,10 @@ def test_rows_that_must_not_be_served_mostly_exceed_the_tolerance(fuzz_slice):
 
 def test_each_oracle_catches_a_wrong_row_in_real_records(fuzz_slice):
     """The oracles on rows just recorded, with one thing made wrong: another conversation's
-    rows against cache off (c), rows one slot off against their writer's (a), one bit of one
-    hand-off tensor (b)."""
+    rows against cache off (c); for (a), a real served hit whose writer is another request
+    passes against its writer's rows, and fails when the writer's rows are replaced by the
+    same rows one slot off or by another group's request's rows (another prompt from its
+    first token: a block served from the wrong request); one bit of one hand-off tensor (b)."""
     import torch
 
     engines, results = fuzz_slice
@@ -86,13 +100,31 @@ def test_each_oracle_catches_a_wrong_row_in_real_records(fuzz_slice):
     a, b = rows[base.conversation], rows[var.conversation]
     # (c): another conversation's rows (its embedding rows differ where the variant changed)
     assert oracles.compare_prompt_rows(b, a, hit=0)[1], "another conversation's rows met the tolerance"
-    # (a): a writer's rows as recorded pass; the same rows one slot off (a row served from the
-    # wrong slot) fail in every block
-    nb = base.prompt_tokens // 32
-    assert oracles.served_rows_mismatches(a, nb * 32, ["w"] * nb, {"w": a}, 32) == (nb, 0, [])
-    shifted = {k: torch.roll(v, 1, 0) for k, v in a.items()}
-    ver, _, bad = oracles.served_rows_mismatches(a, nb * 32, ["w"] * nb, {"w": shifted}, 32)
-    assert ver == nb and len({m.split(" (")[0] for m in bad}) == nb, bad[:3]
+    # (a) on a real served hit: the reader's rows against its writer's (another request)
+    omni = engines["omni"]
+    prompt_len = {res_.request_ids["omni"][f"{r.conversation}/{r.turn}"]: r.prompt_tokens
+                  for _, res_ in results for r in res_.requests}
+    omni_rows = {rid: oracles.prompt_rows(fuzz.records(omni.dir, rid), n) for rid, n in prompt_len.items()}
+    pair = None
+    for line in fuzz.audit_lines(omni.dir):
+        reader = fuzz._owner(line["request"], omni_rows)
+        writers = [fuzz._owner(w, omni_rows) if w else None for w in line["writers"]]
+        nb = line["hit_tokens"] // 32
+        if (reader and nb >= 2 and len(set(writers[:nb])) == 1 and writers[0] not in (None, reader)
+                and prompt_len[writers[0]] >= nb * 32):
+            pair = reader, writers[0], nb
+            break
+    assert pair is not None, "no audited hit served from another request's blocks"
+    reader, writer, nb = pair
+    w_rows = omni_rows[writer]
+    assert oracles.served_rows_mismatches(omni_rows[reader], nb * 32, [writer] * nb, omni_rows, 32) == (nb, 0, [])
+    foreign = next(rid for rid, n in prompt_len.items() if n >= nb * 32
+                   and rid not in res.request_ids["omni"].values())  # another group: another prompt
+    for wrong in ({k: torch.roll(v, 1, 0) for k, v in w_rows.items()},  # one slot off
+                  {k: omni_rows[foreign][k] for k in w_rows}):  # another request's rows
+        ver, _, bad = oracles.served_rows_mismatches(omni_rows[reader], nb * 32, [writer] * nb,
+                                                     {**omni_rows, writer: wrong}, 32)
+        assert ver == nb and len({m.split(" (")[0] for m in bad}) == nb, bad[:3]
     # (b): one bit of one tensor
     recs = fuzz.records(off.dir, _request_id(off, res, base.conversation, t))
     flipped = [dict(x) for x in recs]
