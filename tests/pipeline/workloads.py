@@ -94,6 +94,27 @@ def run_workload(pipe, model_dir, sampling_params_list=None, replay: list | None
     return named, len(t1), sorted(batch, key=lambda r: r.num_prompt_tokens), sent
 
 
+def assert_served_rows(served: dict, named: list, batch: list, t1_len: int, block: int = BLOCK) -> None:
+    """Oracle (a) over :func:`run_workload`'s hits (``served``:
+    :func:`omni_cache.exactness.fuzz.served_rows_report` of the named and batch results): no
+    mismatch; every hit request audited, each of its served blocks verified against its
+    writer's rows except the chat's decode-filled blocks — ``chat:turn2`` hits turn 1's answer,
+    whose rows turn 1 computed while decoding (its recorded hand-off holds prompt rows only):
+    exactly the blocks from turn 1's prompt end on are unverified (their rows are compared with
+    cache off in the bitwise tests); every other block has a writer in the run."""
+    assert all(not bad for _, _, bad in served.values()), {k: b for k, (_, _, b) in served.items() if b}
+    results = [r for _, r in named] + list(batch)
+    hit = [r for r in results if r.num_cached_tokens]
+    assert set(served) == {r.request_id for r in hit}, (sorted(served), [r.request_id for r in hit])
+    turn2 = dict(named)["chat:turn2"]
+    for r in hit:
+        ver, unver, _ = served[r.request_id]
+        decode_filled = r.num_cached_tokens // block - t1_len // block if r is turn2 else 0
+        assert unver == decode_filled and ver + unver >= r.num_cached_tokens // block, \
+            (r.request_id, ver, unver, r.num_cached_tokens, decode_filled)
+    assert served[turn2.request_id][1] >= 1  # turn 2 hit the answer's decode-filled block
+
+
 # ---- talker prefix caching (content-keyed talker blocks) ----
 
 TALKER_CHAT = [  # a voice chat: text, then a photo, then speech, each turn's history the turns before
