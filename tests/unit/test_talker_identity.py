@@ -309,7 +309,14 @@ def test_evicted_talker_blocks_are_recomputed_never_confused(tmp_path):
         _run_until_done(s)
     turn2 = _talker_request("turn2", t2)
     assert _admit(s, turn2) == 0
-    # without the filler, turn 2 would have hit turn 1's keyed blocks (test above)
+    # the control: the same turns in the same small cache with only the other conversation
+    # between them (no filler) — turn 2 hits turn 1's keyed user blocks, so the 0 above is the
+    # eviction's doing, not keys that never match
+    c = _small(tmp_path, 14)
+    for rid, ids in (("turn1", t1), ("other", other)):
+        c.add_request(_talker_request(rid, ids))
+        _run_until_done(c)
+    assert _admit(c, _talker_request("turn2", t2)) == (len(seg(USER_TOKEN_ID, U1)) // BS) * BS > 0
 
 
 def test_a_preempted_talker_request_resumes_on_its_own_blocks(tmp_path):
@@ -372,6 +379,10 @@ def test_client_sent_keys_are_never_trusted(vllm_config):
         req = _talker_request(f"attacker{i}", other, keyed=False)
         req.sampling_params.extra_args = {TALKER_KEYS_ARG: entry}
         assert _admit(s, req) == 0, i
+    # the control: the genuine entry, signed with the secret, does hit the victim's blocks
+    req = _talker_request("genuine-copy", other, keyed=False)
+    req.sampling_params.extra_args = {TALKER_KEYS_ARG: genuine}
+    assert _admit(s, req) == len(genuine["keys"]) * BS > 0
     # the hook, with no thinker prompt for the request, strips what the client sent
     hook = TalkerIdentity(None, None, block_size=BS)
     req = _engine_request("attacker", [0] * _talker_len(other))
