@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.mutants import ENV, FAULTS, write_plugin_dist  # noqa: E402
+from tests.mutants import ENV, FAULTS, PLANTED, write_plugin_dist  # noqa: E402
 
 CACHE_EQ = "tests/pipeline/test_cache_equality.py"
 STREAM_EQ = "tests/pipeline/test_streaming_equality.py"
@@ -84,6 +84,8 @@ class SelectionRun:
     rc: int
     seconds: float
     failed: list[str] = field(default_factory=list)
+    #: processes that reported the fault planted (the test process, each engine process)
+    planted_in: int = 0
 
 
 @dataclass
@@ -121,7 +123,8 @@ def run_selection(selection: tuple[str, ...], fault: str | None, plugin_dir: Pat
     log.write_text(out if isinstance(out, str) else out.decode(errors="replace"))
     failed = re.findall(r"^FAILED (\S+)", out, flags=re.M) if isinstance(out, str) else []
     outcome = "failed" if rc == 1 else "passed" if rc == 0 else "error"
-    return SelectionRun(" ".join(selection), outcome, rc, round(secs, 1), failed)
+    planted = len(set(re.findall(rf"{re.escape(PLANTED)} \S+ in pid (\d+)", out))) if isinstance(out, str) else 0
+    return SelectionRun(" ".join(selection), outcome, rc, round(secs, 1), failed, planted)
 
 
 def run_mutant(m: Mutant, plugin_dir: Path, out: Path, *, lock: str | None, timeout_s: float,
@@ -133,7 +136,8 @@ def run_mutant(m: Mutant, plugin_dir: Path, out: Path, *, lock: str | None, time
         runs.append(run_selection(sel, fault, plugin_dir, lock=lock, timeout_s=timeout_s,
                                   log=out / f"{m.name}-{i}{'-baseline' if baseline else ''}.log"))
         r = runs[-1]
-        print(f"  {m.name}: {r.tests}: {r.outcome} in {r.seconds:.0f} s {r.failed[:2]}", flush=True)
+        print(f"  {m.name}: {r.tests}: {r.outcome} in {r.seconds:.0f} s (planted in {r.planted_in} processes) "
+              f"{r.failed[:2]}", flush=True)
     outcomes = {r.outcome for r in runs}
     verdict = "killed" if "failed" in outcomes else "error" if "error" in outcomes else "survived"
     return MutantResult(m.name, m.models, verdict, round((time.perf_counter() - t0) / 60, 2), runs)

@@ -19,6 +19,7 @@ in the normal suite). A fault is planted once per process.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from pathlib import Path
 ENV = "OMNI_CACHE_TEST_MUTANT"
 #: the entry point's distribution name (a throw-away ``*.dist-info`` directory)
 DIST = "omni_cache_test_mutants"
+
+#: the line :func:`plant` prints (stderr) in every process it plants in
+PLANTED = "[omni-cache test mutant] planted"
 
 _planted: list[str] = []
 
@@ -242,6 +246,7 @@ def plant(name: str) -> None:
         return
     FAULTS[name]()
     _planted.append(name)
+    print(f"{PLANTED} {name} in pid {os.getpid()}", file=sys.stderr, flush=True)
 
 
 def plant_from_env() -> None:
