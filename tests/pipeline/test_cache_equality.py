@@ -33,7 +33,9 @@ from tests.pipeline.workloads import (
     STEP_BUDGET,
     assert_served_rows,
     assert_talker_workload,
+    expected_hits,
     expected_talker_blocks,
+    processor_prompt_ids,
     run_talker_workload,
     run_workload,
 )
@@ -78,7 +80,7 @@ def runs(sync_omni):
     sp = reference_params(pipe)
     sp[1].extra_args = {}
     unseeded = [pipe.generate([build_request(FIRST_PROMPT)], sp)[0] for _ in range(2)]
-    return {"dir": sync_omni.dir, "model_dir": model_dir, "omni_cache": (named, t1_len, batch),
+    return {"dir": sync_omni.dir, "model_dir": model_dir, "sent": sent, "omni_cache": (named, t1_len, batch),
             "off": (off_named, t1_len, off_batch),
             "talker-omni_cache": talker_on[:2], "talker-off": talker_off[:2], "unseeded": unseeded}
 
@@ -86,6 +88,13 @@ def runs(sync_omni):
 def test_hits_happen_and_omni_cache_served_them(runs):
     d, (named, t1_len, batch) = runs["dir"], runs["omni_cache"]
     hits = {n: r.num_cached_tokens for n, r in named}
+    # every hit exactly, computed from the processor's token ids (self-checked: its prompt
+    # lengths are the engine's)
+    results = [r for _, r in named] + list(batch)
+    ids = processor_prompt_ids(runs["model_dir"], runs["sent"])
+    assert [len(i) for i in ids] == [r.num_prompt_tokens for r in results]
+    assert [r.num_cached_tokens for r in results] == expected_hits(ids, results, together=2), \
+        ([r.num_cached_tokens for r in results], expected_hits(ids, results, together=2))
     for n, r in named:
         if n.endswith("second, please?"):
             assert r.num_cached_tokens >= BLOCK, (n, hits)

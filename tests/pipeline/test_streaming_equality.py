@@ -43,7 +43,9 @@ from tests.pipeline.workloads import (
     STEP_BUDGET,
     assert_served_rows,
     assert_talker_workload,
+    expected_hits,
     expected_talker_blocks,
+    prefix_hit,
     run_talker_workload,
     run_workload,
 )
@@ -86,19 +88,11 @@ def _assert_same_chunks_tail(got: list[dict], ref: list[dict], name: str) -> Non
 
 def _expected_hits(run) -> list[int]:
     """Each workload request's thinker hit (named requests in order, then the batch), computed
-    here from token ids (:func:`_prefix_hit`): the longest prefix shared with the tokens of a
-    request sent before it — its prompt and the answer tokens whose KV it computed (all but
-    the last sampled one; so the chat's second turn hits the first answer's decode-filled
-    blocks). Same photo and recording in every media request: their identifiers match
-    wherever their token ids do. The batch's second request is admitted while the first
-    computes the rest of the shared prefix, whose blocks vLLM hashes when it schedules them."""
+    from the token ids vLLM-Omni handed the talker (:func:`~tests.pipeline.workloads.expected_hits`).
+    Same photo and recording in every media request: their identifiers match wherever their
+    token ids do."""
     results = [r for _, r in run["named"]] + list(run["batch"])
-    seen, out = [], []
-    for r in results:
-        ids = _prompt_ids(run["dir"], r.request_id)
-        out.append(_prefix_hit(ids, seen))
-        seen.append(ids + list(r.token_ids[:-1]))
-    return out
+    return expected_hits([_prompt_ids(run["dir"], r.request_id) for r in results], results, together=2)
 
 
 def test_streaming_hits_happen_and_are_served(stream_runs):
@@ -206,22 +200,6 @@ def _prompt_ids(d, request_id: str) -> list[int]:
     return records_of(d, request_id)[0]["ids.prompt"].tolist()
 
 
-def _prefix_hit(ids: list[int], earlier: list[list[int]], block: int = BLOCK) -> int:
-    """vLLM's prefix hit for ``ids`` after the prompts ``earlier``, computed here from the
-    token ids alone (text prompts: no media identifier in the hash): the longest common
-    prefix with any of them, in whole blocks, leaving at least the last token to compute."""
-    def common(a, b):
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        return n
-
-    longest = max((common(ids, e) for e in earlier), default=0)
-    return min(longest, len(ids) - 1) // block * block
-
-
 def test_streaming_capped_hits_stay_exact(stream_runs):
     """Fault injection per request: the first request of the pair is marked ``FORGET_ROWS``
     (its rows are declared lost), so the second one's hit on its blocks is capped before the
@@ -230,7 +208,7 @@ def test_streaming_capped_hits_stay_exact(stream_runs):
 
     The worker still holds the lost rows (``FORGET_ROWS`` is read by the scheduler only), so
     bitwise equality alone would not show the cap: the hits are asserted exactly, computed
-    from token ids here (:func:`_prefix_hit`) — capped to the blocks the pair shares with
+    from token ids here (:func:`~tests.pipeline.workloads.prefix_hit`) — capped to the blocks the pair shares with
     requests sent before it (the system prompt), while the built-in cache, on the same
     requests without the fault, serves the whole shared prefix."""
     on, off, bi = stream_runs["omni_cache"], stream_runs["off"], stream_runs["builtin"]
@@ -239,11 +217,11 @@ def test_streaming_capped_hits_stay_exact(stream_runs):
     before = [r for _, r in on["named"]] + list(on["batch"]) + [r for _, r in on["talker"][0]]
     earlier = [_prompt_ids(on["dir"], r.request_id) for r in before]
     first = _prompt_ids(off["dir"], off["lost"]["lost:first"].request_id)
-    capped, whole = _prefix_hit(ids, earlier), _prefix_hit(ids, earlier + [first])
+    capped, whole = prefix_hit(ids, earlier), prefix_hit(ids, earlier + [first])
     assert 0 < capped < whole, (capped, whole)
     assert bi["lost"]["lost:second"].num_cached_tokens == whole  # the pair's hit, uncapped
     assert lost.num_cached_tokens == capped, (lost.num_cached_tokens, capped, whole)
-    assert on["lost"]["lost:first"].num_cached_tokens == _prefix_hit(first, earlier)
+    assert on["lost"]["lost:first"].num_cached_tokens == prefix_hit(first, earlier)
     sched = read_metrics(on["dir"], "scheduler", until=lambda m: m["capped_tokens"] >= whole - capped)
     assert sched["capped_tokens"] == whole - capped, (sched, whole - capped)
     m = read_metrics(on["dir"], "metrics")

@@ -94,6 +94,63 @@ def run_workload(pipe, model_dir, sampling_params_list=None, replay: list | None
     return named, len(t1), sorted(batch, key=lambda r: r.num_prompt_tokens), sent
 
 
+def prefix_hit(ids: list[int], earlier: list[list[int]], block: int = BLOCK) -> int:
+    """vLLM's prefix hit for the prompt ``ids`` after the token sequences ``earlier`` (whose KV
+    was computed), computed from token ids alone: the longest common prefix with any of them,
+    in whole blocks, leaving at least the last token to compute. (Media identifiers are in
+    vLLM's hash too: callers use it where equal token ids carry the same media.)"""
+    def common(a, b):
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    longest = max((common(ids, e) for e in earlier), default=0)
+    return min(longest, len(ids) - 1) // block * block
+
+
+def expected_hits(prompts: list[list[int]], results: list, *, together: int = 0) -> list[int]:
+    """Each request's thinker hit, from token ids (:func:`prefix_hit`): ``prompts`` (token ids)
+    and ``results`` in the order sent, each hitting what the requests before it computed —
+    their prompts and the answer tokens whose KV they computed (all but the last sampled one:
+    the chat's second turn hits the first answer's decode-filled blocks). The last
+    ``together`` requests were sent in one batch: each sees only the prompts of the batch's
+    earlier requests (vLLM hashes a prompt's blocks when it schedules them; the workload's
+    batch admits its second request while the first computes the shared prefix)."""
+    seen, out = [], []
+    n = len(prompts)
+    for i, (ids, r) in enumerate(zip(prompts, results, strict=True)):
+        out.append(prefix_hit(ids, seen))
+        seen.append(ids if i >= n - together else ids + list(r.token_ids[:-1]))
+    return out
+
+
+def processor_prompt_ids(model_dir, sent: list) -> list[list[int]]:
+    """The thinker prompt's token ids of every request of ``sent`` (:func:`run_workload`'s),
+    in order, from the model's own HF processor (what vLLM's input processing runs,
+    placeholders expanded); a token-id prompt as sent."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(model_dir)
+    out = []
+    for _, requests in sent:
+        for req in requests:
+            if isinstance(req, dict):
+                out.append(list(req["prompt_token_ids"]))
+                continue
+            p = req.to_engine_prompt()
+            mm = p.get("multi_modal_data", {})
+            kw = {}
+            if "image" in mm:
+                kw["images"] = mm["image"]
+            if "audio" in mm:
+                kw["audio"], kw["sampling_rate"] = [mm["audio"][0]], mm["audio"][1]
+            out.append(proc(text=[p["prompt"]], return_tensors="pt", **kw)["input_ids"][0].tolist())
+    return out
+
+
 def assert_served_rows(served: dict, named: list, batch: list, t1_len: int, block: int = BLOCK) -> None:
     """Oracle (a) over :func:`run_workload`'s hits (``served``:
     :func:`omni_cache.exactness.fuzz.served_rows_report` of the named and batch results): no
