@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 FORGET_ROWS = "omni_cache_test_forget_rows"
 
 
+#: preempted request ids the scheduler keeps (and publishes) at most
+PREEMPTED_KEPT = 256
+
+
 def rows_forgotten(request) -> bool:
     """Whether ``request`` (a vLLM ``Request``) carries :data:`FORGET_ROWS`."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
@@ -72,6 +76,9 @@ class SchedulerCapState:
         same_step_hit_tokens: hit tokens on blocks completed in the same step, over admitted
             requests.
         preemptions: requests preempted.
+        preempted: ids of the latest :data:`PREEMPTED_KEPT` requests preempted, oldest first
+            (published, so that a test can tell which requests recomputed rows after a
+            preemption).
         pending: request → block index → ``(block id, step)`` of blocks completed by step
             ``step`` whose hash vLLM did not know yet (async scheduling: decode-filled blocks).
         steps_scheduled: ``schedule()`` calls so far (the index of the next step).
@@ -92,6 +99,7 @@ class SchedulerCapState:
     capped_tokens: int = 0
     same_step_hit_tokens: int = 0
     preemptions: int = 0
+    preempted: dict[str, None] = field(default_factory=dict)
     pending: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
     steps_scheduled: int = 0
     steps_done: int = 0
@@ -101,7 +109,9 @@ class SchedulerCapState:
         """The published counters (``scheduler-<pid>.json``)."""
         return {"preemptions": self.preemptions, "resumed_hits": len(self.resumed),
                 "resumed_hit_tokens": sum(self.resumed.values()), "capped_tokens": self.capped_tokens,
-                "same_step_hit_tokens": self.same_step_hit_tokens}
+                "same_step_hit_tokens": self.same_step_hit_tokens,
+                "preempted_requests": list(self.preempted),
+                "resumed_hit_requests": sorted({rid for rid, _ in self.resumed})}
 
 
 class OmniCacheSchedulerMixin:
@@ -190,6 +200,10 @@ class OmniCacheSchedulerMixin:
         super()._preempt_request(request, *args, **kwargs)
         st = self._omni_cache_state()
         st.preemptions += 1
+        st.preempted.pop(request.request_id, None)
+        st.preempted[request.request_id] = None
+        while len(st.preempted) > PREEMPTED_KEPT:
+            del st.preempted[next(iter(st.preempted))]
         self._publish_scheduler_metrics()
 
     def _publish_scheduler_metrics(self) -> None:

@@ -164,6 +164,10 @@ def test_async_hits_are_exact_across_decode_blocks_preemption_and_aborts(vllm_co
     assert runner.hits.get("B", 0) >= 64, runner.hits
     assert st.preemptions > 0, "the workload did not preempt"
     assert st.capped_tokens == 0 and not st.pending, (st.capped_tokens, st.pending)
+    # the published counters name the preempted requests (and those resumed with a hit)
+    c = st.counters()
+    assert 0 < len(c["preempted_requests"]) <= st.preemptions and set(c["resumed_hit_requests"]) <= set(
+        c["preempted_requests"]) and len(c["resumed_hit_requests"]) == len({r for r, _ in st.resumed}), c
 
 
 def test_async_hits_on_lost_rows_are_capped(vllm_config, monkeypatch):
