@@ -16,13 +16,14 @@ whatever the batch) must be bitwise equal; the other rows (``hidden_states.outpu
 oracle (c)'s tolerance (16 row-scale ulps, ``omni_cache.exactness.oracles``), not bitwise:
 concurrency changes batch composition, and on CPU a bf16 GEMM row can differ in its last bits
 with the batch it ran in (the test reports how many were bitwise equal). What tells a wrong
-row from a right one bitwise is oracle (a): every row the cache served — first hits and the
-hits of resumed requests — equals the row its writer computed (the hit audit names the
-writer). Only ``stress_omni`` preempts (``stream_off``'s pool is large), so a row lost or
+row from a right one bitwise is oracle (a): every row the cache served to a request never
+preempted equals the row its writer computed (the hit audit names the writer; writers that
+were preempted recomputed their rows in another batch, so their blocks are counted
+unverified). Only ``stress_omni`` preempts (``stream_off``'s pool is large), so a row lost or
 doubled around a resume shows; preemptions and resumed hits are counted by omni-cache's
-scheduler (its metrics file) and some compared request must have been served its prefix
-again after a preemption, so the test fails if the pool stops forcing them. The engine must
-be alive at the end.
+scheduler (its metrics file, which names the preempted requests) and some compared request
+must have been preempted and served its prefix again on resume, so the test fails if the
+pool stops forcing them. The engine must be alive at the end.
 """
 
 from __future__ import annotations
@@ -264,6 +265,7 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
     assert not bad, bad[:5]
     assert verified > 0, (verified, unverified)
     resumed_hit = [rid for rid in resumed if hits_per_request[rid] >= 2]
+    assert resumed_hit, f"no preempted request was served its prefix again on resume: {hits_per_request}"
     print(f"stress: {len(compared)} requests compared ({len(never_aborted)} never aborted), {rows} rows "
           f"({bitwise} bitwise equal, the rest within {oracles.TOLERANCE_ULPS:g} row-scale ulps); "
           f"{len(aborted)} aborted; oracle (a): {verified} served blocks verified, {unverified} unverified; "
