@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.mutants import ENV, FAULTS, PLANTED, write_plugin_dist  # noqa: E402
+from tests.mutants import ENV, EVIDENCE_ENV, FAULTS, write_plugin_dist  # noqa: E402
 
 CACHE_EQ = "tests/pipeline/test_cache_equality.py"
 STREAM_EQ = "tests/pipeline/test_streaming_equality.py"
@@ -84,7 +84,8 @@ class SelectionRun:
     rc: int
     seconds: float
     failed: list[str] = field(default_factory=list)
-    #: processes that reported the fault planted (the test process, each engine process)
+    #: processes that planted the fault (the test process and each engine process that loaded
+    #: the entry point: ``<log>.planted`` lists them)
     planted_in: int = 0
 
 
@@ -106,6 +107,9 @@ def run_selection(selection: tuple[str, ...], fault: str | None, plugin_dir: Pat
     """One pytest run of ``selection`` with ``fault`` planted (None: nothing planted)."""
     env = dict(os.environ)
     env.pop(ENV, None)
+    evidence = log.with_suffix(".planted")
+    evidence.unlink(missing_ok=True)
+    env[EVIDENCE_ENV] = str(evidence)
     if fault:
         env[ENV] = fault
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir), str(REPO), env.get("PYTHONPATH", "")) if p)
@@ -123,7 +127,9 @@ def run_selection(selection: tuple[str, ...], fault: str | None, plugin_dir: Pat
     log.write_text(out if isinstance(out, str) else out.decode(errors="replace"))
     failed = re.findall(r"^FAILED (\S+)", out, flags=re.M) if isinstance(out, str) else []
     outcome = "failed" if rc == 1 else "passed" if rc == 0 else "error"
-    planted = len(set(re.findall(rf"{re.escape(PLANTED)} \S+ in pid (\d+)", out))) if isinstance(out, str) else 0
+    planted = len({line.split()[1] for line in evidence.read_text().splitlines()}) if evidence.exists() else 0
+    if fault and outcome == "passed" and planted < (2 if _heavy(selection) else 1):
+        outcome = "error"  # the fault never reached the engine processes: a pass proves nothing
     return SelectionRun(" ".join(selection), outcome, rc, round(secs, 1), failed, planted)
 
 

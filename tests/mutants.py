@@ -25,6 +25,8 @@ from pathlib import Path
 
 #: environment variable naming the fault to plant (unset: none)
 ENV = "OMNI_CACHE_TEST_MUTANT"
+#: environment variable naming a file that :func:`plant` appends ``<fault> <pid> <argv0>`` to
+EVIDENCE_ENV = "OMNI_CACHE_TEST_MUTANT_LOG"
 #: the entry point's distribution name (a throw-away ``*.dist-info`` directory)
 DIST = "omni_cache_test_mutants"
 
@@ -247,6 +249,10 @@ def plant(name: str) -> None:
     FAULTS[name]()
     _planted.append(name)
     print(f"{PLANTED} {name} in pid {os.getpid()}", file=sys.stderr, flush=True)
+    evidence = os.environ.get(EVIDENCE_ENV)
+    if evidence:  # one line per process: what was planted where (the mutation report counts them)
+        with open(evidence, "a") as f:
+            f.write(f"{name} {os.getpid()} {sys.argv[0] if sys.argv else ''}\n")
 
 
 def plant_from_env() -> None:
