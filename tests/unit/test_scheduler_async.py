@@ -60,7 +60,8 @@ class Runner:
         self.tables: dict[str, list[int]] = {}
         self.slots: dict[int, tuple[int, ...]] = {}  # slot id -> the token prefix its row holds
         self.hit_tokens_checked = 0
-        self.hits: dict[str, int] = {}
+        self.hits: dict[str, int] = {}  # request -> its largest hit (resumed ones included)
+        self.first_hits: dict[str, int] = {}  # request -> its hit at admission
 
     def add(self, rid: str, prompt: list[int]) -> None:
         self.tokens[rid] = list(prompt)
@@ -104,6 +105,7 @@ class Runner:
                     raise StaleRow(f"request {rid}: hit row at position {p} of {hit} is not its own")
             self.hit_tokens_checked += hit
             self.hits[rid] = max(self.hits.get(rid, 0), hit)
+            self.first_hits.setdefault(rid, hit)
         ids = list(spans)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=sampled_ids)
@@ -160,8 +162,9 @@ def test_async_hits_are_exact_across_decode_blocks_preemption_and_aborts(vllm_co
     _workload(s, runner)
     st = s._omni_cache_state()
     # not vacuous: D hit A's prompt blocks; B hit blocks A filled while decoding (past its prompt)
-    assert runner.hits.get("D", 0) >= 32, runner.hits
-    assert runner.hits.get("B", 0) >= 64, runner.hits
+    # exactly: D shares A's first 32 prompt tokens; B repeats A's 40 + the first 24 answer
+    # tokens = 64, two whole blocks past A's prompt blocks, the third filled while decoding
+    assert runner.first_hits.get("D", 0) == 32 and runner.first_hits.get("B", 0) == 64, runner.first_hits
     assert st.preemptions > 0, "the workload did not preempt"
     assert st.capped_tokens == 0 and not st.pending, (st.capped_tokens, st.pending)
     # the published counters name the preempted requests (and those resumed with a hit)
