@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 #: environment variable naming the fault to plant (unset: none)
-ENV = "OMNI_CACHE_TEST_MUTANT"
+ENV = "TEST_MUTANT"
 #: environment variable naming a file that :func:`plant` appends ``<fault> <pid> <argv0>`` to
-EVIDENCE_ENV = "OMNI_CACHE_TEST_MUTANT_LOG"
+EVIDENCE_ENV = "TEST_MUTANT_EVIDENCE"
 #: the entry point's distribution name (a throw-away ``*.dist-info`` directory)
 DIST = "omni_cache_test_mutants"
 
