@@ -11,8 +11,14 @@ received (recorded thinker → talker hand-offs) and the audio:
     thinker side); for requests in flight together the prompt rows and tokens (their decode
     rows and audio follow timing: vLLM's CPU kernels are not batch-invariant);
 (c) against cache off: tokens equal, embedding rows bitwise, other prompt rows within the
-    tolerance — which the test shows a row of another prompt, a shifted row and a stale
-    served row do not meet, on the rows just recorded.
+    tolerance — which another conversation's rows and most shifted rows do not meet, on the
+    rows just recorded; not every foreign row exceeds it on this seeded tiny model
+    (docs/architecture.md, "How far (c) can see"): (a) and (b), bitwise, are what catch those,
+    and the test shows (a) catching rows one slot off and another request's rows in every
+    block of a real served hit.
+
+Three groups: the thinker's cache alone with a turn's requests in flight together, the same
+one request at a time (so (b) holds every chunk and the audio), thinker + talker.
 
 Any number of cases, both streaming modes: ``benchmarks/fuzz_exactness.py``.
 """
