@@ -84,6 +84,8 @@ class SelectionRun:
     rc: int
     seconds: float
     failed: list[str] = field(default_factory=list)
+    #: seconds pytest itself reported (its summary line): the run, without the wait for ``--lock``
+    pytest_seconds: float | None = None
     #: processes that planted the fault (the test process and each engine process that loaded
     #: the entry point: ``<log>.planted`` lists them)
     planted_in: int = 0
@@ -94,8 +96,10 @@ class MutantResult:
     name: str
     models: str
     verdict: str  # "killed" | "survived" | "error"
-    minutes: float
+    minutes: float  # wall, waits for --lock included
     runs: list[SelectionRun]
+    #: minutes pytest ran (summed over the selections; no lock wait)
+    test_minutes: float | None = None
 
 
 def _heavy(selection: tuple[str, ...]) -> bool:
@@ -130,7 +134,13 @@ def run_selection(selection: tuple[str, ...], fault: str | None, plugin_dir: Pat
     planted = len({line.split()[1] for line in evidence.read_text().splitlines()}) if evidence.exists() else 0
     if fault and outcome == "passed" and planted < (2 if _heavy(selection) else 1):
         outcome = "error"  # the fault never reached the engine processes: a pass proves nothing
-    return SelectionRun(" ".join(selection), outcome, rc, round(secs, 1), failed, planted)
+    return SelectionRun(" ".join(selection), outcome, rc, round(secs, 1), failed, pytest_seconds(out), planted)
+
+
+def pytest_seconds(output: str) -> float | None:
+    """The seconds in pytest's summary line (``... in 123.45s``), if any."""
+    found = re.findall(r"=* .*? in ([0-9.]+)s(?: \(|\s*=*$)", output, flags=re.M)
+    return float(found[-1]) if found else None
 
 
 def run_mutant(m: Mutant, plugin_dir: Path, out: Path, *, lock: str | None, timeout_s: float,
@@ -146,7 +156,24 @@ def run_mutant(m: Mutant, plugin_dir: Path, out: Path, *, lock: str | None, time
               f"{r.failed[:2]}", flush=True)
     outcomes = {r.outcome for r in runs}
     verdict = "killed" if "failed" in outcomes else "error" if "error" in outcomes else "survived"
-    return MutantResult(m.name, m.models, verdict, round((time.perf_counter() - t0) / 60, 2), runs)
+    ran = [r.pytest_seconds for r in runs if r.pytest_seconds is not None]
+    return MutantResult(m.name, m.models, verdict, round((time.perf_counter() - t0) / 60, 2), runs,
+                        round(sum(ran) / 60, 2) if ran else None)
+
+
+def rescan(out: Path) -> int:
+    """Add ``pytest_seconds`` / ``test_minutes`` read from the selection logs to a report
+    written before they were recorded."""
+    report = json.loads((out / "report.json").read_text())
+    for m in report["results"]:
+        for i, r in enumerate(m["runs"]):
+            log = out / f"{m['name']}-{i}{'-baseline' if report['baseline'] else ''}.log"
+            r["pytest_seconds"] = pytest_seconds(log.read_text()) if log.exists() else None
+        ran = [r["pytest_seconds"] for r in m["runs"] if r["pytest_seconds"] is not None]
+        m["test_minutes"] = round(sum(ran) / 60, 2) if ran else None
+    report["test_minutes"] = round(sum(m["test_minutes"] or 0 for m in report["results"]), 2)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -156,7 +183,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per selection")
     ap.add_argument("--baseline", action="store_true", help="run the selections with nothing planted")
     ap.add_argument("--out", default=None, help="report folder (default benchmarks/results/mutants-<date>)")
+    ap.add_argument("--rescan", default=None, metavar="DIR",
+                    help="only add pytest's own seconds (from the logs) to DIR/report.json")
     args = ap.parse_args(argv)
+    if args.rescan:
+        return rescan(Path(args.rescan))
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or REPO / "benchmarks" / "results" / f"mutants-{stamp}")
@@ -175,6 +206,7 @@ def main(argv=None) -> int:
     report = {"date": stamp, "commit": commit, "baseline": args.baseline,
               "command": "python -m benchmarks.mutants " + " ".join(argv if argv is not None else sys.argv[1:]),
               "minutes": round((time.perf_counter() - t0) / 60, 2),
+              "test_minutes": round(sum(r.test_minutes or 0 for r in results), 2),
               "killed": sum(r.verdict == "killed" for r in results), "mutants": len(results),
               "results": [asdict(r) for r in results]}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
