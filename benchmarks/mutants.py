@@ -51,12 +51,14 @@ class Mutant:
     selections: tuple[tuple[str, ...], ...]
 
 
+CORE_CACHE = "tests/unit/test_core_cache.py"
+
 MUTANTS = (
     Mutant("foreign_block", "another request's rows served for a block (the last block of every hit)",
-           ((CACHE_EQ,),)),
-    Mutant("slot_shift", "served rows one KV slot off", ((CACHE_EQ,),)),
+           ((CORE_CACHE,), (CACHE_EQ,))),
+    Mutant("slot_shift", "served rows one KV slot off", ((CORE_CACHE,), (CACHE_EQ,))),
     Mutant("stale_generation", "a block served after its slot was reused: the new generation's rows "
-           "never reach the pool, the ledger records them", ((STRESS,),)),
+           "never reach the pool, the ledger records them", ((CORE_CACHE,), (STRESS,))),
     Mutant("cap_disabled", "the scheduler cap disabled: vLLM's KV hit served whatever the hidden tier "
            "covers", (("tests/unit/test_scheduler_cap.py",), (STREAM_EQ, "-k", "capped"))),
     Mutant("deferred_write_dropped", "a deferred ledger write dropped",
@@ -72,7 +74,7 @@ MUTANTS = (
            "fast-prefill chunks written and vouched for)",
            (("tests/unit/test_yoco_manager.py", "tests/unit/test_scheduler_cap.py",
              "tests/unit/test_core_coverage.py"),)),
-    Mutant("bit_flip", "one bit flipped in a served row", ((CACHE_EQ,),)),
+    Mutant("bit_flip", "one bit flipped in a served row", ((CORE_CACHE,), (CACHE_EQ,))),
 )
 assert {m.name for m in MUTANTS} == set(FAULTS), "every planted fault has a mutant and vice versa"
 
@@ -144,13 +146,16 @@ def pytest_seconds(output: str) -> float | None:
 
 
 def run_mutant(m: Mutant, plugin_dir: Path, out: Path, *, lock: str | None, timeout_s: float,
-               baseline: bool) -> MutantResult:
+               baseline: bool, unit_only: bool = False) -> MutantResult:
     runs = []
     t0 = time.perf_counter()
     for i, sel in enumerate(m.selections):
+        if unit_only and _heavy(sel):
+            continue
         fault = None if baseline else m.name
+        tag = ("-unit" if unit_only else "") + ("-baseline" if baseline else "")
         runs.append(run_selection(sel, fault, plugin_dir, lock=lock, timeout_s=timeout_s,
-                                  log=out / f"{m.name}-{i}{'-baseline' if baseline else ''}.log"))
+                                  log=out / f"{m.name}-{i}{tag}.log"))
         r = runs[-1]
         print(f"  {m.name}: {r.tests}: {r.outcome} in {r.seconds:.0f} s (planted in {r.planted_in} processes) "
               f"{r.failed[:2]}", flush=True)
@@ -183,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per selection")
     ap.add_argument("--baseline", action="store_true", help="run the selections with nothing planted")
     ap.add_argument("--out", default=None, help="report folder (default benchmarks/results/mutants-<date>)")
+    ap.add_argument("--unit-only", action="store_true",
+                    help="run only the selections that start no pipeline (report-unit.json)")
     ap.add_argument("--rescan", default=None, metavar="DIR",
                     help="only add pytest's own seconds (from the logs) to DIR/report.json")
     args = ap.parse_args(argv)
@@ -202,14 +209,14 @@ def main(argv=None) -> int:
         for m in chosen:
             print(f"[mutants] {m.name}: {m.models}", flush=True)
             results.append(run_mutant(m, plugin_dir, out, lock=args.lock, timeout_s=args.timeout,
-                                      baseline=args.baseline))
-    report = {"date": stamp, "commit": commit, "baseline": args.baseline,
+                                      baseline=args.baseline, unit_only=args.unit_only))
+    report = {"date": stamp, "commit": commit, "baseline": args.baseline, "unit_only": args.unit_only,
               "command": "python -m benchmarks.mutants " + " ".join(argv if argv is not None else sys.argv[1:]),
               "minutes": round((time.perf_counter() - t0) / 60, 2),
               "test_minutes": round(sum(r.test_minutes or 0 for r in results), 2),
               "killed": sum(r.verdict == "killed" for r in results), "mutants": len(results),
               "results": [asdict(r) for r in results]}
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / ("report-unit.json" if args.unit_only else "report.json")).write_text(json.dumps(report, indent=1) + "\n")
     print(f"\n{'mutant':<26} {'verdict':<9} {'min':>5}  tests")
     for r in results:
         print(f"{r.name:<26} {r.verdict:<9} {r.minutes:>5.1f}  " + " | ".join(
