@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     for r in results:
         print(f"{r.name:<26} {r.verdict:<9} {r.minutes:>5.1f}  " + " | ".join(
             f"{x.tests} ({x.outcome})" for x in r.runs))
-    print(f"[mutants] {report['killed']}/{len(results)} killed in {report['minutes']:.1f} min; {out / 'report.json'}")
+    print(f"[mutants] {report['killed']}/{len(results)} killed in {report['minutes']:.1f} min; {out}")
     # baseline: every selection passes with nothing planted; else: every mutant killed
     expected = "survived" if args.baseline else "killed"
     return 0 if all(r.verdict == expected for r in results) else 1
