@@ -51,7 +51,8 @@ EMBEDDED_MODEL_NOTICE = (
 )
 #: Build stamps the embedded model builders write (this module's and :mod:`omni_cache.models_gemma`'s).
 EMBEDDED_STAMPS = ("omni_cache_model.json", "omni_cache_gemma_omni.json")
-MODEL_FORMAT_VERSION = 2  # bump when the built model changes; part of the cache key
+MODEL_FORMAT_VERSION = 3  # bump when the built model changes; part of the cache key
+# (3: the talker's expert weights initialised, see init_talker_experts)
 
 # Real Qwen3-Omni special-token ids (tokenizer_config.json of the released model).
 SPECIAL_TOKENS: dict[str, int] = {
@@ -425,6 +426,34 @@ def is_up_to_date(stamp: Path, fingerprint: str) -> bool:
         return False
 
 
+def init_talker_experts(model, seed: int, std: float = 0.02) -> int:
+    """Give the talker's MoE expert weights (``talker.*.mlp.experts.*``: transformers' fused
+    ``gate_up_proj`` ``[experts, 2 * intermediate, hidden]`` and ``down_proj``, saved as
+    per-expert ``…experts.N.{gate,up,down}_proj.weight``) values: normal
+    ``(0, std)`` from a generator seeded with ``seed``, parameter by parameter in name order.
+
+    transformers 5.14's ``Qwen3OmniMoeForConditionalGeneration`` leaves them as allocated
+    (``torch.empty``: whatever the memory held — denormals, zeros, or large and non-finite
+    values), so every build of the embedded model had other talker weights, and some builds a
+    talker that produced no codec frame: no audio at all, no error (first seen on an H200,
+    then on the CPU after a rebuild; docs/gpu.md, "Audio on the GPU"). ``std`` is the
+    config's ``initializer_range``, what transformers gives the other linear weights.
+
+    Returns:
+        The number of parameters initialised.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.startswith("talker.") and ".mlp.experts." in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+                n += 1
+    return n
+
+
 def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
     """Build the embedded Qwen3-Omni-MoE model directory.
 
@@ -454,6 +483,7 @@ def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
     torch.manual_seed(SEED)
     with torch.device("cpu"):
         model = Qwen3OmniMoeForConditionalGeneration(cfg)
+    init_talker_experts(model, SEED)
     model.save_pretrained(out, safe_serialization=True)
     del model
     tokenizer = build_tokenizer(out)
