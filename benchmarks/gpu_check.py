@@ -10,7 +10,10 @@ runs, on the card of this host (docs/gpu.md, "The GPU lane"):
   embedded model, three requests: the repeats hit) — every request must get audio packets and a
   TTFP, the repeats must hit in the thinker and the talker;
 - the pipeline tests on CUDA variants of their engines (``OMNI_TEST_DEVICE=cuda``,
-  ``tests/device.py``): ``equality`` (served rows = their writer's, tokens = cache off),
+  ``tests/device.py``) with vLLM's batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``: cache on
+  = cache off bitwise, as on the CPU; the main job keeps the default kernels):
+  ``equality`` (served rows = their writer's, everything = cache off bitwise),
+  ``equality-default`` (the same on the default kernels: cache off to oracle (c)'s precision),
   ``streaming`` (streaming, talker cache; omni-cache = the built-in cache bitwise; the fuzzer's
   slice), ``stress`` (preemptions, aborts), ``serve`` (chat + realtime), ``yoco-eager`` and
   ``yoco-compiled`` (the Gemma-4 YOCO thinker, fast prefill x the cache, eager and with
@@ -39,18 +42,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GPU1 = REPO / "stage_configs" / "qwen3_omni_gpu1.yaml"
 
+#: vLLM's batch-invariant kernels: with them cache on equals cache off bitwise on CUDA as on the
+#: CPU (tests/device.py; docs/gpu.md, "The cache-off oracle on CUDA")
+INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 #: group -> (pytest arguments, extra environment); the main job is not a pytest group
 GROUPS: dict[str, tuple[list[str], dict[str, str]]] = {
     "unit": (["tests/unit"], {}),
-    "equality": (["tests/pipeline/test_cache_equality.py"], {}),
-    "streaming": (["tests/pipeline/test_streaming_equality.py", "tests/pipeline/test_exactness_fuzz.py"], {}),
-    "stress": (["tests/pipeline/test_stress.py"], {}),
-    "serve": (["tests/pipeline/test_serve.py", "tests/pipeline/test_realtime.py"], {}),
-    "yoco-eager": (["tests/pipeline/test_yoco_pipeline.py"], {}),
-    "yoco-compiled": (["tests/pipeline/test_yoco_pipeline.py"], {"OMNI_TEST_COMPILED": "1"}),
+    "equality": (["tests/pipeline/test_cache_equality.py"], INVARIANT),
+    # the same tests on the default (production) kernels: cache off held to oracle (c)'s stated precision
+    "equality-default": (["tests/pipeline/test_cache_equality.py"], {"VLLM_BATCH_INVARIANT": "0"}),
+    "streaming": (["tests/pipeline/test_streaming_equality.py", "tests/pipeline/test_exactness_fuzz.py"], INVARIANT),
+    "stress": (["tests/pipeline/test_stress.py"], INVARIANT),
+    "serve": (["tests/pipeline/test_serve.py", "tests/pipeline/test_realtime.py"], INVARIANT),
+    "yoco-eager": (["tests/pipeline/test_yoco_pipeline.py"], INVARIANT),
+    "yoco-compiled": (["tests/pipeline/test_yoco_pipeline.py"], {"OMNI_TEST_COMPILED": "1", **INVARIANT}),
 }
 #: longest first, so ``--jobs`` slots fill well
-ORDER = ("streaming", "main-job", "serve", "stress", "yoco-compiled", "yoco-eager", "equality", "unit")
+ORDER = ("streaming", "main-job", "serve", "stress", "yoco-compiled", "yoco-eager", "equality", "equality-default",
+         "unit")
 
 
 def log(msg: str) -> None:

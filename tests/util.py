@@ -74,6 +74,31 @@ def assert_batch_rows(on, off, name: str, *, writer=None, hit: int = 0) -> int:
     return int((x == y).all(dim=-1).sum())
 
 
+def assert_audio_vs_cache_off(r_on, r_off, name: str, *, handoff_bitwise: bool = True) -> bool:
+    """A request's waveform (``.audio``, float32 ``[num_samples]``) against its cache-off
+    reference's, at the precision oracle (c) has on this device (:mod:`tests.device`).
+
+    Bitwise where :data:`tests.device.CACHE_OFF_BITWISE` (the CPU; CUDA with batch-invariant
+    kernels), and on CUDA's default kernels too where the talker received the same bits and
+    computed every row (``handoff_bitwise`` and no talker prefix hit). Otherwise (a talker hit,
+    or hand-off rows within tolerance only, on default CUDA kernels) the sampled codes may
+    diverge: the same number of samples, finite, not silent. Returns whether it was compared
+    bitwise.
+    """
+    import numpy as np
+
+    from tests.device import CACHE_OFF_BITWISE
+
+    assert r_on.audio is not None and r_off.audio is not None, name
+    assert np.isfinite(r_on.audio).all() and float(np.abs(r_on.audio).max()) > 0, name
+    bitwise = CACHE_OFF_BITWISE or (handoff_bitwise and not (getattr(r_on, "talker_num_cached_tokens", 0) or 0))
+    if bitwise:
+        assert np.array_equal(r_on.audio, r_off.audio), name
+    else:
+        assert r_on.audio.shape == r_off.audio.shape, (name, r_on.audio.shape, r_off.audio.shape)
+    return bitwise
+
+
 def recorded_chunks(out_dir) -> list[list[dict]]:
     """Recorded chunks per request (``[[chunk0, chunk1, ...], ...]``), requests in the order
     of their first chunk."""

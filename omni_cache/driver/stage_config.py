@@ -30,15 +30,19 @@ from omni_cache import settings
 
 def bundled_stage_config(name: str) -> Path | None:
     """A bundled stage config by file name (e.g. ``qwen3_omni_cpu.yaml``): the package
-    ``omni_cache.stage_configs`` (the repository's ``stage_configs/``, shipped in the wheel),
-    or None if there is none of that name."""
+    ``omni_cache.stage_configs`` (the repository's ``stage_configs/``, shipped in the wheel;
+    run from a source checkout on ``PYTHONPATH``, the checkout's ``stage_configs/``), or None
+    if there is none of that name."""
     from importlib import resources
 
     try:
         f = resources.files("omni_cache.stage_configs") / name
-    except ModuleNotFoundError:  # an install without the package data
-        return None
-    return Path(str(f)) if f.is_file() else None
+        if f.is_file():
+            return Path(str(f))
+    except ModuleNotFoundError:  # a source checkout (the package maps to ../stage_configs) or no data
+        pass
+    tree = Path(__file__).resolve().parents[2] / "stage_configs" / name
+    return tree if (tree.parent.parent / "pyproject.toml").is_file() and tree.is_file() else None
 
 
 @dataclass(frozen=True)

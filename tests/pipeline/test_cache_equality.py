@@ -39,7 +39,9 @@ from tests.pipeline.workloads import (
     run_talker_workload,
     run_workload,
 )
-from tests.util import assert_batch_rows, read_metrics, records_of
+from omni_cache.exactness.oracles import compare_prompt_rows, handoff_mismatches, prompt_rows
+from tests.device import CACHE_OFF_BITWISE
+from tests.util import assert_audio_vs_cache_off, assert_batch_rows, read_metrics, records_of
 
 pytestmark = pytest.mark.pipeline
 
@@ -124,9 +126,14 @@ def test_fixed_workload_equals_its_cache_off_references_bitwise(runs):
     reference's bitwise — a regression test of these prompts, not a general claim: after a hit
     vLLM computes the suffix over cached KV, which can differ from a whole-prompt prefill in
     the last bits on other prompts (docs/architecture.md, "Integrity"; the generative search
-    is ``test_exactness_fuzz.py`` / ``benchmarks/fuzz_exactness.py``)."""
+    is ``test_exactness_fuzz.py`` / ``benchmarks/fuzz_exactness.py``).
+    On CUDA's default kernels (``CACHE_OFF_BITWISE`` False, tests/device.py) cache off is held
+    to oracle (c)'s stated precision instead: tokens equal, prompt rows within
+    ``TOLERANCE_ULPS`` row-scale ulps (embedding rows bitwise), audio bitwise only where the
+    talker got the same bits and did not hit."""
     d, off, on = runs["dir"], runs["off"][0], runs["omni_cache"][0]
     assert [n for n, _ in off] == [n for n, _ in on]
+    compared_bitwise = 0
     for (name, r_off), (_, r_on) in zip(off, on):
         h_off, h_on = _handoff(d, r_off), _handoff(d, r_on)
         assert r_off.error is None and r_on.error is None
@@ -136,11 +143,19 @@ def test_fixed_workload_equals_its_cache_off_references_bitwise(runs):
         assert any(k.startswith("hidden_states.layer_") for k in h_on), sorted(h_on)
         for k in h_off:
             assert h_on[k].shape == h_off[k].shape, (name, k)
-            assert torch.equal(h_on[k], h_off[k]), (name, k)
-        assert r_off.audio is not None and r_on.audio is not None, name
-        assert np.isfinite(r_on.audio).all() and float(np.abs(r_on.audio).max()) > 0, name
+        same = all(torch.equal(h_on[k], h_off[k]) for k in h_off)
+        if CACHE_OFF_BITWISE:
+            for k in h_off:
+                assert torch.equal(h_on[k], h_off[k]), (name, k)
+        else:  # oracle (c) at its stated precision; the other tensors (ids, tts embeddings) bitwise
+            n = r_on.num_prompt_tokens
+            _, bad = compare_prompt_rows(prompt_rows([h_on], n), prompt_rows([h_off], n), r_on.num_cached_tokens)
+            assert not bad, (name, bad)
+            rest = [k for k in h_off if k != "hidden" and not k.startswith("hidden_states.")]
+            assert not handoff_mismatches([{k: h_on[k] for k in rest}], [{k: h_off[k] for k in rest}]), name
         assert r_on.sample_rate == r_off.sample_rate == SAMPLE_RATE, name
-        assert np.array_equal(r_on.audio, r_off.audio), name
+        compared_bitwise += assert_audio_vs_cache_off(r_on, r_off, name, handoff_bitwise=same)
+    assert compared_bitwise > 0  # at least the requests that hit nothing
 
 
 def test_served_rows_equal_their_writers_rows(runs):
@@ -161,6 +176,9 @@ def test_a_request_sent_again_gets_the_same_audio(runs):
     codebooks then come from its process's global RNG), the same request's waveforms differ."""
     for variant in ("off", "omni_cache"):
         named = dict(runs[variant][0])
+        if variant == "omni_cache" and not CACHE_OFF_BITWISE:  # the repeat hits in the talker
+            assert_audio_vs_cache_off(named[REPEAT], named[FIRST], variant)
+            continue
         assert np.array_equal(named[REPEAT].audio, named[FIRST].audio), variant
     a, b = runs["unseeded"]
     assert a.token_ids == b.token_ids and not np.array_equal(a.audio, b.audio)
@@ -213,5 +231,8 @@ def test_talker_prefix_cache_exact_and_content_keyed(runs):
         c_on = records_of(runs["dir"], r_on.request_id, "codec")
         c_off = records_of(runs["dir"], r_off.request_id, "codec")
         assert len(c_on) == len(c_off) == 1, (r_on.request_id, len(c_on), len(c_off))
-        assert torch.equal(c_on[0]["codes.audio"], c_off[0]["codes.audio"]), r_on.request_id
+        if CACHE_OFF_BITWISE or not r_on.talker_num_cached_tokens:
+            assert torch.equal(c_on[0]["codes.audio"], c_off[0]["codes.audio"]), r_on.request_id
+        else:  # default CUDA kernels after a talker hit: the sampled codes may diverge (tests/device.py)
+            assert c_on[0]["codes.audio"].shape == c_off[0]["codes.audio"].shape, r_on.request_id
 

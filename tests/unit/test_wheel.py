@@ -20,7 +20,11 @@ def test_installed_wheel_finds_and_validates_its_stage_configs(tmp_path):
     wheel = next(wheels.glob("omni_cache-*.whl"))
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True,
                    capture_output=True, cwd=elsewhere)
-    env = {**os.environ, "PYTHONPATH": str(target)}
+    # the wheel's copy first; the rest of PYTHONPATH (a --target install of the stack, as on the
+    # GPU lane) kept, the checkout left out
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and Path(p).resolve() != REPO]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), *rest])}
     where = subprocess.run([sys.executable, "-c", "import omni_cache; print(omni_cache.__file__)"],
                            check=True, capture_output=True, text=True, cwd=elsewhere, env=env).stdout
     assert where.startswith(str(target)), where  # the wheel's copy, not the checkout
