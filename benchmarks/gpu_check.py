@@ -44,13 +44,13 @@ GPU1 = REPO / "stage_configs" / "qwen3_omni_gpu1.yaml"
 
 #: vLLM's batch-invariant kernels: with them cache on equals cache off bitwise on CUDA as on the
 #: CPU (tests/device.py; docs/gpu.md, "The cache-off oracle on CUDA")
-INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
+INVARIANT = {"OMNI_TEST_BATCH_INVARIANT": "1"}
 #: group -> (pytest arguments, extra environment); the main job is not a pytest group
 GROUPS: dict[str, tuple[list[str], dict[str, str]]] = {
     "unit": (["tests/unit"], {}),
     "equality": (["tests/pipeline/test_cache_equality.py"], INVARIANT),
     # the same tests on the default (production) kernels: cache off held to oracle (c)'s stated precision
-    "equality-default": (["tests/pipeline/test_cache_equality.py"], {"VLLM_BATCH_INVARIANT": "0"}),
+    "equality-default": (["tests/pipeline/test_cache_equality.py"], {"OMNI_TEST_BATCH_INVARIANT": "0"}),
     "streaming": (["tests/pipeline/test_streaming_equality.py", "tests/pipeline/test_exactness_fuzz.py"], INVARIANT),
     "stress": (["tests/pipeline/test_stress.py"], INVARIANT),
     "serve": (["tests/pipeline/test_serve.py", "tests/pipeline/test_realtime.py"], INVARIANT),

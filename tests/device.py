@@ -34,8 +34,11 @@ TEST_DEVICE = os.environ.get("OMNI_TEST_DEVICE", "cpu").strip().lower()
 TEST_COMPILED = os.environ.get("OMNI_TEST_COMPILED", "0") == "1"
 #: AR stages with synchronous scheduling (the CPU platform's only mode) on the GPU too
 TEST_SYNC = os.environ.get("OMNI_TEST_SYNC", "0") == "1"
-#: vLLM's batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``, read by vLLM in every stage process)
-BATCH_INVARIANT = os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() == "1"
+#: vLLM's batch-invariant kernels on the thinker and the talker (``OMNI_TEST_BATCH_INVARIANT=1``:
+#: their stages get ``env: VLLM_BATCH_INVARIANT: "1"``; code2wav keeps the default kernels — its
+#: transformers modules fail under vLLM's batch-invariant overrides, "expected mat1 and mat2 to
+#: have the same dtype", and its input is the talker's codes, equal when those are)
+BATCH_INVARIANT = TEST_DEVICE == "cuda" and os.environ.get("OMNI_TEST_BATCH_INVARIANT", "0").strip() == "1"
 #: whether cache on equals cache off bitwise here (oracle (c) without tolerance): the CPU, or
 #: CUDA with batch-invariant kernels
 CACHE_OFF_BITWISE = TEST_DEVICE == "cpu" or BATCH_INVARIANT
@@ -75,6 +78,8 @@ def device_stage_config(cfg: str | os.PathLike, out_path: str | os.PathLike | No
         st["devices"] = "0"
         st["gpu_memory_utilization"] = GPU_STAGE_SHARE
         env = st.get("env") or {}
+        if BATCH_INVARIANT and st["stage_id"] in (0, 1):
+            env["VLLM_BATCH_INVARIANT"] = "1"
         for k in _CPU_ONLY_ENV:
             env.pop(k, None)
         if env:

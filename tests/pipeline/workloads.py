@@ -364,6 +364,7 @@ def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK, 
     """
     import numpy as np
 
+    from tests.device import CACHE_OFF_BITWISE
     from tests.util import assert_audio_vs_cache_off
 
     for name, r in on.items():
@@ -371,8 +372,9 @@ def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK, 
             continue
         r_off = off[name]
         assert r.error is None and r_off.error is None, name
-        assert r.token_ids == r_off.token_ids, name
-        assert_audio_vs_cache_off(r, r_off, name)  # bitwise, but on CUDA's default kernels after a talker hit
+        if CACHE_OFF_BITWISE:
+            assert r.token_ids == r_off.token_ids, name
+        assert_audio_vs_cache_off(r, r_off, name, handoff_bitwise=r.token_ids == r_off.token_ids)  # bitwise, but on CUDA's default kernels after a talker hit
         assert r_off.talker_num_cached_tokens == 0, name  # the off run caches nothing
         assert r.talker_num_prompt_tokens > 0, name
     for k in (2, 3):
