@@ -9,16 +9,18 @@ same), the CPU-only keys dropped. ``OMNI_TEST_COMPILED=1`` also turns the thinke
 ``enforce_eager`` off there: torch.compile and CUDA graphs (for fast prefill: self- and
 cross-decoder compiled and captured apart, vLLM #22628 / #38879).
 
-The cache-off oracle (c) is bitwise on the CPU. On CUDA it is bitwise only with vLLM's
-batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``: one KV split in attention, no split-K
-matmuls, fixed MoE configs): with the default kernels a hit's suffix, computed over cached KV,
-can differ from a whole-prompt prefill in the last bits, and the talker's sampled codes then
-diverge (measured on an H200: docs/gpu.md, "The cache-off oracle on CUDA"). The GPU lane runs
-the pipeline groups with batch-invariant kernels (every oracle as on the CPU) and the equality
-tests once more with the default kernels, where :data:`CACHE_OFF_BITWISE` is False and those
-tests hold cache off to its stated precision instead (tokens equal; prompt rows within
-:data:`omni_cache.exactness.oracles.TOLERANCE_ULPS`; audio and codec frames of equal length).
-The writer's rows (a) and vLLM-Omni's built-in cache (b) stay bitwise in every mode.
+The cache-off oracle (c) is bitwise on the CPU. On CUDA's default kernels it is not: a hit's
+suffix, computed over cached KV, can differ from a whole-prompt prefill in the last bits, the
+random model's near-tie logits can then flip a token, and the talker's sampled codes diverge
+(measured on an H100: docs/gpu.md, "The cache-off oracle on CUDA"). There
+:data:`CACHE_OFF_BITWISE` is False and the equality tests hold cache off to a stated
+precision instead (prompt rows within :data:`omni_cache.exactness.oracles.TOLERANCE_ULPS`,
+embedding rows bitwise; audio and codec frames of equal length after a talker hit; tokens not
+compared) — the lane's ``equality-default`` group. The lane's other pipeline groups ask vLLM
+for its batch-invariant kernels on the thinker and the talker (``OMNI_TEST_BATCH_INVARIANT=1``)
+and keep every oracle bitwise, as on the CPU; on the H100 that did not hold for hits on
+decode-filled blocks (docs/gpu.md). The writer's rows (a) and vLLM-Omni's built-in cache (b)
+are bitwise in every mode.
 """
 
 from __future__ import annotations

@@ -72,7 +72,6 @@ class _YocoThinkerMixin:
         self.layer_plan, self.accept_layer = stage_plan(cfg, fast, os.environ)
         self.layer_plan.check(where=f"thinker stage ({self.ARCH})")
         self.is_staged_run = getattr(vllm_config.model_config, "model_stage", None) is not None
-        self._captured: dict[int, torch.Tensor] = {}
         self.yoco_counters = {"forwards": 0, "truncated_forwards": 0, "full_forwards": 0,
                               "fallback_forwards": 0, "rows_skipped_by_cross_decoder": 0,
                               "encoder_items": 0, "encoder_tokens": 0}
@@ -82,6 +81,9 @@ class _YocoThinkerMixin:
             dtype=torch.long,
         )
         if self.is_staged_run:
+            p = next(self.parameters())
+            self._alloc_capture_buffers(vllm_config.scheduler_config.max_num_batched_tokens,
+                                        int(cfg.hidden_size), vllm_config.model_config.dtype, p.device)
             self._install_capture_hooks()
         logger.info("omni-cache: %s\n%s", self.ARCH, self.layer_plan)
 
@@ -100,6 +102,24 @@ class _YocoThinkerMixin:
         return self.embed_input_ids(input_ids)
 
     # ---- capture ---------------------------------------------------------------------
+    # The hooks run inside vLLM's compiled regions (the whole text model, or the self-decoder
+    # compiled apart for fast prefill). They copy a layer's rows into a persistent buffer —
+    # an in-graph write to a fixed address, which torch.compile keeps in the graph and a CUDA
+    # graph replays — and never touch Python state: a dict store there becomes a side effect
+    # Dynamo replays after the graph (``update`` in the transformed bytecode), which vLLM
+    # refuses under CUDA graphs ("Assigning / modifying buffers of nn.Module during forward
+    # pass ...", vllm/compilation/wrapper.py) — the thinker did not start with
+    # ``enforce_eager: false`` on an H100 (docs/gpu.md, "Compiled YOCO").
+    def _alloc_capture_buffers(self, max_num_tokens: int, hidden_size: int, dtype: torch.dtype,
+                               device: torch.device) -> None:
+        """One persistent buffer per captured layer, ``[max_num_tokens, hidden_size]`` of the
+        model's ``dtype`` on its ``device`` (``max_num_tokens``: the scheduler's
+        ``max_num_batched_tokens``, the most rows a forward carries); e.g. 2 layers x 8,192 x
+        2,048 x 2 bytes = 64 MiB at Gemma-4-E4B's width."""
+        self._capture_rows = int(max_num_tokens)
+        self._capture_bufs = {i: torch.zeros((self._capture_rows, hidden_size), dtype=dtype, device=device)
+                              for i in self.layer_plan.captured_layers}
+
     def _install_capture_hooks(self) -> None:
         # Hooks on the decoder layers (plain modules). Not on the self-/cross-decoder: their
         # class is wrapped by vLLM's ``support_torch_compile``, whose ``__call__`` calls
@@ -112,15 +132,35 @@ class _YocoThinkerMixin:
                 layers[i - 1].register_forward_hook(self._capture_layer_output(i))
 
     def _capture_layer_input(self, index: int):
+        buf, rows_of = self._capture_bufs[index], self._rows
+
         def hook(_module, args, kwargs):  # decoder layer (positions, hidden_states, ...)
-            hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
-            self._captured[index] = self._rows(hs).clone()  # [num_tokens, hidden]
+            rows = rows_of(kwargs["hidden_states"] if "hidden_states" in kwargs else args[1])
+            buf[: rows.shape[0]].copy_(rows)  # [num_tokens, hidden]
         return hook
 
     def _capture_layer_output(self, index: int):
+        buf, rows_of = self._capture_bufs[index], self._rows
+
         def hook(_module, _args, output):
-            self._captured[index] = self._rows(output).clone()
+            rows = rows_of(output)
+            buf[: rows.shape[0]].copy_(rows)
         return hook
+
+    def _captured_layers(self, num_tokens: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """The captured layers of the forward that just ran: ``{i: [num_tokens, hidden_size]}``
+        (copies: the buffers are overwritten by the next forward, and the hand-off may read
+        them after it under async scheduling).
+
+        Raises:
+            RuntimeError: the buffers' dtype is not the model output's (a copy would have cast
+                the rows: never served altered).
+        """
+        layers = {i: b[:num_tokens].clone() for i, b in self._capture_bufs.items()}
+        if layers and next(iter(layers.values())).dtype != dtype:
+            raise RuntimeError(f"{self.ARCH}: captured-layer buffers are {next(iter(layers.values())).dtype}, "
+                               f"the model's rows {dtype}")
+        return layers
 
     def _count_forward(self, num_tokens: int) -> None:
         """Counters of how the cross-decoder ran (``yoco_counters``); with
@@ -166,14 +206,16 @@ class _YocoThinkerMixin:
         # vLLM-Omni's runner adds per-step extras (model_intermediate_buffer,
         # request_token_spans, ...) that this model does not use.
         kwargs = {k: v for k, v in kwargs.items() if k in self._FORWARD_KWARGS}
-        self._captured = {}
+        num_tokens = int(positions.shape[-1])
+        if self.is_staged_run and num_tokens > self._capture_rows:
+            raise RuntimeError(f"{self.ARCH}: a forward of {num_tokens} tokens, more than the "
+                               f"{self._capture_rows} rows of the captured-layer buffers (max_num_batched_tokens)")
         hidden = super().forward(input_ids, positions, **kwargs)
-        self._count_forward(int(positions.shape[-1]))
+        self._count_forward(num_tokens)
         if not self.is_staged_run:
             return hidden
-        layers = {i: self._captured[i] for i in self.layer_plan.captured_layers if i in self._captured}
-        self._captured = {}
-        return hidden, {"hidden_states": {"layers": layers}}
+        out = hidden[0] if isinstance(hidden, tuple) else hidden
+        return hidden, {"hidden_states": {"layers": self._captured_layers(num_tokens, out.dtype)}}
 
     def make_omni_output(self, model_outputs, **kwargs):
         from vllm_omni.model_executor.models.output_templates import OmniOutput
