@@ -22,7 +22,8 @@ the router is installed on the ``AsyncOmni`` before the server takes requests; t
 wrapper installs talker content identity (:mod:`omni_cache.driver.talker_identity`) when the
 talker's prefix caching is on. With
 ``--api-server-count`` > 1 vLLM-Omni runs its API servers in processes of its own, which do
-not get it (a warning says so).
+not get it (a warning says so). :func:`pass_start_kwargs` wraps the same function to start the
+engine with omni-cache's start-up settings (``OMNI_CACHE_PARALLEL_STAGE_INIT``).
 
 Stage processes are started with ``spawn`` and re-import ``__main__``: the server only starts
 under the ``if __name__ == "__main__"`` guard below.
@@ -96,6 +97,44 @@ def hook_the_servers_engine(argv: Sequence[str]) -> bool:
     return True
 
 
+def pass_start_kwargs() -> dict:
+    """Give the server's ``AsyncOmni`` omni-cache's start-up keyword arguments
+    (:func:`omni_cache.driver.pipeline.start_kwargs`: ``parallel_stage_init=True`` with
+    ``OMNI_CACHE_PARALLEL_STAGE_INIT=1``), as ``omni-cache run`` does.
+
+    vLLM-Omni 0.30's ``serve`` has no flag for ``parallel_stage_init`` (an ``OrchestratorArgs``
+    field that ``AsyncOmni`` accepts): its ``build_async_omni_from_stage_config``
+    (``vllm_omni/entrypoints/openai/api_server.py``) passes ``AsyncOmni`` the parsed arguments'
+    *explicit* keys only (``TrackingNamespace.get_explicit_kwargs_dict``). The wrapper of
+    ``api_server.build_async_omni`` installed here sets each argument and marks it explicit
+    before the engine is built. Returns the keyword arguments passed ({}: nothing installed).
+    """
+    from omni_cache.driver.pipeline import start_kwargs
+
+    extra = start_kwargs()
+    if not extra:
+        return {}
+    from vllm_omni.entrypoints.openai import api_server
+
+    original = api_server.build_async_omni
+    if getattr(original, "_omni_cache_start_kwargs", False):
+        return extra
+
+    @contextlib.asynccontextmanager
+    async def build_async_omni(args, *rest, **kwargs):
+        for k, v in extra.items():
+            setattr(args, k, v)
+        if hasattr(args, "explicit_keys"):  # vLLM-Omni's TrackingNamespace
+            object.__setattr__(args, "explicit_keys", frozenset(args.explicit_keys) | set(extra))
+        async with original(args, *rest, **kwargs) as engine_client:
+            yield engine_client
+
+    build_async_omni._omni_cache_start_kwargs = True
+    api_server.build_async_omni = build_async_omni
+    logger.info("omni-cache: the server's engine starts with %s", extra)
+    return extra
+
+
 def run_vllm_omni_serve(argv: list[str]) -> None:
     """Run vLLM-Omni's ``serve`` subcommand with ``argv`` (everything after ``vllm serve``;
     ``--omni`` is added when missing) in this process. Blocks until the server stops.
@@ -113,6 +152,7 @@ def run_vllm_omni_serve(argv: list[str]) -> None:
     if "--omni" not in args:
         args.append("--omni")
     hook_the_servers_engine(args)
+    pass_start_kwargs()
     os.environ.setdefault("VLLM_LOGGING_COLOR", "0")  # vLLM-Omni forces colour unless told
 
     from vllm_omni.entrypoints.cli.main import main

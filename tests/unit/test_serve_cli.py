@@ -60,3 +60,42 @@ def test_embedded_model_notice_and_kind(tiny_model_dir, tmp_path, capsys):
     assert EMBEDDED_MODEL_NOTICE in out
     assert "no trained weights" in EMBEDDED_MODEL_NOTICE and "--model DIR" in EMBEDDED_MODEL_NOTICE
     assert ModelKind("embedded-untrained") is ModelKind.EMBEDDED  # the value summary.json records
+
+
+def test_parallel_stage_init_reaches_the_servers_engine(monkeypatch):
+    """``OMNI_CACHE_PARALLEL_STAGE_INIT=1`` reaches the ``AsyncOmni`` vLLM-Omni's server builds:
+    vLLM-Omni passes it only the explicit keys of its ``TrackingNamespace`` (the real class
+    here); the engine builder is a stand-in that records what it would pass."""
+    import argparse
+    import asyncio
+    import contextlib
+
+    from vllm_omni.entrypoints.openai import api_server
+    from vllm_omni.utils.tracking_parser import TrackingNamespace
+
+    from omni_cache.driver.vllm_serve import pass_start_kwargs
+
+    seen = []
+
+    @contextlib.asynccontextmanager
+    async def builder(args, **kwargs):
+        seen.append(args.get_explicit_kwargs_dict())
+        yield "engine"
+
+    def build(args):
+        async def go():
+            async with api_server.build_async_omni(args) as e:
+                return e
+        return asyncio.run(go())
+
+    monkeypatch.setattr(api_server, "build_async_omni", builder)
+    monkeypatch.delenv("OMNI_CACHE_PARALLEL_STAGE_INIT", raising=False)
+    assert pass_start_kwargs() == {} and api_server.build_async_omni is builder  # off: untouched
+    monkeypatch.setenv("OMNI_CACHE_PARALLEL_STAGE_INIT", "1")
+    assert pass_start_kwargs() == {"parallel_stage_init": True}
+    args = TrackingNamespace(argparse.Namespace(model="m", port=8000), frozenset({"model"}))
+    assert build(args) == "engine"
+    assert seen == [{"model": "m", "parallel_stage_init": True}]
+    assert pass_start_kwargs() == {"parallel_stage_init": True}  # installed once
+    build(TrackingNamespace(argparse.Namespace(model="m"), frozenset({"model"})))
+    assert len(seen) == 2
