@@ -68,7 +68,7 @@ def assert_batch_rows(on, off, name: str, *, writer=None, hit: int = 0) -> int:
     assert on.shape == off.shape, (name, on.shape, off.shape)
     if writer is not None and hit:
         assert torch.equal(on[:hit], writer[:hit]), f"{name}: hit rows differ from the rows their writer computed"
-    if not CACHE_OFF_BITWISE:  # CUDA's default kernels: a batch's rows vs cache off are not bounded
+    if not CACHE_OFF_BITWISE:  # on CUDA a batch's rows vs cache off are not bounded
         return int((on == off).reshape(on.shape[0], -1).all(dim=-1).sum())  # (measured 5.9 % rel, H100)
     x, y = on.float().reshape(on.shape[0], -1), off.float().reshape(off.shape[0], -1)
     err = (x - y).abs().amax(dim=-1) / y.abs().amax(dim=-1).clamp_min(1e-6)
@@ -82,12 +82,11 @@ def assert_audio_vs_cache_off(r_on, r_off, name: str, *, handoff_bitwise: bool =
     """A request's waveform (``.audio``, float32 ``[num_samples]``) against its cache-off
     reference's, at the precision oracle (c) has on this device (:mod:`tests.device`).
 
-    Bitwise where :data:`tests.device.CACHE_OFF_BITWISE` (the CPU; CUDA with batch-invariant
-    kernels), and on CUDA's default kernels too where the talker received the same bits and
-    computed every row (``handoff_bitwise`` and no talker prefix hit). Otherwise (a talker hit,
-    or hand-off rows within tolerance only, on default CUDA kernels) the sampled codes may
-    diverge: the same number of samples, finite, not silent. Returns whether it was compared
-    bitwise.
+    Bitwise where :data:`tests.device.CACHE_OFF_BITWISE` (the CPU), and on CUDA too where the
+    talker received the same bits and computed every row (``handoff_bitwise`` and no talker
+    prefix hit). Otherwise (on CUDA: a talker hit, or hand-off rows within tolerance only) the
+    sampled codes may diverge: the same number of samples, finite, not silent. Returns whether
+    it was compared bitwise.
     """
     import numpy as np
 
@@ -131,6 +130,40 @@ def assert_same_chunks(got: list[dict], ref: list[dict], name: str) -> None:
         assert set(g) == set(r), (name, i, sorted(g), sorted(r))
         for k in r:
             assert g[k].shape == r[k].shape and torch.equal(g[k], r[k]), (name, i, k)
+
+
+def assert_chunks_vs_cache_off(got: list[dict], ref: list[dict], name: str, *, num_prompt_tokens: int,
+                               hit: int, same_tokens: bool = True) -> bool:
+    """A request's streamed chunks (cache on, ``got``) against its cache-off reference's, at the
+    precision oracle (c) has on this device (:mod:`tests.device`).
+
+    Bitwise (:func:`assert_same_chunks`) where :data:`tests.device.CACHE_OFF_BITWISE`. On CUDA's
+    CUDA: the first chunk's prompt rows (``embed.prefill``, ``hidden_states.output``
+    ``[:num_prompt_tokens]``) by :func:`omni_cache.exactness.oracles.compare_prompt_rows`
+    (embedding rows bitwise, the rest within ``TOLERANCE_ULPS``; ``hit``: the prefix hit,
+    tokens), its other tensors (ids, TTS embeddings) by ``handoff_mismatches`` (bitwise), and,
+    where the tokens are the same (``same_tokens``), as many chunks as the reference's. Returns
+    whether every chunk was bitwise equal.
+    """
+    import torch
+
+    from omni_cache.exactness import oracles
+    from tests.device import CACHE_OFF_BITWISE
+
+    if CACHE_OFF_BITWISE:
+        assert_same_chunks(got, ref, name)
+        return True
+    assert got and ref and set(got[0]) == set(ref[0]), (name, len(got), len(ref))
+    if same_tokens:
+        assert len(got) == len(ref), (name, len(got), len(ref))
+    _, bad = oracles.compare_prompt_rows(oracles.prompt_rows(got, num_prompt_tokens),
+                                         oracles.prompt_rows(ref, num_prompt_tokens), hit)
+    assert not bad, (name, bad)
+    rest = [k for k in ref[0] if k not in ("embed.prefill", "hidden_states.output")]
+    assert not oracles.handoff_mismatches([{k: got[0][k] for k in rest}], [{k: ref[0][k] for k in rest}]), name
+    return len(got) == len(ref) and all(
+        set(g) == set(r) and all(g[k].shape == r[k].shape and torch.equal(g[k], r[k]) for k in r)
+        for g, r in zip(got, ref))
 
 
 def records_of(out_dir, request_id: str, sub: str = "handoff") -> list[dict]:

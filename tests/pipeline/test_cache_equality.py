@@ -24,6 +24,8 @@ import torch
 
 from omni_cache.driver.inputs import build_request
 from omni_cache.exactness.fuzz import served_rows_report
+from omni_cache.exactness.oracles import compare_prompt_rows, handoff_mismatches, prompt_rows
+from tests.device import CACHE_OFF_BITWISE
 from tests.pipeline.engines import reference_params
 from tests.pipeline.workloads import (
     BLOCK,
@@ -39,8 +41,6 @@ from tests.pipeline.workloads import (
     run_talker_workload,
     run_workload,
 )
-from omni_cache.exactness.oracles import compare_prompt_rows, handoff_mismatches, prompt_rows
-from tests.device import CACHE_OFF_BITWISE
 from tests.util import assert_audio_vs_cache_off, assert_batch_rows, read_metrics, records_of
 
 pytestmark = pytest.mark.pipeline
@@ -127,7 +127,7 @@ def test_fixed_workload_equals_its_cache_off_references_bitwise(runs):
     vLLM computes the suffix over cached KV, which can differ from a whole-prompt prefill in
     the last bits on other prompts (docs/architecture.md, "Integrity"; the generative search
     is ``test_exactness_fuzz.py`` / ``benchmarks/fuzz_exactness.py``).
-    On CUDA's default kernels (``CACHE_OFF_BITWISE`` False, tests/device.py) cache off is held
+    On CUDA (``CACHE_OFF_BITWISE`` False, tests/device.py) cache off is held
     to oracle (c)'s stated precision instead: tokens equal, prompt rows within
     ``TOLERANCE_ULPS`` row-scale ulps (embedding rows bitwise), audio bitwise only where the
     talker got the same bits and did not hit."""
@@ -138,7 +138,7 @@ def test_fixed_workload_equals_its_cache_off_references_bitwise(runs):
         h_off, h_on = _handoff(d, r_off), _handoff(d, r_on)
         assert r_off.error is None and r_on.error is None
         assert r_on.num_prompt_tokens == r_off.num_prompt_tokens
-        if CACHE_OFF_BITWISE:  # (default CUDA kernels: near-tie logits of the random model may flip)
+        if CACHE_OFF_BITWISE:  # (CUDA: near-tie logits of the random model may flip)
             assert r_on.token_ids == r_off.token_ids, name
         assert set(h_off) == set(h_on) and "hidden" in h_on, (name, sorted(h_on))
         assert any(k.startswith("hidden_states.layer_") for k in h_on), sorted(h_on)
@@ -234,6 +234,6 @@ def test_talker_prefix_cache_exact_and_content_keyed(runs):
         assert len(c_on) == len(c_off) == 1, (r_on.request_id, len(c_on), len(c_off))
         if CACHE_OFF_BITWISE or not r_on.talker_num_cached_tokens:
             assert torch.equal(c_on[0]["codes.audio"], c_off[0]["codes.audio"]), r_on.request_id
-        else:  # default CUDA kernels after a talker hit: the sampled codes may diverge (tests/device.py)
+        else:  # CUDA, after a talker hit: the sampled codes may diverge (tests/device.py)
             assert c_on[0]["codes.audio"].shape == c_off[0]["codes.audio"].shape, r_on.request_id
 

@@ -34,6 +34,7 @@ import torch
 from omni_cache.driver.inputs import build_request
 from omni_cache.engine.scheduler import FORGET_ROWS
 from omni_cache.exactness.fuzz import served_rows_report
+from tests.device import CACHE_OFF_BITWISE
 from tests.pipeline.engines import thinker_params
 from tests.pipeline.workloads import (
     BLOCK,
@@ -49,7 +50,14 @@ from tests.pipeline.workloads import (
     run_talker_workload,
     run_workload,
 )
-from tests.util import assert_batch_rows, assert_same_chunks, read_metrics, records_of
+from tests.util import (
+    assert_audio_vs_cache_off,
+    assert_batch_rows,
+    assert_chunks_vs_cache_off,
+    assert_same_chunks,
+    read_metrics,
+    records_of,
+)
 
 pytestmark = pytest.mark.pipeline
 
@@ -120,14 +128,21 @@ def test_streaming_hits_happen_and_are_served(stream_runs):
 def test_fixed_workload_streamed_talker_inputs_equal_cache_off_bitwise(stream_runs):
     """This fixed workload's streamed chunks, tokens and audio equal the real cache-off
     engine's bitwise (a regression test of these prompts; in general the suffix after a hit
-    may differ from cache off in the last bits: docs/architecture.md, "Integrity")."""
+    may differ from cache off in the last bits: docs/architecture.md, "Integrity"). On CUDA at
+    oracle (c)'s stated precision instead (tests/device.py)."""
     off, on = stream_runs["off"], stream_runs["omni_cache"]
     assert [n for n, _ in off["named"]] == [n for n, _ in on["named"]]
     for (name, r_off), (_, r_on) in zip(off["named"], on["named"]):
         assert r_off.error is None and r_on.error is None, name
-        assert r_on.token_ids == r_off.token_ids, name
-        assert_same_chunks(records_of(on["dir"], r_on.request_id), records_of(off["dir"], r_off.request_id), name)
-        assert r_off.audio is not None and np.array_equal(r_on.audio, r_off.audio), name
+        same_tokens = r_on.token_ids == r_off.token_ids
+        assert same_tokens or not CACHE_OFF_BITWISE, name  # (CUDA: near-ties may flip)
+        same = assert_chunks_vs_cache_off(records_of(on["dir"], r_on.request_id),
+                                          records_of(off["dir"], r_off.request_id), name,
+                                          num_prompt_tokens=r_on.num_prompt_tokens, hit=r_on.num_cached_tokens,
+                                          same_tokens=same_tokens)
+        assert_audio_vs_cache_off(r_on, r_off, name, handoff_bitwise=same)
+    if not CACHE_OFF_BITWISE:  # the batch: its rows vs cache off are not bounded there (assert_batch_rows)
+        return
     # the batch (sorted by prompt length: A, B)
     (a_on, b_on), (a_off, b_off) = ([records_of(run["dir"], r.request_id) for r in run["batch"]] for run in (on, off))
     _assert_same_chunks_tail(a_on, a_off, "batch:A")

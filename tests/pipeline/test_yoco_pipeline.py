@@ -47,8 +47,16 @@ import torch
 
 from omni_cache.engine.runner import NO_FAST_PREFILL
 from omni_cache.exactness.fuzz import served_rows_report
+from omni_cache.exactness.oracles import compare_prompt_rows
+from tests.device import CACHE_OFF_BITWISE
 from tests.pipeline.engines import reference_params, thinker_params
-from tests.util import assert_handoff_equal, assert_same_chunks, records_of
+from tests.util import (
+    assert_audio_vs_cache_off,
+    assert_chunks_vs_cache_off,
+    assert_handoff_equal,
+    assert_same_chunks,
+    records_of,
+)
 
 pytestmark = pytest.mark.pipeline
 
@@ -205,17 +213,28 @@ def _pass(g4_runs, combo):
 @pytest.mark.parametrize("combo", COMBOS[1:], ids=lambda c: f"fast-{c[0]}_cache-{c[1]}")
 def test_gemma4_equal_to_slow_path_bitwise(g4_runs, combo):
     """Per modality: sampled tokens, every streamed thinker→talker chunk, prompt logprobs and
-    audio equal fast-off/cache-off bitwise."""
+    audio equal fast-off/cache-off bitwise. On CUDA (tests/device.py) fast prefill alone is
+    still held to the slow path bitwise; a pass with the cache on, whose hits compute their
+    suffix over cached KV, is held to oracle (c)'s stated precision
+    (:func:`tests.util.assert_chunks_vs_cache_off`, :func:`tests.util.assert_audio_vs_cache_off`)."""
     (got, got_chunks, _, _), (ref, ref_chunks, _, _) = _pass(g4_runs, combo)
     assert [n for n, *_ in ref] == [n for n, *_ in got]
     assert len(ref_chunks) == len(got_chunks) == len(ref), (len(ref_chunks), len(got_chunks))
+    exact = CACHE_OFF_BITWISE or combo[1] == "off"
     for (name, r0, *_), (_, r1, *_), c0, c1 in zip(ref, got, ref_chunks, got_chunks):
         assert r1.num_prompt_tokens == r0.num_prompt_tokens and r0.token_ids, name
-        assert r1.token_ids == r0.token_ids, name
-        assert_same_chunks(c1, c0, name)
         # the first hand-off carries every prompt row, cached prefix included
         assert c1[0]["hidden_states.output"].shape[0] >= r0.num_prompt_tokens, name
-        assert r0.audio is not None and r1.audio is not None and np.array_equal(r1.audio, r0.audio), name
+        if not exact:
+            same = assert_chunks_vs_cache_off(c1, c0, name, num_prompt_tokens=r1.num_prompt_tokens,
+                                              hit=r1.num_cached_tokens, same_tokens=r1.token_ids == r0.token_ids)
+            assert_audio_vs_cache_off(r1, r0, name, handoff_bitwise=same)
+            if r1.num_cached_tokens:
+                continue  # (prompt logprobs: below, where nothing was read from the cache)
+        else:
+            assert r1.token_ids == r0.token_ids, name
+            assert_same_chunks(c1, c0, name)
+            assert r0.audio is not None and r1.audio is not None and np.array_equal(r1.audio, r0.audio), name
         if name == "logprobs":
             assert r0.prompt_logprobs is not None and r1.prompt_logprobs is not None
             assert len(r1.prompt_logprobs) == r1.num_prompt_tokens
@@ -374,11 +393,19 @@ def test_gemma3n_fast_prefill_and_hits_equal_the_slow_path_bitwise(g3n_run):
         assert r_slow.prompt_logprobs is not None and r_slow.num_cached_tokens == 0, name
         for kind in ("fast", "hit"):
             r, h = by_kind[kind]
-            assert r.token_ids == r_slow.token_ids and r.token_ids, (name, kind)
-            assert_handoff_equal(h, h_slow, f"{name}:{kind}")
             assert "hidden" not in h and {"hidden_states.layer_0", "hidden_states.layer_4"} <= set(h), sorted(h)
             n_rows = r.num_prompt_tokens + len(r.token_ids) - 1  # the last sampled token is never fed back
             assert h["hidden_states.layer_4"].shape[0] == n_rows, (name, kind)
+            if kind == "hit" and not CACHE_OFF_BITWISE:
+                # CUDA (tests/device.py): the hit's suffix over cached KV, to oracle (c)'s stated
+                # precision (embedding rows bitwise); tokens may flip on near-ties
+                n, keys = r.num_prompt_tokens, ("hidden_states.layer_0", "hidden_states.layer_4")
+                _, bad = compare_prompt_rows({k: h[k][:n] for k in keys}, {k: h_slow[k][:n] for k in keys},
+                                             r.num_cached_tokens)
+                assert not bad and r.token_ids, (name, kind, bad)
+                continue
+            assert r.token_ids == r_slow.token_ids and r.token_ids, (name, kind)
+            assert_handoff_equal(h, h_slow, f"{name}:{kind}")
             if not name.startswith("batch"):  # the talker's batched forward is batch-variant on this CPU
                 assert r.audio is not None and np.array_equal(r.audio, r_slow.audio), (name, kind)
         assert by_kind["hit"][0].num_cached_tokens >= by_kind["hit"][0].num_prompt_tokens // BLOCK * BLOCK - BLOCK, name

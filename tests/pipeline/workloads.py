@@ -349,8 +349,8 @@ def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK, 
     ``on`` / ``off``: name → result of :func:`run_talker_workload` with the talker's prefix
     cache on / off; ``keys``: name → the talker block keys of the on run.
 
-    - every request: thinker tokens and audio equal cache off bitwise (on CUDA's default
-      kernels, audio after a talker hit: of equal length, :func:`tests.util.assert_audio_vs_cache_off`);
+    - every request: thinker tokens and audio equal cache off bitwise (on CUDA: audio after a
+      talker hit of equal length, tokens not compared, :func:`tests.util.assert_audio_vs_cache_off`);
     - the voice chat from turn 2 on: the talker hits at least every full block of the earlier
       turns' user rows and computes only the new user segment, the 9 assistant positions and
       the rest of a partial block;
@@ -374,7 +374,7 @@ def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK, 
         assert r.error is None and r_off.error is None, name
         if CACHE_OFF_BITWISE:
             assert r.token_ids == r_off.token_ids, name
-        assert_audio_vs_cache_off(r, r_off, name, handoff_bitwise=r.token_ids == r_off.token_ids)  # bitwise, but on CUDA's default kernels after a talker hit
+        assert_audio_vs_cache_off(r, r_off, name, handoff_bitwise=r.token_ids == r_off.token_ids)
         assert r_off.talker_num_cached_tokens == 0, name  # the off run caches nothing
         assert r.talker_num_prompt_tokens > 0, name
     for k in (2, 3):
