@@ -174,6 +174,19 @@ def run_main_job(out: Path, model_dir: Path, timeout: float, repeat: int = 3) ->
                        "message": None if ok else json.dumps(checks)}]}
 
 
+def write_logs_tgz(out: Path, dest: Path) -> Path:
+    """``dest``: a gzipped tar of ``out``'s text files (``*.log``, ``*.xml``, ``*.json``,
+    ``*.jsonl``), paths relative to ``out``. Returns ``dest``."""
+    import tarfile
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(dest, "w:gz") as tar:
+        for f in sorted(out.rglob("*")):
+            if f.is_file() and f.suffix in (".log", ".xml", ".json", ".jsonl"):
+                tar.add(f, arcname=str(f.relative_to(out)))
+    return dest
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", default=",".join(ORDER), help=f"comma-separated, from {', '.join(ORDER)}")
@@ -183,6 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--install-json", help="install facts to record (bundle size, install seconds, import check)")
     ap.add_argument("--merge", nargs="*", default=[], help="earlier report.json files whose groups are kept")
     ap.add_argument("--timeout", type=float, default=1500, help="seconds per group (then it counts as failed)")
+    ap.add_argument("--logs-tgz", help="also write the groups' logs, JUnit files and the main job's summary "
+                                       "(no tensors, no audio) into this .tgz: one file to bring back from a "
+                                       "machine that returns few")
     args = ap.parse_args(argv)
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = [g for g in groups if g not in ORDER]
@@ -227,6 +243,8 @@ def main(argv=None) -> int:
         "groups": results, "tests": tests,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
+    if args.logs_tgz:
+        write_logs_tgz(out, Path(args.logs_tgz))
     log(f"report {out / 'report.json'}: {counts}, passed={report['passed']}, lane {lane_s:.0f} s")
     return 0 if report["passed"] else 1
 
