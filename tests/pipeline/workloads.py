@@ -289,6 +289,24 @@ def recorded_by_request(out_dir, sub: str = "codec") -> list[list[dict]]:
     return [[r for _, r in sorted(recs, key=lambda x: x[0])] for recs in reqs]
 
 
+def talker_user_rows(tok, ids: list[int]) -> list[int]:
+    """The thinker positions of the talker's prompt rows before its final assistant segment
+    (vLLM-Omni's layout, computed here without omni-cache's key code): the user segments'
+    tokens, ``<|im_start|>user`` … ``<|im_end|>\\n``, in order. The talker's prompt is these rows
+    plus 9 assistant rows; its full blocks of these rows are the ones another request can hit."""
+    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    (user,), (nl,) = tok.encode("user"), tok.encode("\n")
+    pos, i = [], 0
+    while i < len(ids) - 1:
+        if ids[i] == im_start and ids[i + 1] == user:
+            end = next(j for j in range(i, len(ids) - 1) if ids[j] == im_end and ids[j + 1] == nl) + 2
+            pos += range(i, end)
+            i = end
+        else:
+            i += 1
+    return pos
+
+
 def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int, int]]:
     """For each negative conversation (:func:`talker_negative_requests`), computed here
     without omni-cache's key code: ``(talker prompt rows, full talker blocks it shares with
@@ -305,25 +323,12 @@ def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     proc = AutoProcessor.from_pretrained(model_dir)
-    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
-    (user,), (nl,) = tok.encode("user"), tok.encode("\n")
     image = tok.convert_tokens_to_ids("<|image_pad|>")
 
     def thinker_ids(req) -> list[int]:
         p = req.to_engine_prompt()
         mm = p.get("multi_modal_data", {})
         return proc(text=[p["prompt"]], images=mm.get("image"), return_tensors="pt")["input_ids"][0].tolist()
-
-    def user_positions(ids: list[int]) -> list[int]:
-        pos, i = [], 0
-        while i < len(ids) - 1:
-            if ids[i] == im_start and ids[i + 1] == user:
-                end = next(j for j in range(i, len(ids) - 1) if ids[j] == im_end and ids[j + 1] == nl) + 2
-                pos += range(i, end)
-                i = end
-            else:
-                i += 1
-        return pos
 
     reqs = dict(talker_negative_requests(tok))
     a = thinker_ids(reqs["A"])
@@ -334,7 +339,7 @@ def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int
         diff = next((i for i, (x, y) in enumerate(zip(ids, a)) if x != y), None)
         if diff is None:
             diff = ids.index(image) if name != "A" else len(ids)
-        rows = user_positions(ids)
+        rows = talker_user_rows(tok, ids)
         shared = 0
         while (shared + 1) * block <= len(rows) and rows[(shared + 1) * block - 1] < diff:
             shared += 1
