@@ -111,6 +111,44 @@ def prefix_hit(ids: list[int], earlier: list[list[int]], block: int = BLOCK) -> 
     return min(longest, len(ids) - 1) // block * block
 
 
+def with_media(ids: list[int], images: list, audios: list, *, markers: bool = False) -> list[tuple[int, object]]:
+    """The prompt ``ids`` as vLLM's block hashes see them, for :func:`prefix_hit`: each token id
+    with, on a photo's or a clip's placeholder range, that item's content — ``images`` /
+    ``audios``: a content key per item (:func:`media_key`), in prompt order (the k-th run of
+    ``<|image_pad|>`` is the k-th image, of ``<|audio_pad|>`` the k-th clip: the Qwen3-Omni and
+    Gemma-4 pipelines' ids). A photo or clip of the same size and other content has the same
+    ids, and a hit must stop at the block holding its range's first token. The range is the
+    pads (Qwen3-Omni: vLLM replaces the pad token by pads) or, with ``markers``, the pads with
+    the begin and end marker around them (Gemma 4: vLLM replaces the pad token by ``boi + pads
+    + eoi``, ``vllm/model_executor/models/gemma4_mm.py``)."""
+    from omni_cache.models import SPECIAL_TOKENS
+
+    items = {SPECIAL_TOKENS["<|image_pad|>"]: list(images), SPECIAL_TOKENS["<|audio_pad|>"]: list(audios)}
+    runs = dict.fromkeys(items, 0)
+    tags: list = [None] * len(ids)
+    for i, x in enumerate(ids):
+        if x in items:
+            first = i == 0 or ids[i - 1] != x
+            runs[x] += first
+            tags[i] = items[x][runs[x] - 1]
+            if markers and first and i > 0:
+                tags[i - 1] = tags[i]
+            if markers and i + 1 < len(ids) and ids[i + 1] != x:
+                tags[i + 1] = tags[i]
+    assert runs == {pad: len(v) for pad, v in items.items()}, (runs, {pad: len(v) for pad, v in items.items()})
+    return list(zip(ids, tags))
+
+
+def media_key(item) -> bytes:
+    """A content key of a photo (PIL image) or a clip (a sample array, or ``(samples, rate)``)
+    for :func:`with_media`."""
+    import numpy as np
+
+    if isinstance(item, tuple):
+        item = item[0]
+    return np.ascontiguousarray(np.asarray(item)).tobytes()
+
+
 def expected_hits(prompts: list[list[int]], results: list, *, together: int = 0) -> list[int]:
     """Each request's thinker hit, from token ids (:func:`prefix_hit`): ``prompts`` (token ids)
     and ``results`` in the order sent, each hitting what the requests before it computed —
