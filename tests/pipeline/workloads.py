@@ -190,13 +190,15 @@ def processor_prompt_ids(model_dir, sent: list) -> list[list[int]]:
 
 
 def assert_served_rows(served: dict, named: list, batch: list, t1_len: int, block: int = BLOCK) -> None:
-    """Oracle (a) over :func:`run_workload`'s hits (``served``:
-    :func:`omni_cache.exactness.fuzz.served_rows_report` of the named and batch results): no
-    mismatch; every hit request audited, each of its served blocks verified against its
-    writer's rows except the chat's decode-filled blocks — ``chat:turn2`` hits turn 1's answer,
-    whose rows turn 1 computed while decoding (its recorded hand-off holds prompt rows only):
-    exactly the blocks from turn 1's prompt end on are unverified (their rows are compared with
-    cache off in the bitwise tests); every other block has a writer in the run."""
+    """Oracle (a) over the hits of a workload with a two-turn chat — :func:`run_workload`'s, or
+    the YOCO pipeline's — (``served``: :func:`omni_cache.exactness.fuzz.served_rows_report` of
+    the named and batch results; ``t1_len``: ``chat:turn1``'s prompt length): no mismatch;
+    every hit request audited, each of its served blocks verified against its writer's rows
+    except the chat's decode-filled blocks — ``chat:turn2`` hits turn 1's answer, whose rows
+    turn 1 computed while decoding (its recorded hand-off holds prompt rows only): exactly the
+    blocks from the one holding turn 1's prompt end on are unverified (at least one; not checked
+    against a writer here — the caller's equality test holds them to its cache-off reference);
+    every other block has a writer in the run, so every other request has none unverified."""
     assert all(not bad for _, _, bad in served.values()), {k: b for k, (_, _, b) in served.items() if b}
     results = [r for _, r in named] + list(batch)
     hit = [r for r in results if r.num_cached_tokens]
