@@ -5,7 +5,8 @@ built-in cache), ``stream_omni`` (omni-cache) — judged by the three oracles on
 received (recorded thinker → talker hand-offs) and the audio:
 
 (a) every served row bitwise equal to the row its writer computed (the engine's hit audit
-    names the writer of each served block);
+    names the writer of each served block; every served block's writer is a request of the
+    slice, so none may be left unverified);
 (b) omni-cache bitwise equal to the built-in cache where both served the same hit: tokens,
     every hand-off tensor, audio (thinker cache alone; with the talker's cache on too, the
     thinker side); for requests in flight together the prompt rows and tokens (their decode
@@ -16,6 +17,9 @@ received (recorded thinker → talker hand-offs) and the audio:
     (docs/architecture.md, "How far (c) can see"): (a) and (b), bitwise, are what catch those,
     and the test shows (a) catching rows one slot off and another request's rows in every
     block of a real served hit.
+
+Every thinker hit is the one computed from token ids and media (exactly for a request sent
+alone; within its batch's timing bounds for one sent together).
 
 Three groups: the thinker's cache alone with a turn's requests in flight together, the same
 one request at a time (so (b) holds every chunk and the audio), thinker + talker.
@@ -29,6 +33,7 @@ import pytest
 
 from omni_cache.exactness import fuzz, oracles
 from omni_cache.exactness.conversations import Knobs, make_group
+from tests.pipeline.workloads import BLOCK, media_key, prefix_hit, with_media
 
 #: three groups, small enough for CI: the thinker's cache alone with a turn's requests in flight
 #: together (a word swapped in a turn), one request at a time (speech reversed: (b) then holds
@@ -38,19 +43,67 @@ CASES = ((9001, "thinker", Knobs(turns=3, variants=1, system_words=40)),
          (9029, "thinker+talker", Knobs(turns=3, variants=1, system_words=40)))
 
 
+class _Kept:
+    """A pipeline that keeps every result it returns, by request id (the fuzzer's verdicts keep
+    no token ids; the expected hits need the answers'); anything else goes to ``pipe``."""
+
+    def __init__(self, pipe):
+        self._pipe, self.results = pipe, {}
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
+
+    def run_many(self, requests, sampling_params_list=None):
+        out = self._pipe.run_many(requests, sampling_params_list=sampling_params_list)
+        self.results.update((r.request_id, r) for r in out)
+        return out
+
+
 @pytest.fixture(scope="session")
 def fuzz_slice(stream_off, stream_builtin, stream_omni):
+    kept = _Kept(stream_omni.pipe)
     engines = {n: fuzz.FuzzEngine(n, e.pipe, e.dir)
-               for n, e in (("off", stream_off), ("builtin", stream_builtin), ("omni", stream_omni))}
+               for n, e in (("off", stream_off), ("builtin", stream_builtin))}
+    engines["omni"] = fuzz.FuzzEngine("omni", kept, stream_omni.dir)
     results = []
     for seed, cache, knobs in CASES:
         group = make_group(seed, knobs, salt=f"ci-{seed}")
         results.append((group, fuzz.run_group(group, engines, cache, streaming=True)))
-    return engines, results
+    return engines, results, kept.results
+
+
+def _content(group, key, ids: list[int]) -> list[tuple[int, object]]:
+    """The prompt ``ids`` of request ``key`` (conversation, turn) of ``group`` with its photos'
+    and clips' content (:func:`~tests.pipeline.workloads.with_media`; turns in order)."""
+    turns = group.conversations[key[0]].turns[:key[1] + 1]
+    return with_media(ids, [media_key(t.image) for t in turns if t.image is not None],
+                      [media_key(t.audio) for t in turns if t.audio is not None])
+
+
+def _hit_bounds(group, res, omni_dir, kept: dict) -> dict[tuple[int, int], tuple[int, int]]:
+    """Each request's thinker hit on omni-cache, from token ids and media
+    (:func:`~tests.pipeline.workloads.prefix_hit` over :func:`_content`; ids as vLLM-Omni
+    handed them to the talker, ``ids.prompt``), as ``(least, most)``: a request hits what the
+    batches sent before its own computed (prompts and answers), and a request of a batch sent
+    together may hit its batch mates' prompts too, or not, by timing (when each arrives; the
+    thinker's cap serves only rows already written) — ``least == most`` for a request sent
+    alone, or whose batch mates share nothing more with it."""
+    seen, out = [], {}
+    for wave in group.waves:
+        for batch in wave:
+            rid = {key: res.request_ids["omni"][f"{group.conversations[key[0]].name}/{key[1]}"] for key in batch}
+            seq = {key: _content(group, key, fuzz.records(omni_dir, rid[key])[0]["ids.prompt"].tolist())
+                   for key in batch}
+            done = {key: seq[key] + [(t, None) for t in kept[rid[key]].token_ids[:-1]] for key in batch}
+            for key in batch:
+                mates = [done[k] for k in batch if k != key]
+                out[key] = (prefix_hit(seq[key], seen), prefix_hit(seq[key], seen + mates))
+            seen += done.values()
+    return out
 
 
 def test_fuzzed_conversations_hold_every_oracle(fuzz_slice):
-    _, results = fuzz_slice
+    engines, results, kept = fuzz_slice
     for group, res in results:
         bad = [(r.conversation, r.turn, r.violations) for r in res.requests if any(r.violations.values())]
         assert res.violated == {}, (group.describe(), res.cache, bad)
@@ -58,6 +111,26 @@ def test_fuzzed_conversations_hold_every_oracle(fuzz_slice):
     assert kinds == {"word_swap", "audio_reverse", "image_mirror"}, kinds
     reqs = [r for _, res in results for r in res.requests]
     assert len(reqs) == sum(g.num_requests for g, _ in results) == 18
+    # every thinker hit as computed from token ids and media (:func:`_hit_bounds`): exactly for
+    # a request sent alone, within its batch's timing bounds for one sent together
+    exact = 0
+    for group, res in results:
+        bounds = _hit_bounds(group, res, engines["omni"].dir, kept)
+        names = [c.name for c in group.conversations]
+        got = {(names.index(r.conversation), r.turn): r.hit for r in res.requests}
+        off_bounds = {k: (got[k], b) for k, b in bounds.items() if not b[0] <= got[k] <= b[1]}
+        assert not off_bounds, (group.describe(), off_bounds)
+        exact += sum(lo == hi for lo, hi in bounds.values())
+    assert exact >= 6, exact  # at least the group sent one request at a time is predicted exactly
+    # oracle (a): every served block has its writer in the run — the group's requests (the salt
+    # keeps other groups' and modules' blocks apart), each of whose prompt covers the block: a
+    # later turn carries the conversation's scripted answer, not the model's, so no hit reaches
+    # a decode-filled block (the expected hits above would show one) — so none is unverified,
+    # and every hit block is audited
+    assert all(r.served_blocks_unverified == 0 for r in reqs), \
+        [(r.conversation, r.turn, r.hit, r.served_blocks_verified, r.served_blocks_unverified) for r in reqs]
+    assert all(r.served_blocks_verified >= r.hit // BLOCK for r in reqs), \
+        [(r.conversation, r.turn, r.hit, r.served_blocks_verified) for r in reqs]
     # the oracles had something to judge: hits served (and audited), (b) compared, talker hits
     assert sum(r.served_blocks_verified for r in reqs) >= 20, [(r.hit, r.served_blocks_verified) for r in reqs]
     # (b) in full — every chunk (decode rows, ids, tts rows) and the audio — on requests sent
@@ -77,7 +150,7 @@ def test_rows_that_must_not_be_served_mostly_exceed_the_tolerance(fuzz_slice):
     one, on the rows just recorded: most are beyond oracle (c)'s tolerance. Not all: in the
     seeded tiny model a row whose token is the same and whose context differs can be within
     it (docs/architecture.md, "Integrity") — (a) and (b), bitwise, are what catch those."""
-    _, results = fuzz_slice
+    _, results, _ = fuzz_slice
     foreign = fuzz.merge_foreign(res.foreign_ulps for _, res in results)
     assert "shifted" in foreign, foreign
     assert foreign["shifted"]["beyond"] > 0.9 * foreign["shifted"]["rows"], foreign
@@ -91,7 +164,7 @@ def test_each_oracle_catches_a_wrong_row_in_real_records(fuzz_slice):
     first token: a block served from the wrong request); one bit of one hand-off tensor (b)."""
     import torch
 
-    engines, results = fuzz_slice
+    engines, results, _ = fuzz_slice
     group, res = results[0]
     by_name = {(r.conversation, r.turn): r for r in res.requests}
     # the last turn of the base and of its variant: same length, different content

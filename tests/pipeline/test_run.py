@@ -1,6 +1,7 @@
 """The main job, ``omni-cache run``, end to end on the streaming CPU config: it prints each
 request's time to the first text token and to the first audio packet, writes the waveform as
-packets arrive and ``summary.json`` after every request, and the second request hits. Then it
+packets arrive and ``summary.json`` after every request, and every request after the first hits
+it exactly (thinker and talker: the same prompt, :func:`assert_repeat_hits`). Then it
 is stopped the way supervisors do — SIGTERM while a later request is running — and must leave
 no process behind (one pipeline start serves both checks)."""
 
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.device import run_args
+from tests.device import GPU1_STAGE_CONFIG, on_cuda, run_args
 from tests.pipeline.proctree import Watched, stop_and_check
+from tests.pipeline.workloads import prefix_hit
+from tests.util import CPU_STAGE_CONFIG
 
 pytestmark = pytest.mark.pipeline
 #: full pipeline starts in this module (the suite's time table, tests/conftest.py)
@@ -47,6 +50,36 @@ def test_run_streams_ttft_ttfp_and_packets_then_stops_cleanly(tiny_model_dir, tm
         assert r["audio_packets"] >= 2, r  # the initial codec chunk, then the rest
         wave, sr = sf.read(r["wav"], dtype="float32")
         assert sr == 24_000 and wave.ndim == 1 and wave.shape[0] > 0 and np.isfinite(wave).all()
-    assert summary[1]["num_cached_tokens"] > 0  # the repeated prompt hits the first one
-    # ... in the talker too (content-keyed talker blocks, on in the bundled config)
-    assert summary[1]["talker_num_cached_tokens"] > 0 and summary[0]["talker_num_prompt_tokens"] > 0, summary
+    assert_repeat_hits(summary, *_block_sizes())
+
+
+#: talker rows of the final assistant segment (vLLM-Omni's layout): they get no talker block key
+ASSISTANT_ROWS = 9
+
+
+def _block_sizes() -> tuple[int, int]:
+    """(thinker, talker) KV block size (tokens) of the stage config ``omni-cache run`` uses here."""
+    import yaml
+
+    cfg = GPU1_STAGE_CONFIG if on_cuda() else CPU_STAGE_CONFIG
+    stages = {st["stage_id"]: st for st in yaml.safe_load(cfg.read_text())["stages"]}
+    sizes = stages[0].get("block_size"), stages[1].get("block_size")
+    assert None not in sizes, f"{cfg.name} sets no block_size: the expected hits below need it"
+    return sizes
+
+
+def assert_repeat_hits(summary: list[dict], block: int, talker_block: int) -> None:
+    """Every request is the same prompt (same text, photo and recording: equal token ids and
+    media), so the first hits nothing and every later one hits it exactly: thinker, the whole
+    blocks of the prompt bar vLLM's last token (:func:`~tests.pipeline.workloads.prefix_hit`
+    on equal ids: positions stand in for them); talker, every full block of the user rows (all
+    but the final assistant segment's :data:`ASSISTANT_ROWS` rows, whose blocks are never
+    shared: omni_cache.core.talker_keys)."""
+    n, talker_n = summary[0]["num_prompt_tokens"], summary[0]["talker_num_prompt_tokens"]
+    assert n > 0 and talker_n > ASSISTANT_ROWS + talker_block, summary[0]
+    assert (summary[0]["num_cached_tokens"], summary[0]["talker_num_cached_tokens"]) == (0, 0), summary[0]
+    ids = list(range(n))
+    expected = (prefix_hit(ids, [ids], block), (talker_n - ASSISTANT_ROWS) // talker_block * talker_block)
+    for r in summary[1:]:
+        assert (r["num_prompt_tokens"], r["talker_num_prompt_tokens"]) == (n, talker_n), r
+        assert (r["num_cached_tokens"], r["talker_num_cached_tokens"]) == expected, (r, expected)

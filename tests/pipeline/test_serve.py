@@ -11,7 +11,8 @@ streaming path in ``test_streaming_equality.py``). Checked:
 - text, text+image, text+audio chat completions answer with text and a WAV;
 - a two-turn chat (system prompt, image, audio, turn 1's answer repeated in turn 2) gets a
   thinker prefix hit that covers the first answer's tokens — the exact hit expected from the
-  token ids the server returns — and the same hit shows in ``/metrics`` (stage 0 counters);
+  token ids the server returns — and the same hit shows in ``/metrics`` (stage 0 counters), as
+  does the talker's exact hit on turn 1's user rows (stage 1; streamed too);
 - that chat's text and audio are bitwise equal to its cache-off reference's (same seed);
 - streamed (``stream=True``, the bundled config's ``async_chunk: true``): text, text+image and
   text+audio chat completions answer with text deltas and audio packets (a WAV each, the first
@@ -55,13 +56,15 @@ from omni_cache.driver.http_errors import dedupe_message
 from omni_cache.driver.inputs import sample_path
 from omni_cache.driver.server import OmniServer
 from tests.device import device_stage_config
+from tests.pipeline.workloads import prefix_hit, talker_user_rows
 from tests.util import CPU_STAGE_CONFIG
 
 pytestmark = pytest.mark.pipeline
 #: full pipeline starts in this module (the suite's time table, tests/conftest.py)
 PIPELINE_STARTS = 1  # one OmniServer
 
-BLOCK = 32  # thinker block_size in the bundled CPU stage config
+BLOCK = 32  # thinker and talker block_size in the bundled CPU stage config
+TALKER_ASSISTANT_ROWS = 9  # talker rows of the final assistant segment (vLLM-Omni's layout)
 SEED = 1234
 SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
           "perceiving auditory and visual inputs, as well as generating text and speech. ") * 3
@@ -238,16 +241,25 @@ def _prefix_counters(server: OmniServer, stage: str = "0", wait_for_change_from=
 
 
 def _expected_hit(p1: list[int], o1: list[int], p2: list[int]) -> int:
-    """The prefix hit turn 2 must get: whole blocks of the longest common prefix of turn 2's
-    prompt and what turn 1 left in the KV cache (its prompt and all but its last sampled
-    token), at most ``len(p2) - 1`` (vLLM recomputes the last prompt token)."""
-    kv = p1 + o1[:-1]
-    common = 0
-    for a, b in zip(p2, kv):
-        if a != b:
-            break
-        common += 1
-    return (min(common, len(p2) - 1) // BLOCK) * BLOCK
+    """The prefix hit turn 2 must get (:func:`~tests.pipeline.workloads.prefix_hit`): whole
+    blocks of the longest common prefix of turn 2's prompt and what turn 1 left in the KV cache
+    (its prompt and all but its last sampled token), at most ``len(p2) - 1`` (vLLM recomputes
+    the last prompt token)."""
+    return prefix_hit(p2, [p1 + o1[:-1]], BLOCK)
+
+
+def _expected_talker(model_dir, p1: list[int], p2: list[int]) -> tuple[int, int]:
+    """Turn 2's talker prompt length and talker prefix hit, from the thinker's token ids
+    (:func:`~tests.pipeline.workloads.talker_user_rows`: the user segments' rows, then 9
+    assistant rows): turn 2 hits every full talker block of turn 1's user rows (the same thinker
+    content: turn 2's prompt starts with turn 1's), none past them (turn 1's next rows are its
+    assistant rows, whose blocks are never shared)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    rows1, rows2 = talker_user_rows(tok, p1), talker_user_rows(tok, p2)
+    assert rows2[:len(rows1)] == rows1 and p2[:rows1[-1] + 1] == p1[:rows1[-1] + 1], (rows1, rows2)
+    return len(rows2) + TALKER_ASSISTANT_ROWS, len(rows1) // BLOCK * BLOCK
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -348,15 +360,36 @@ def test_two_turn_chat_hit_covers_first_answer(chat_on):
     assert cached > len(p1), (cached, len(p1), len(o1))
 
 
-def test_metrics_endpoint_shows_the_hit(chat_on):
-    (q0, h0), (q1, h1) = chat_on["metrics_before"], chat_on["metrics_after"]
-    r2 = chat_on["r2"]
-    assert q1 - q0 == len(r2["prompt_token_ids"])
-    assert h1 - h0 == r2["usage"]["prompt_tokens_details"]["cached_tokens"]
-    # the talker's own prefix cache (stage 1, content-keyed, on in the bundled config): turn 2's
-    # talker prompt starts with turn 1's user rows (photo, speech, question)
-    (tq0, th0), (tq1, th1) = chat_on["talker_metrics_before"], chat_on["talker_metrics_after"]
-    assert tq1 > tq0 and th1 - th0 >= BLOCK, (chat_on["talker_metrics_before"], chat_on["talker_metrics_after"])
+@pytest.mark.parametrize("chat", ["chat_on", "streamed_on"])
+def test_metrics_endpoint_shows_the_hit(request, chat, tiny_model_dir):
+    """Turn 2's thinker and talker prefix-cache queries and hits in ``/metrics`` (stage 0 and
+    stage 1 counters), exactly: the thinker's hit is the one the reply reports; the talker's own
+    prefix cache (content-keyed, on in the bundled config) hits every full block of turn 1's
+    user rows (photo, speech, question: turn 2's talker prompt starts with them)."""
+    run = request.getfixturevalue(chat)
+    (q0, h0), (q1, h1) = run["metrics_before"], run["metrics_after"]
+    p1, p2 = _prompt_ids(run["r1"]), _prompt_ids(run["r2"])
+    assert q1 - q0 == len(p2)
+    assert h1 - h0 == _cached(run["r2"]) == _expected_hit(p1, _output_ids(run["r1"]), p2), (h0, h1)
+    (tq0, th0), (tq1, th1) = run["talker_metrics_before"], run["talker_metrics_after"]
+    talker_prompt, talker_hit = _expected_talker(tiny_model_dir, p1, p2)
+    assert talker_hit >= BLOCK, talker_hit
+    assert (tq1 - tq0, th1 - th0) == (talker_prompt, talker_hit), (run["talker_metrics_before"],
+                                                                    run["talker_metrics_after"])
+
+
+def _prompt_ids(r: dict) -> list[int]:
+    return r["prompt_token_ids"]
+
+
+def _output_ids(r: dict) -> list[int]:
+    """The answer's token ids (a completion's, or a collected stream's)."""
+    return r["token_ids"] if "token_ids" in r else r["choices"][0]["token_ids"]
+
+
+def _cached(r: dict) -> int:
+    """The thinker's prefix hit a reply reports (a completion's usage, or a stream's last usage)."""
+    return r["cached_tokens"] if "cached_tokens" in r else r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 BAD = {
@@ -500,7 +533,8 @@ def test_cache_off_reference_gives_identical_text_and_audio(chat_on, chat_off):
         a_off, sr_off, _ = _wav(off)
         assert sr_on == sr_off and a_on.shape == a_off.shape and np.array_equal(a_on, a_off), turn
     assert chat_off["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert chat_on["r2"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    r1, r2 = chat_on["r1"], chat_on["r2"]
+    assert _cached(r2) == _expected_hit(_prompt_ids(r1), _output_ids(r1), _prompt_ids(r2)) > 0
 
 
 def test_streamed_two_turn_chat_hit_and_equal_to_cache_off(streamed_on, chat_off):

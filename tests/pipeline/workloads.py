@@ -111,6 +111,44 @@ def prefix_hit(ids: list[int], earlier: list[list[int]], block: int = BLOCK) -> 
     return min(longest, len(ids) - 1) // block * block
 
 
+def with_media(ids: list[int], images: list, audios: list, *, markers: bool = False) -> list[tuple[int, object]]:
+    """The prompt ``ids`` as vLLM's block hashes see them, for :func:`prefix_hit`: each token id
+    with, on a photo's or a clip's placeholder range, that item's content — ``images`` /
+    ``audios``: a content key per item (:func:`media_key`), in prompt order (the k-th run of
+    ``<|image_pad|>`` is the k-th image, of ``<|audio_pad|>`` the k-th clip: the Qwen3-Omni and
+    Gemma-4 pipelines' ids). A photo or clip of the same size and other content has the same
+    ids, and a hit must stop at the block holding its range's first token. The range is the
+    pads (Qwen3-Omni: vLLM replaces the pad token by pads) or, with ``markers``, the pads with
+    the begin and end marker around them (Gemma 4: vLLM replaces the pad token by ``boi + pads
+    + eoi``, ``vllm/model_executor/models/gemma4_mm.py``)."""
+    from omni_cache.models import SPECIAL_TOKENS
+
+    items = {SPECIAL_TOKENS["<|image_pad|>"]: list(images), SPECIAL_TOKENS["<|audio_pad|>"]: list(audios)}
+    runs = dict.fromkeys(items, 0)
+    tags: list = [None] * len(ids)
+    for i, x in enumerate(ids):
+        if x in items:
+            first = i == 0 or ids[i - 1] != x
+            runs[x] += first
+            tags[i] = items[x][runs[x] - 1]
+            if markers and first and i > 0:
+                tags[i - 1] = tags[i]
+            if markers and i + 1 < len(ids) and ids[i + 1] != x:
+                tags[i + 1] = tags[i]
+    assert runs == {pad: len(v) for pad, v in items.items()}, (runs, {pad: len(v) for pad, v in items.items()})
+    return list(zip(ids, tags))
+
+
+def media_key(item) -> bytes:
+    """A content key of a photo (PIL image) or a clip (a sample array, or ``(samples, rate)``)
+    for :func:`with_media`."""
+    import numpy as np
+
+    if isinstance(item, tuple):
+        item = item[0]
+    return np.ascontiguousarray(np.asarray(item)).tobytes()
+
+
 def expected_hits(prompts: list[list[int]], results: list, *, together: int = 0) -> list[int]:
     """Each request's thinker hit, from token ids (:func:`prefix_hit`): ``prompts`` (token ids)
     and ``results`` in the order sent, each hitting what the requests before it computed —
@@ -152,13 +190,15 @@ def processor_prompt_ids(model_dir, sent: list) -> list[list[int]]:
 
 
 def assert_served_rows(served: dict, named: list, batch: list, t1_len: int, block: int = BLOCK) -> None:
-    """Oracle (a) over :func:`run_workload`'s hits (``served``:
-    :func:`omni_cache.exactness.fuzz.served_rows_report` of the named and batch results): no
-    mismatch; every hit request audited, each of its served blocks verified against its
-    writer's rows except the chat's decode-filled blocks — ``chat:turn2`` hits turn 1's answer,
-    whose rows turn 1 computed while decoding (its recorded hand-off holds prompt rows only):
-    exactly the blocks from turn 1's prompt end on are unverified (their rows are compared with
-    cache off in the bitwise tests); every other block has a writer in the run."""
+    """Oracle (a) over the hits of a workload with a two-turn chat — :func:`run_workload`'s, or
+    the YOCO pipeline's — (``served``: :func:`omni_cache.exactness.fuzz.served_rows_report` of
+    the named and batch results; ``t1_len``: ``chat:turn1``'s prompt length): no mismatch;
+    every hit request audited, each of its served blocks verified against its writer's rows
+    except the chat's decode-filled blocks — ``chat:turn2`` hits turn 1's answer, whose rows
+    turn 1 computed while decoding (its recorded hand-off holds prompt rows only): exactly the
+    blocks from the one holding turn 1's prompt end on are unverified (at least one; not checked
+    against a writer here — the caller's equality test holds them to its cache-off reference);
+    every other block has a writer in the run, so every other request has none unverified."""
     assert all(not bad for _, _, bad in served.values()), {k: b for k, (_, _, b) in served.items() if b}
     results = [r for _, r in named] + list(batch)
     hit = [r for r in results if r.num_cached_tokens]
@@ -289,6 +329,24 @@ def recorded_by_request(out_dir, sub: str = "codec") -> list[list[dict]]:
     return [[r for _, r in sorted(recs, key=lambda x: x[0])] for recs in reqs]
 
 
+def talker_user_rows(tok, ids: list[int]) -> list[int]:
+    """The thinker positions of the talker's prompt rows before its final assistant segment
+    (vLLM-Omni's layout, computed here without omni-cache's key code): the user segments'
+    tokens, ``<|im_start|>user`` … ``<|im_end|>\\n``, in order. The talker's prompt is these rows
+    plus 9 assistant rows; its full blocks of these rows are the ones another request can hit."""
+    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    (user,), (nl,) = tok.encode("user"), tok.encode("\n")
+    pos, i = [], 0
+    while i < len(ids) - 1:
+        if ids[i] == im_start and ids[i + 1] == user:
+            end = next(j for j in range(i, len(ids) - 1) if ids[j] == im_end and ids[j + 1] == nl) + 2
+            pos += range(i, end)
+            i = end
+        else:
+            i += 1
+    return pos
+
+
 def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int, int]]:
     """For each negative conversation (:func:`talker_negative_requests`), computed here
     without omni-cache's key code: ``(talker prompt rows, full talker blocks it shares with
@@ -305,25 +363,12 @@ def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     proc = AutoProcessor.from_pretrained(model_dir)
-    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
-    (user,), (nl,) = tok.encode("user"), tok.encode("\n")
     image = tok.convert_tokens_to_ids("<|image_pad|>")
 
     def thinker_ids(req) -> list[int]:
         p = req.to_engine_prompt()
         mm = p.get("multi_modal_data", {})
         return proc(text=[p["prompt"]], images=mm.get("image"), return_tensors="pt")["input_ids"][0].tolist()
-
-    def user_positions(ids: list[int]) -> list[int]:
-        pos, i = [], 0
-        while i < len(ids) - 1:
-            if ids[i] == im_start and ids[i + 1] == user:
-                end = next(j for j in range(i, len(ids) - 1) if ids[j] == im_end and ids[j + 1] == nl) + 2
-                pos += range(i, end)
-                i = end
-            else:
-                i += 1
-        return pos
 
     reqs = dict(talker_negative_requests(tok))
     a = thinker_ids(reqs["A"])
@@ -334,7 +379,7 @@ def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int
         diff = next((i for i, (x, y) in enumerate(zip(ids, a)) if x != y), None)
         if diff is None:
             diff = ids.index(image) if name != "A" else len(ids)
-        rows = user_positions(ids)
+        rows = talker_user_rows(tok, ids)
         shared = 0
         while (shared + 1) * block <= len(rows) and rows[(shared + 1) * block - 1] < diff:
             shared += 1
