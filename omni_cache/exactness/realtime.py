@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,8 @@ def first_prompts(engine_dir: str | Path) -> dict[str, Prompt]:
     return seen
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (items compared with ``==``)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -86,7 +88,7 @@ def _common(a: list[int], b: list[int]) -> int:
 
 def common_prompt_tokens(a: Prompt, b: Prompt) -> int:
     """Tokens of the longest common prefix of two prompts: same id and same embedding row."""
-    n = _common(a.ids, b.ids)
+    n = common_prefix_len(a.ids, b.ids)
     if a.embed is None or b.embed is None or n == 0:
         return n
     same = (a.embed[:n] == b.embed[:n]).all(dim=-1)
@@ -159,6 +161,6 @@ def reference_mismatches(engine_dir: str | Path, request_id: str, reference_id: 
         return [f"no recorded hand-off for {request_id if not got else reference_id}"]
     a, b = got[0]["ids.prompt"].tolist(), ref[0]["ids.prompt"].tolist()
     if a != b:
-        return [f"prompt tokens differ from the reference's at token {_common(a, b)}"]
+        return [f"prompt tokens differ from the reference's at token {common_prefix_len(a, b)}"]
     _, bad = oracles.compare_prompt_rows(oracles.prompt_rows(got, len(a)), oracles.prompt_rows(ref, len(b)), hit)
     return bad

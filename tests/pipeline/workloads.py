@@ -99,15 +99,9 @@ def prefix_hit(ids: list[int], earlier: list[list[int]], block: int = BLOCK) -> 
     was computed), computed from token ids alone: the longest common prefix with any of them,
     in whole blocks, leaving at least the last token to compute. (Media identifiers are in
     vLLM's hash too: callers use it where equal token ids carry the same media.)"""
-    def common(a, b):
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        return n
+    from omni_cache.exactness.realtime import common_prefix_len
 
-    longest = max((common(ids, e) for e in earlier), default=0)
+    longest = max((common_prefix_len(ids, e) for e in earlier), default=0)
     return min(longest, len(ids) - 1) // block * block
 
 
