@@ -7,6 +7,18 @@ it had started live on (re-parented to init, ~1 GB each) — seen with SIGTERM t
 normal exit (``SystemExit(143)``, so ``with`` blocks close the pipeline) and, whatever the way
 out, stops every process still descending from this one: SIGTERM first, SIGKILL after a grace
 period. Process listing: ``psutil`` (a vLLM dependency).
+
+Waiting never reaps. vLLM-Omni's orchestrator thread shuts the same stages down at the same time
+(``vllm.v1.utils.shutdown``: SIGTERM, ``Process.join``, then ``is_alive()``). Had we reaped a
+stage process (``psutil.wait_procs`` calls ``os.waitpid`` on our own children), its
+``multiprocessing`` handle could never learn the exit status: ``is_alive()`` stays True and vLLM
+logs "[shutdown] Process manager: force killing remaining process StageEngineCoreProc_stage0"
+for a process that had exited in time (seen in CI on Ctrl-C during start-up: the stage was gone
+0.5 s after the signal). A zombie counts as stopped; its parent reaps it.
+
+This process's own ``multiprocessing`` resource tracker is left alone: it ignores SIGTERM (so
+stopping it cost the whole grace, 10 s, on every stop) and ends by itself once this process
+exits, unlinking the shared-memory segments the stages leaked — which SIGKILL would prevent.
 """
 
 from __future__ import annotations
@@ -14,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 
 import psutil
 
@@ -27,26 +40,55 @@ def descendants(pid: int | None = None) -> list[psutil.Process]:
         return []
 
 
+def _own_resource_tracker() -> int | None:
+    """The pid of this process's ``multiprocessing`` resource tracker, if it started one."""
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_pid", None)
+
+
+def _running(p: psutil.Process) -> bool:
+    """True while ``p`` runs; a zombie (exited, not yet reaped by its parent) does not."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(procs: Iterable[psutil.Process], timeout_s: float, poll_s: float = 0.05) -> list[psutil.Process]:
+    """Wait up to ``timeout_s`` seconds for ``procs`` to exit, without reaping any of them (unlike
+    ``psutil.wait_procs``: see the module's docstring). Returns those still running."""
+    alive = [p for p in procs if _running(p)]
+    deadline = time.monotonic() + timeout_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        alive = [p for p in alive if _running(p)]
+    return alive
+
+
 def stop_descendants(pid: int | None = None, grace_s: float = 10.0) -> list[int]:
-    """SIGTERM every descendant of ``pid``, SIGKILL those still alive after ``grace_s``
+    """SIGTERM every descendant of ``pid``, SIGKILL those still running after ``grace_s``
     seconds; repeated until none is left (a process may start a child while being stopped).
+    Reaps nothing: each exit status stays with the process's parent; spares this process's own
+    resource tracker (module docstring).
 
     Returns:
         The pids that were stopped.
     """
     stopped: list[int] = []
+    spare = _own_resource_tracker() if pid in (None, os.getpid()) else None
     for _ in range(5):
-        procs = descendants(pid)
+        procs = [p for p in descendants(pid) if p.pid != spare and _running(p)]
         if not procs:
             break
         for p in procs:
             with contextlib.suppress(psutil.Error):
                 p.terminate()
-        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        alive = wait_gone(procs, grace_s)
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        psutil.wait_procs(alive, timeout=5)
+        wait_gone(alive, 5)
         stopped.extend(p.pid for p in procs)
     return stopped
 
