@@ -43,6 +43,7 @@ TABLE_WORDS_PER_KEY = 3
 
 _KERNEL: list = []  # [the JIT kernel or None], filled on first use
 _INTERPRET: list = []  # [whether TRITON_INTERPRET=1], read with the kernel (Triton reads it at import)
+_WARMED: dict = {}  # device -> warm_up's result on it
 
 
 def _build_kernel():
@@ -104,6 +105,57 @@ def launch(tab: int, ids: int, n_units: int, first_off: int, last_end: int, bloc
         k[grid](tab, ids, n_units, first_off, last_end, block_size, CHUNK=CHUNK, num_warps=NUM_WARPS)
         return
     _Launcher.get(k).launch(grid, stream, tab, ids, n_units, first_off, last_end, block_size)
+
+
+def warm_up(device: torch.device | str, block_size: int = 16) -> bool:
+    """Compile the kernel now and check it, instead of at the first step write (a request's
+    TTFT): on a cold Triton cache the JIT took seconds on the first request on an H200
+    (``docs/gpu.md``). Copies a known ``[3 * block_size, 3]`` int64 pattern (three keys of 3,
+    1 and 2 words a row, a write that starts mid-block and ends mid-block over three blocks,
+    one of them out of order) through the kernel on ``device``'s current stream, waits, and
+    compares it word for word with the expected pool (oracle: torch indexing of the same slots).
+
+    Idempotent per device. Returns True where the fused path is ready and exact; False where
+    Triton is unavailable or ``OMNI_CACHE_FUSED=0`` — or where the check fails, which also
+    turns the fused path off for this process (every later write takes the pools' own
+    ``index_copy_`` path; logged as a warning): a wrong kernel must never write a served row.
+    Runs on the CPU under ``TRITON_INTERPRET=1`` (tests)."""
+    device = torch.device(device)
+    if device in _WARMED:
+        return _WARMED[device]
+    k = kernel()
+    ok = False
+    if k is not None:
+        bs = int(block_size)
+        widths = (3, 1, 2)
+        ids = torch.tensor([2, 0, 3], dtype=torch.int64, device=device)  # block ids, one out of order
+        first_off, last_end = bs // 2, bs // 2 + 1  # mid-block start, mid-block end
+        n = len(ids) * bs - first_off - (bs - last_end)
+        gen = torch.Generator().manual_seed(0)
+        rows = [torch.randint(-2**62, 2**62, (n, w), generator=gen).to(device) for w in widths]
+        pools = [torch.zeros(4 * bs, w, dtype=torch.int64, device=device) for w in widths]
+        slots = torch.cat([ids[j] * bs + torch.arange(first_off if j == 0 else 0, last_end if j == len(ids) - 1
+                                                      else bs, device=device) for j in range(len(ids))])
+        expect = [torch.zeros_like(p) for p in pools]
+        for e, r in zip(expect, rows):
+            e[slots] = r
+        tab = torch.tensor([v for r, p, w in zip(rows, pools, widths) for v in (r.data_ptr(), p.data_ptr(), w)],
+                           dtype=torch.int64, device=device)
+        try:
+            stream = torch._C._cuda_getCurrentRawStream(device.index or 0) if device.type == "cuda" else None
+            launch(tab.data_ptr(), ids.data_ptr(), len(ids), first_off, last_end, bs, len(widths), stream)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            ok = all(torch.equal(p, e) for p, e in zip(pools, expect))
+            why = "rows differ from the oracle's"
+        except Exception as exc:  # a compile or launch failure: the pools' path
+            why = repr(exc)
+        if not ok:
+            log.warning("omni-cache: the fused step writer failed its start-up check on %s (%s); "
+                        "step writes take the pools' index_copy_ path", device, why)
+            _KERNEL[0] = None
+    _WARMED[device] = ok
+    return ok
 
 
 class _Launcher:

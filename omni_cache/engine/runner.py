@@ -47,13 +47,31 @@ class OmniCacheRunnerMixin:
 
         try:
             super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
-            return
         except OmniPrefixCacheUnmatchError:
             # vLLM-Omni's gate runs after vLLM's metadata builders are set up; it refuses
             # every multi-group layout. Re-raise anything else it refuses.
             if len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) <= 1:
                 raise
-        self._omni_prefix_cache_cfg = _stage_multi_group_config(self, kv_cache_config)
+            self._omni_prefix_cache_cfg = _stage_multi_group_config(self, kv_cache_config)
+        self._warm_up_step_writer()
+
+    def _warm_up_step_writer(self) -> None:
+        """At start-up (KV cache set up, before the engine reports ready): compile and check
+        the fused step writer on this stage's GPU (:func:`omni_cache.core.fused.warm_up`), so
+        no request pays its JIT. Only where this stage will cache hidden states on CUDA."""
+        cfg = getattr(self, "_omni_prefix_cache_cfg", None)
+        device = getattr(self, "device", None)
+        if (cfg is None or device is None or getattr(device, "type", None) != "cuda"
+                or getattr(self.model_config, "model_stage", None) == "talker"):
+            return
+        import time
+
+        from omni_cache.core import fused
+
+        t0 = time.perf_counter()
+        ok = fused.warm_up(device, cfg.block_size)
+        logger.info("omni-cache: fused step writer %s on %s in %.2f s", "compiled and checked" if ok
+                    else "unavailable (pools' index_copy_ path)", device, time.perf_counter() - t0)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._restart_resumed_payloads(scheduler_output)

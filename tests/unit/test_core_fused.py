@@ -58,6 +58,47 @@ def test_fused_kernel_interpreted_on_cpu(seed):
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
+WARM_UP = r'''
+import sys
+from omni_cache.core import fused
+if sys.argv[1] == "broken":  # a kernel that writes nothing: the check must catch it
+    fused.kernel()
+    fused.launch = lambda *a, **k: None
+print("warm_up", fused.warm_up("cpu", 16), fused.warm_up("cpu", 16), "kernel", fused.kernel() is not None)
+'''
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
+                    reason="needs Triton, and no CUDA (the CUDA test below compiles it)")
+@pytest.mark.parametrize("case", ["exact", "broken"])
+def test_warm_up_checks_the_kernel_before_any_request(case):
+    """fused.warm_up (run at start-up by the runner) writes a known pattern through the kernel
+    and compares it with torch indexing of the same slots (oracle). A kernel that gets it wrong
+    (planted: a launch that writes nothing) turns the fused path off for the process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run([sys.executable, "-c", WARM_UP, case], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    expect = "warm_up True True kernel True" if case == "exact" else "warm_up False False kernel False"
+    assert expect in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+@needs_cuda_triton
+def test_cuda_warm_up_compiles_so_the_first_write_does_not():
+    """After fused.warm_up on the GPU the kernel is compiled and its launcher goes direct: the
+    first real step write does not enter Triton's JIT (the cost it moves to start-up)."""
+    from omni_cache.core import fused
+
+    assert fused.warm_up("cuda", 16)
+    launcher = fused._Launcher.get(fused.kernel())
+    assert launcher.compiled is not None
+    full, _ = _pair(Tier.DEVICE)
+    compiled = launcher.compiled
+    rows = {k.name: torch.randn(40, k.width, device="cuda").to(k.dtype) for k in KEYS}
+    full.write_request_rows("A", [3, 4, 5], 0, rows, {})
+    torch.cuda.synchronize()
+    assert launcher.compiled is compiled and full._writer is not None and full._writer.launches == 1
+
+
 KEYS = [KeySpec("hidden", 2048, torch.bfloat16), KeySpec("layer_0", 64, torch.float32),
         KeySpec("odd", 12, torch.float16)]  # 24-byte rows: int64 words, not 16-byte ones
 
