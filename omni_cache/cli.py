@@ -41,10 +41,17 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     if family in ("gemma4", "gemma3n"):
         from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
 
-        if args.size not in ("tiny", "bench"):  # (full: Qwen3-Omni only)
-            print(f"error: --family {family} has sizes tiny and bench, not {args.size!r}", file=sys.stderr)
+        if args.size not in ("tiny", "bench") and (family, args.size) != ("gemma4", "full"):
+            print(f"error: --family {family} has sizes tiny and bench{' and full' if family == 'gemma4' else ''}, "
+                  f"not {args.size!r}", file=sys.stderr)
             return 2
         out = Path(args.out) if args.out else default_gemma_dir(args.size, family=family)
+        if args.size == "full":
+            from omni_cache.models_full import build_gemma4_full
+
+            return _build("Gemma-4-E4B's text shape as the YOCO thinker + Qwen3-Omni-30B-A3B's talker and code2wav "
+                          "(configs + tokenizers, no weights: load_format dummy)",
+                          out, lambda: build_gemma4_full(out, force=args.force))
         what = ("the embedded multimodal KV-shared Gemma-4 thinker" if family == "gemma4"
                 else "the embedded KV-shared Gemma-3n text thinker")
         return _build(f"{what} + Qwen3-Omni talker ({args.size})", out,
@@ -276,9 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     mm = sub.add_parser("make-model", help="build the embedded Qwen3-Omni model directory (no downloads)")
     mm.add_argument("--size", default="tiny", choices=["tiny", "bench", "bench-voice", "full"],
                     help="tiny (tests), bench (benchmarks), bench-voice (qwen3-omni only: the bench "
-                         "thinker with a talker proportioned like Qwen3-Omni's), full (qwen3-omni only: "
-                         "Qwen3-Omni-30B-A3B-Instruct's published config, no weights: load it with "
-                         "load_format: dummy, stage_configs/qwen3_omni_30b_a3b_*_dummy.yaml)")
+                         "thinker with a talker proportioned like Qwen3-Omni's), full (no weights: load it with "
+                         "load_format: dummy; qwen3-omni: Qwen3-Omni-30B-A3B-Instruct's published config, "
+                         "stage_configs/qwen3_omni_30b_a3b_*_dummy.yaml; gemma4: Gemma-4-E4B's text shape "
+                         "as the thinker, stage_configs/gemma4_e4b_yoco_h200_dummy.yaml)")
     mm.add_argument("--family", default="qwen3-omni", choices=["qwen3-omni", "gemma4", "gemma3n"],
                     help="qwen3-omni (default); gemma4: a multimodal KV-shared (YOCO) thinker with vision and "
                          "audio towers in thinker/ feeding the Qwen3-Omni talker "

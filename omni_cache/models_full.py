@@ -139,3 +139,110 @@ def build_full(out_dir: str | os.PathLike, *, force: bool = False) -> Path:
                                  "source": "Qwen/Qwen3-Omni-30B-A3B-Instruct config.json",
                                  "fingerprint": fp}, indent=2))
     return out
+
+
+# ---- Gemma-4-E4B as the YOCO thinker, at its released size (issue 38, item 5) -----------------
+
+#: Gemma-4-E4B's text model: 42 layers, the last 18 KV-shared (the cross-decoder; first shared
+#: layer 24), hidden 2560, 8 / 2 heads of 256 (full-attention layers 512), layer types
+#: ``[sliding] * 5 + [full]`` repeated 7 times, window 512, per-layer inputs of 256, vocabulary
+#: 262,144, final logit soft-cap 30. Source: the ``text_config`` of the released
+#: ``google/gemma-4-E4B-it`` ``config.json`` as mirrored in several public repositories' model
+#: tables and tests (read through this project's code-search index, 2026-11-26; they agree with
+#: each other and with ``../shared/notes/production.md``: E4B 42 layers / 18 KV-shared).
+#: RoPE (sliding: default, theta 1e4; full: proportional, partial rotary 0.25, theta 1e6) is
+#: transformers' ``Gemma4TextConfig`` default, which is that release's.
+GEMMA4_E4B_TEXT: dict = {
+    "hidden_size": 2560, "num_hidden_layers": 42, "num_kv_shared_layers": 18, "intermediate_size": 10240,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
+    "vocab_size": 262144, "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256,
+    "sliding_window": 512, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7,
+    "final_logit_softcapping": 30.0, "max_position_embeddings": 131072, "use_double_wide_mlp": False,
+    "attention_k_eq_v": False, "enable_moe_block": False, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+}
+#: the E4B thinker's hidden size: the width of the rows the talker consumes
+GEMMA4_E4B_HIDDEN = GEMMA4_E4B_TEXT["hidden_size"]
+
+
+def gemma4_e4b_config() -> dict:
+    """``Gemma4Config`` keyword arguments of the at-size YOCO thinker: :data:`GEMMA4_E4B_TEXT`
+    with the embedded tokenizer's special-token ids; the vision and audio towers and the media
+    token ids of the ``bench`` Gemma-4 thinker (:func:`omni_cache.models_gemma.gemma4_config_dict`)
+    — the towers are *not* E4B's (its benchmark, YOCO at size, sends text; say so beside any
+    media timing)."""
+    from omni_cache.models_gemma import gemma4_config_dict
+
+    cfg = gemma4_config_dict("bench")
+    text = {**GEMMA4_E4B_TEXT, "layer_types": list(GEMMA4_E4B_TEXT["layer_types"]),
+            **{k: cfg["text_config"][k] for k in ("pad_token_id", "eos_token_id", "bos_token_id")}}
+    return {**cfg, "text_config": text}
+
+
+def gemma4_e4b_pipeline_config() -> dict:
+    """The pipeline directory's ``config.json``: :data:`FULL_CONFIG` (Qwen3-Omni-30B-A3B's
+    talker and code2wav) with the talker reading 2,560-wide thinker rows
+    (``thinker_hidden_size``; its ``accept_hidden_layer`` 24 = E4B's self-decoder output, the
+    first KV-shared layer's input) and the unused Qwen3-Omni thinker entry widened to match."""
+    import copy
+
+    cfg = copy.deepcopy(FULL_CONFIG)
+    th = cfg["thinker_config"]
+    th["text_config"]["hidden_size"] = GEMMA4_E4B_HIDDEN
+    th["vision_config"]["out_hidden_size"] = th["audio_config"]["output_dim"] = GEMMA4_E4B_HIDDEN
+    cfg["talker_config"]["thinker_hidden_size"] = GEMMA4_E4B_HIDDEN
+    return cfg
+
+
+def gemma4_full_fingerprint() -> str:
+    """Digest of what :func:`build_gemma4_full` writes."""
+    import hashlib
+
+    payload = json.dumps({"thinker": gemma4_e4b_config(), "pipeline": gemma4_e4b_pipeline_config(),
+                          "v": FULL_FORMAT_VERSION}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def build_gemma4_full(out_dir: str | os.PathLike, *, force: bool = False) -> Path:
+    """Write the at-size YOCO pipeline directory, no weights (``load_format: dummy``):
+    ``config.json`` (:func:`gemma4_e4b_pipeline_config`, checked by ``Qwen3OmniMoeConfig``) with
+    the embedded tokenizer and processor files, and ``thinker/`` (:func:`gemma4_e4b_config`,
+    checked by ``Gemma4Config``; the Gemma-4 tokenizer and processor as for the small sizes,
+    :func:`omni_cache.models_gemma.build_gemma4_thinker`).
+
+    Returns:
+        The pipeline directory (``out_dir``).
+    """
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4Config, Gemma4Processor, Qwen3OmniMoeConfig
+    from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
+    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
+
+    from omni_cache.models import CHAT_TEMPLATE, build_processor, build_tokenizer, is_up_to_date
+    from omni_cache.models_gemma import GEMMA4_TOWERS, THINKER_SUBDIR, gemma4_tokenizer
+
+    out = Path(out_dir)
+    stamp = out / "omni_cache_model.json"
+    fp = gemma4_full_fingerprint()
+    if not force and is_up_to_date(stamp, fp):
+        return out
+    pipeline = gemma4_e4b_pipeline_config()
+    Qwen3OmniMoeConfig(**{k: v for k, v in pipeline.items() if k != "model_type"})  # raises if malformed
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(pipeline, indent=2))
+    tokenizer = build_tokenizer(out)
+    build_processor(tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+    thinker = out / THINKER_SUBDIR
+    thinker.mkdir(exist_ok=True)
+    Gemma4Config(**gemma4_e4b_config()).save_pretrained(thinker)  # raises if malformed
+    tok = gemma4_tokenizer(tokenizer)
+    soft = GEMMA4_TOWERS["bench"].image_soft_tokens
+    Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
+                    image_processor=Gemma4ImageProcessor(max_soft_tokens=soft),
+                    video_processor=Gemma4VideoProcessor(), tokenizer=tok, chat_template=CHAT_TEMPLATE,
+                    image_seq_length=soft).save_pretrained(thinker)
+    stamp.write_text(json.dumps({"family": "gemma4", "size": "full", "weights": "none (load_format: dummy)",
+                                 "source": "google/gemma-4-E4B-it text_config; Qwen/Qwen3-Omni-30B-A3B-Instruct "
+                                           "talker and code2wav; bench vision/audio towers",
+                                 "fingerprint": fp}, indent=2))
+    return out
