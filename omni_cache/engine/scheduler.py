@@ -33,6 +33,7 @@ from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARS
 from omni_cache.core.coverage import RowValidity, WrittenBlocks, spans_overlap
 from omni_cache.engine.metrics import MetricsFile
 from omni_cache.engine.runner import full_attention_group
+from omni_cache.engine.sched_stats import PrefixStatsFlushMixin
 
 logger = logging.getLogger(__name__)
 
@@ -329,11 +330,11 @@ def _yoco_rules(vllm_config) -> tuple[bool, RowValidity]:
     return plan.truncates, (RowValidity.ALL_KEYS if plan.needs_final else RowValidity.CAPTURED_ONLY)
 
 
-class OmniCacheARScheduler(OmniCacheSchedulerMixin, OmniARScheduler):
+class OmniCacheARScheduler(OmniCacheSchedulerMixin, PrefixStatsFlushMixin, OmniARScheduler):
     """vLLM-Omni's synchronous AR scheduler with the hidden-tier hit cap."""
 
 
-class OmniCacheARAsyncScheduler(OmniCacheSchedulerMixin, OmniARAsyncScheduler):
+class OmniCacheARAsyncScheduler(OmniCacheSchedulerMixin, PrefixStatsFlushMixin, OmniARAsyncScheduler):
     """vLLM-Omni's asynchronous AR scheduler (its default) with the hidden-tier hit cap."""
 
 

@@ -37,6 +37,7 @@ from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARS
 from omni_cache import settings
 from omni_cache.core.talker_keys import SCHEME, TALKER_KEYS_ARG, verified_keys
 from omni_cache.engine.metrics import MetricsFile
+from omni_cache.engine.sched_stats import PrefixStatsFlushMixin
 
 _KEEP_REQUESTS = 256  # per-request prefill records kept in the metrics file
 
@@ -155,11 +156,11 @@ class TalkerIdentitySchedulerMixin:
         super().add_request(request)
 
 
-class TalkerARScheduler(TalkerIdentitySchedulerMixin, OmniARScheduler):
+class TalkerARScheduler(TalkerIdentitySchedulerMixin, PrefixStatsFlushMixin, OmniARScheduler):
     """vLLM-Omni's synchronous AR scheduler with content-keyed talker blocks."""
 
 
-class TalkerARAsyncScheduler(TalkerIdentitySchedulerMixin, OmniARAsyncScheduler):
+class TalkerARAsyncScheduler(TalkerIdentitySchedulerMixin, PrefixStatsFlushMixin, OmniARAsyncScheduler):
     """vLLM-Omni's asynchronous AR scheduler (its default) with content-keyed talker blocks."""
 
 
