@@ -72,7 +72,9 @@ class SchedulerCapState:
         lookup: request → ``(capped, same_step)`` tokens of its latest lookup; a waiting
             request is looked up again every step until admitted, so the counters take only
             the lookup that admitted it (in ``schedule()``).
-        resumed: ``(request id, num_preemptions)`` → prefix-hit tokens on resume.
+        resumed: ``(request id, num_preemptions)`` → prefix-hit tokens on resume, the latest
+            :data:`PREEMPTED_KEPT` (:meth:`note_resumed`; older ones are in ``resumed_older``).
+        resumed_older: ``(hits, hit tokens)`` of the resumes that left ``resumed``.
         capped_tokens: hit tokens cut by the cap, over admitted requests.
         same_step_hit_tokens: hit tokens on blocks completed in the same step, over admitted
             requests.
@@ -97,6 +99,7 @@ class SchedulerCapState:
     truncated_spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     lookup: dict[str, tuple[int, int]] = field(default_factory=dict)
     resumed: dict[tuple[str, int], int] = field(default_factory=dict)
+    resumed_older: list[int] = field(default_factory=lambda: [0, 0])
     capped_tokens: int = 0
     same_step_hit_tokens: int = 0
     preemptions: int = 0
@@ -106,10 +109,24 @@ class SchedulerCapState:
     steps_done: int = 0
     step_of_output: dict[int, int] = field(default_factory=dict)
 
+    def note_resumed(self, request_id: str, num_preemptions: int, tokens: int) -> None:
+        """A preempted request's prefix hit on resume (``tokens``). The lookup repeats while the
+        request waits, so the latest value per ``(request, preemption)`` counts; only the latest
+        :data:`PREEMPTED_KEPT` keys are kept (a long-running server resumes without end), the
+        older ones folded into ``resumed_older``."""
+        key = (request_id, num_preemptions)
+        self.resumed.pop(key, None)
+        self.resumed[key] = tokens
+        while len(self.resumed) > PREEMPTED_KEPT:
+            old = next(iter(self.resumed))
+            self.resumed_older[0] += 1
+            self.resumed_older[1] += self.resumed.pop(old)
+
     def counters(self) -> dict[str, int]:
         """The published counters (``scheduler-<pid>.json``)."""
-        return {"preemptions": self.preemptions, "resumed_hits": len(self.resumed),
-                "resumed_hit_tokens": sum(self.resumed.values()), "capped_tokens": self.capped_tokens,
+        return {"preemptions": self.preemptions, "resumed_hits": self.resumed_older[0] + len(self.resumed),
+                "resumed_hit_tokens": self.resumed_older[1] + sum(self.resumed.values()),
+                "capped_tokens": self.capped_tokens,
                 "same_step_hit_tokens": self.same_step_hit_tokens,
                 "preempted_requests": list(self.preempted),
                 "resumed_hit_requests": sorted({rid for rid, _ in self.resumed})}
@@ -165,7 +182,7 @@ class OmniCacheSchedulerMixin:
         if request.num_preemptions > 0 and num_local > 0:
             # a preempted request resumes from its (re-hit) blocks; the lookup repeats while
             # it waits, so keep the last hit per (request, preemption)
-            st.resumed[(request.request_id, request.num_preemptions)] = num_local
+            st.note_resumed(request.request_id, request.num_preemptions, num_local)
         return blocks, num_local, boundary, diverged
 
     def _blocks_completed_this_step(self, st: SchedulerCapState) -> dict:

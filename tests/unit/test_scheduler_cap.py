@@ -83,3 +83,21 @@ def test_request_aborted_while_waiting_is_not_counted(vllm_config, monkeypatch):
     st = s._omni_cache_state()
     assert b_start is None and "B" not in s.requests  # never admitted
     assert st.capped_tokens == 0 and st.lookup == {}, st
+
+
+def test_resumed_hits_are_counted_in_bounded_memory():
+    """A long-running server resumes preempted requests without end: the state keeps the latest
+    PREEMPTED_KEPT resumes and folds older ones into totals; the published counters stay exact
+    (oracle: the sums of what was noted). A repeated lookup of a waiting request overwrites."""
+    from omni_cache.core.coverage import RowValidity
+    from omni_cache.engine.scheduler import PREEMPTED_KEPT, SchedulerCapState
+
+    st = SchedulerCapState(written=None, group=0, block_size=16, truncates=False, hit_needs=RowValidity.ALL_KEYS)
+    n = 3 * PREEMPTED_KEPT
+    for i in range(n):
+        st.note_resumed(f"r{i}", 1, 16)
+        st.note_resumed(f"r{i}", 1, 32)  # still waiting: looked up again, the latest counts
+    c = st.counters()
+    assert len(st.resumed) == PREEMPTED_KEPT
+    assert (c["resumed_hits"], c["resumed_hit_tokens"]) == (n, 32 * n)
+    assert c["resumed_hit_requests"] == sorted(f"r{i}" for i in range(n - PREEMPTED_KEPT, n))
