@@ -228,7 +228,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--thinker-kv-mib", type=int, default=MemorySettings.thinker_kv_bytes // MiB)
     ap.add_argument("--talker-kv-mib", type=int, default=MemorySettings.talker_kv_bytes // MiB)
     ap.add_argument("--code2wav-kv-mib", type=int, default=MemorySettings.code2wav_kv_bytes // MiB)
-    ap.add_argument("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs)
+    ap.add_argument("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs,
+                    help="max_num_seqs of every stage (default for one request at a time; under load give "
+                         ">= the largest --concurrency)")
     ap.add_argument("--cpu-executor", default=MemorySettings.cpu_executor, choices=["uni", "mp"],
                     help="vLLM executor of each stage on CPU (uni: worker inside the engine-core process)")
     ap.add_argument("--no-stream", action="store_true",
@@ -285,6 +287,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --concurrency {','.join(map(str, loads))} needs streaming (AsyncOmni); --no-stream "
               "(synchronous Omni) sends one request at a time", file=sys.stderr)
         return 2
+    load_note = None
+    if loads and max(loads) > args.max_num_seqs:
+        load_note = (f"--max-num-seqs {args.max_num_seqs} < concurrency {max(loads)}: each stage runs at most "
+                     f"{args.max_num_seqs} requests at once, the rest wait in vLLM's queue (their TTFP includes "
+                     f"the wait); pass --max-num-seqs >= {max(loads)} to have every request of the loop scheduled")
+        print(f"note: {load_note}", file=sys.stderr)
     if "chat" in workloads and args.requests < 2:
         print("error: the chat workload needs --requests ≥ 2 (turn 1 is a miss and is not timed)", file=sys.stderr)
         return 2
@@ -532,6 +540,7 @@ def run(args: argparse.Namespace) -> int:
         "concurrency": conc,
         "load": load,
         "load_bar_checks": load_checks,
+        "load_note": load_note,
         "load_samples": load_samples,
         "warmup_samples": warm,
         "omni_cache_metrics": metrics,
