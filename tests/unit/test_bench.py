@@ -612,3 +612,76 @@ def test_cache_reports_its_pinned_bytes():
 
     c = HiddenStateCache(4, 2, [KeySpec("hidden", 8, torch.float32)], tier=Tier.HOST)
     assert c.nbytes == 4 * 2 * 8 * 4 and c.pinned_nbytes == 0
+
+
+class _FakeVariant:
+    """Stands in for harness.Variant (no pipeline): answers with synthetic rows."""
+
+    def __init__(self, name, model, cfg, log, *, env, stream=True):
+        self.name, self.frozen, self.ready = name, False, None
+        self.fast = {"off": 1.0, "builtin": 0.3, "omni_cache": 0.2}[name]
+
+    def wait_ready(self, timeout=0):
+        self.ready = {"ready": True, "start_s": 0.1}
+        return self.ready
+
+    def _row(self, spec):
+        hit = 0.0 if self.name == "off" or spec["workload"] == "floor" else 0.95
+        t = 100.0 * (self.fast if hit else 0.5 if spec["workload"] == "floor" else 1.0)
+        return {"workload": spec["workload"], "round": spec["round"], "index": spec["index"],
+                "measure": spec["measure"], "prefill_ms": t / 2, "ttft_ms": t, "ttfp_ms": 2 * t, "e2e_ms": 3 * t,
+                "num_prompt_tokens": 1000, "num_cached_tokens": int(hit * 1000)}
+
+    def run(self, batch):
+        return [self._row(s) for s in batch]
+
+    def run_concurrent(self, batch, c):
+        rows = [dict(self._row(s), prefill_ms=None) for s in batch]
+        return {"results": rows, "wall_s": 1.0, "throughput_rps": len(rows) / (self.fast * 10),
+                "n_requests": len(rows), "n_errors": 0, "concurrency": c}
+
+    def mem(self):
+        return [{"pid": 1, "rss": 2, "pss": 1, "uss": 1, "cpu_s": 0.0}], {"gpu_bytes": None, "reason": "no GPU"}
+
+    def cpu_s(self):
+        return 0.0
+
+    def freeze(self):
+        self.frozen = True
+
+    def thaw(self):
+        self.frozen = False
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("alternation", ["concurrent", "restart"])
+def test_harness_under_load_with_a_fake_pipeline(tmp_path, monkeypatch, alternation):
+    """The driver's whole flow, pipelines replaced by _FakeVariant: the c = 1 sections keep
+    their keys, the load section, its bars, memory per variant and load.png are written."""
+    from benchmarks.prefill import harness
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(harness, "Variant", _FakeVariant)
+    rc = harness.main(["--model", str(model), "--modalities", "text,chat,floor", "--requests", "2", "--repeats", "2",
+                       "--concurrency", "1,4,64", "--alternation", alternation, "--idle-probe-s", "0",
+                       "--out", str(tmp_path), "--name", "run"])
+    assert rc == 0
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["concurrency"] == [1, 4, 64] and "max-num-seqs" in res["load_note"]
+    assert set(res["workloads"]["text"]) == {"off", "builtin", "omni_cache"}          # c = 1 as before
+    assert res["workloads"]["text"]["omni_cache"]["prefill_ms"]["median"] == pytest.approx(10.0)
+    assert list(res["load"]["chat"]) == ["1", "4", "64"]
+    chat4 = res["load_samples"]["chat"]["4"]["omni_cache"]
+    assert len(chat4) == 2 and len(chat4[0]["results"]) == 4 * 2                     # 4 conversations x 2 turns
+    assert len(res["load_samples"]["text"]["64"]["off"][0]["results"]) == 128        # max(N, 2c)
+    assert res["load"]["text"]["64"]["omni_cache"]["ttfp_ms"]["p95"] == pytest.approx(40.0)
+    verdicts = {w: [c["passed"] for c in cs] for w, cs in res["load_bar_checks"].items()}
+    # chat c=4: TTFP 40 ms vs floor 100 ms and builtin 60 ms; c=64 (chat, text): 5x off's throughput
+    assert verdicts == {"chat": [True, True, True, True], "text": [True, True]}
+    assert res["load_bar_checks"]["chat"][0]["value"] == pytest.approx(0.4)
+    assert res["memory_per_variant"]["off"]["gpu_reason"] == "no GPU"
+    assert (tmp_path / "run" / "load.png").stat().st_size > 10_000
