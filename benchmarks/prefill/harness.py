@@ -6,6 +6,12 @@ configs differ only in the thinker's prefix cache (:mod:`omni_cache.driver.varia
 Workloads: :mod:`benchmarks.prefill.workloads`. Metrics and bars: :mod:`benchmarks.prefill.summary`
 and ``docs/benchmarks.md``.
 
+Concurrency (``--concurrency 1,4,16,64``): c = 1 sends one request at a time (the numbers and
+vLLM stage breakdown above); each c > 1 adds, per round and workload, one batch per variant run
+as a closed loop with c requests in flight (the worker's ``run_concurrent``), summarized under
+``load`` in the result JSON (driver-clock TTFT / TTFP / E2E p50 and p95 in ms, throughput in
+requests/s), with its own bars (``load_bar_checks``) and plot (``load.png``).
+
 Alternation (recorded in the result JSON under ``alternation``):
 
 - ``concurrent``: all variants are up at once; every request is sent to each variant in turn,

@@ -26,6 +26,9 @@ soundfile and processed by the model's own HF processors inside vLLM):
   attention over the prefix), so ``off / floor`` is the *attainable* speedup
   (:func:`benchmarks.prefill.summary.add_attainable`).
 
+At concurrency c > 1 (:func:`specs`' ``concurrency``) a round has max(N, 2c) requests and
+``chat`` c conversations of N turns; no prompt repeats one of another concurrency level.
+
 Rounds use distinct questions, so a timed request never hits its own full prompt; the shared
 prefix is warmed by an untimed request (``warmup_specs``) before each round of a workload.
 """
