@@ -685,3 +685,20 @@ def test_harness_under_load_with_a_fake_pipeline(tmp_path, monkeypatch, alternat
     assert res["load_bar_checks"]["chat"][0]["value"] == pytest.approx(0.4)
     assert res["memory_per_variant"]["off"]["gpu_reason"] == "no GPU"
     assert (tmp_path / "run" / "load.png").stat().st_size > 10_000
+
+
+def test_gpu_memory_sums_the_variants_processes_over_devices(monkeypatch):
+    """gpu_memory with a stand-in NVML: only the given pids count, summed over every device."""
+    import sys
+    from types import SimpleNamespace as NS
+
+    from benchmarks.prefill.worker import gpu_memory
+
+    procs = {0: [NS(pid=10, usedGpuMemory=100), NS(pid=99, usedGpuMemory=5000)],
+             1: [NS(pid=10, usedGpuMemory=20), NS(pid=11, usedGpuMemory=3), NS(pid=12, usedGpuMemory=None)]}
+    fake = NS(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+              nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetComputeRunningProcesses=lambda h: procs[h])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    g = gpu_memory([10, 11, 12])
+    assert g == {"gpu_bytes": 123, "per_process": {10: 120, 11: 3}, "reason": None}
+    assert gpu_memory([7])["gpu_bytes"] is None and "no process" in gpu_memory([7])["reason"]
