@@ -6,6 +6,12 @@ configs differ only in the thinker's prefix cache (:mod:`omni_cache.driver.varia
 Workloads: :mod:`benchmarks.prefill.workloads`. Metrics and bars: :mod:`benchmarks.prefill.summary`
 and ``docs/benchmarks.md``.
 
+Concurrency (``--concurrency 1,4,16,64``): c = 1 sends one request at a time (the numbers and
+vLLM stage breakdown above); each c > 1 adds, per round and workload, one batch per variant run
+as a closed loop with c requests in flight (the worker's ``run_concurrent``), summarized under
+``load`` in the result JSON (driver-clock TTFT / TTFP / E2E p50 and p95 in ms, throughput in
+requests/s), with its own bars (``load_bar_checks``) and plot (``load.png``).
+
 Alternation (recorded in the result JSON under ``alternation``):
 
 - ``concurrent``: all variants are up at once; every request is sent to each variant in turn,
@@ -96,8 +102,16 @@ class Variant:
     def run(self, batch: list[dict]) -> list[dict]:
         return self.call({"op": "run", "specs": batch}, timeout=600 + 300 * len(batch))["results"]
 
-    def mem(self) -> list[dict]:
-        return self.call({"op": "mem"}, timeout=120)["mem"]
+    def run_concurrent(self, batch: list[dict], concurrency: int) -> dict:
+        """``batch`` with ``concurrency`` requests in flight (the worker's ``run_concurrent``):
+        ``{"results", "wall_s", "throughput_rps", "n_requests", "n_errors", "concurrency"}``."""
+        return self.call({"op": "run_concurrent", "specs": batch, "concurrency": concurrency},
+                         timeout=600 + 300 * len(batch))
+
+    def mem(self) -> tuple[list[dict], dict]:
+        """Process-tree memory rows and GPU memory (:func:`benchmarks.prefill.worker.gpu_memory`)."""
+        ans = self.call({"op": "mem"}, timeout=120)
+        return ans["mem"], ans.get("gpu") or {"gpu_bytes": None, "reason": "not reported by the worker"}
 
     def _tree(self):
         import psutil
@@ -154,6 +168,29 @@ def mem_total(rows: list[dict]) -> dict[str, int]:
     return {k: sum(r.get(k, 0) for r in rows) for k in ("rss", "pss", "uss", "cpu_s")}
 
 
+def parse_concurrency(text: str) -> list[int]:
+    """``--concurrency``: a comma list of request concurrencies, each an integer ≥ 1 (e.g.
+    ``1,4,16,64``); duplicates dropped, order kept.
+
+    Raises:
+        ValueError: an empty list, a value that is no integer, or one < 1.
+    """
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            c = int(part)
+        except ValueError:
+            raise ValueError(f"--concurrency: {part!r} is not an integer") from None
+        if c < 1:
+            raise ValueError(f"--concurrency: {c} < 1")
+        if c not in out:
+            out.append(c)
+    if not out:
+        raise ValueError("--concurrency: empty")
+    return out
+
+
 def _rotate(xs: list, k: int) -> list:
     k %= len(xs)
     return xs[k:] + xs[:k]
@@ -164,7 +201,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
     ap.add_argument("--modalities", default="text,image,audio,chat,miss,floor",
                     help=f"comma-separated workloads among {','.join(WORKLOADS)}")
-    ap.add_argument("--requests", type=int, default=20, help="requests per workload per round (chat: turns)")
+    ap.add_argument("--requests", type=int, default=20,
+                    help="requests per workload per round (chat: turns); at concurrency c > 1: max(N, 2c) requests "
+                         "(chat: c conversations of N turns each)")
+    ap.add_argument("--concurrency", default="1",
+                    help="comma list of request concurrencies, e.g. 1,4,16,64 (default 1). c = 1: one request at a "
+                         "time with vLLM's per-request stage breakdown; c > 1: a closed loop with c requests in "
+                         "flight (driver-clock TTFT/TTFP/E2E and throughput; streaming only)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds (each request of a round is new)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="subset/order of off,builtin,omni_cache; for a KV-shared (YOCO) thinker's stage config "
@@ -191,7 +234,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--thinker-kv-mib", type=int, default=MemorySettings.thinker_kv_bytes // MiB)
     ap.add_argument("--talker-kv-mib", type=int, default=MemorySettings.talker_kv_bytes // MiB)
     ap.add_argument("--code2wav-kv-mib", type=int, default=MemorySettings.code2wav_kv_bytes // MiB)
-    ap.add_argument("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs)
+    ap.add_argument("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs,
+                    help="max_num_seqs of every stage (default for one request at a time; under load give "
+                         ">= the largest --concurrency)")
     ap.add_argument("--cpu-executor", default=MemorySettings.cpu_executor, choices=["uni", "mp"],
                     help="vLLM executor of each stage on CPU (uni: worker inside the engine-core process)")
     ap.add_argument("--no-stream", action="store_true",
@@ -238,6 +283,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: unknown workloads {bad} / variants {bad_v}, or empty selection, or requests/repeats < 1",
               file=sys.stderr)
         return 2
+    try:
+        conc = parse_concurrency(args.concurrency)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    loads = [c for c in conc if c > 1]
+    if loads and args.no_stream:
+        print(f"error: --concurrency {','.join(map(str, loads))} needs streaming (AsyncOmni); --no-stream "
+              "(synchronous Omni) sends one request at a time", file=sys.stderr)
+        return 2
+    load_note = None
+    if loads and max(loads) > args.max_num_seqs:
+        load_note = (f"--max-num-seqs {args.max_num_seqs} < concurrency {max(loads)}: each stage runs at most "
+                     f"{args.max_num_seqs} requests at once, the rest wait in vLLM's queue (their TTFP includes "
+                     f"the wait); pass --max-num-seqs >= {max(loads)} to have every request of the loop scheduled")
+        print(f"note: {load_note}", file=sys.stderr)
     if "chat" in workloads and args.requests < 2:
         print("error: the chat workload needs --requests ≥ 2 (turn 1 is a miss and is not timed)", file=sys.stderr)
         return 2
@@ -282,8 +343,14 @@ def run(args: argparse.Namespace) -> int:
     memory: dict[str, Any] = {"samples": []}
     starts: dict[str, list[float]] = {v: [] for v in variants}
     alternation: dict[str, Any] = {"requested": args.alternation}
-    round_specs = {(w, r): specs(w, r, opts) for w in workloads for r in range(args.repeats)}
-    total = sum(len(s) for s in round_specs.values()) * len(variants)
+    alone = 1 in conc  # the one-at-a-time path (today's numbers and stage breakdown)
+    round_specs = {(w, r): specs(w, r, opts) if alone else [] for w in workloads for r in range(args.repeats)}
+    load_specs = {(w, r, c): specs(w, r, opts, concurrency=c) for w in workloads for r in range(args.repeats)
+                  for c in loads}
+    #: load[workload][str(c)][variant] = one batch per round (see run_load)
+    load_samples: dict[str, dict[str, dict[str, list[dict]]]] = {
+        w: {str(c): {v: [] for v in variants} for c in loads} for w in workloads}
+    total = (sum(len(s) for s in round_specs.values()) + sum(len(s) for s in load_specs.values())) * len(variants)
     bar = tqdm(total=total, desc="requests x variants", unit="req")
 
     def start(v: str) -> Variant:
@@ -296,11 +363,25 @@ def run(args: argparse.Namespace) -> int:
         starts[var.name].append(var.ready["start_s"])
         bar.set_postfix_str(f"warming {var.name}")
         warm[var.name].extend(var.run(warmup_specs(workloads, opts)))
-        m = var.mem()
-        memory["samples"].append({"variant": var.name, "when": "after warm-up", "t": time.time(),
-                                  "total": mem_total(m), "processes": m})
+        sample_mem(var, "after warm-up")
 
     rewarm_specs = {s["workload"]: s for s in warmup_specs(workloads, opts)}
+
+    def sample_mem(var: Variant, when: str) -> None:
+        m, gpu = var.mem()
+        memory["samples"].append({"variant": var.name, "when": when, "t": time.time(),
+                                  "total": mem_total(m), "gpu": gpu, "processes": m})
+
+    def run_load(var: Variant, w: str, r: int, c: int) -> None:
+        """One batch of workload ``w`` at concurrency ``c`` on ``var``, recorded under
+        ``load_samples[w][str(c)][variant]``."""
+        bar.set_postfix_str(f"round {r} {w} c={c} {var.name}")
+        ans = var.run_concurrent(load_specs[(w, r, c)], c)
+        rows = ans.pop("results")
+        for row in rows:
+            row["variant"] = var.name
+        load_samples[w][str(c)][var.name].append({**ans, "round": r, "results": rows})
+        bar.update(len(rows))
 
     def rewarm(var: Variant, w: str) -> None:
         """Untimed request that puts ``w``'s shared prefix back in the cache before its timed
@@ -374,18 +455,25 @@ def run(args: argparse.Namespace) -> int:
                             record(var.name, var.run([spec]))
                             if args.freeze_idle:
                                 var.freeze()
+                    for k, c in enumerate(loads):  # one batch per variant, order rotated per round
+                        for var in _rotate(live, r + k):
+                            if args.freeze_idle:
+                                var.thaw()
+                            run_load(var, w, r, c)
+                            if args.freeze_idle:
+                                var.freeze()
             for var in live:
                 if var.frozen:
                     var.thaw()
             for var in live:
-                m = var.mem()
-                memory["samples"].append({"variant": var.name, "when": "end", "t": time.time(),
-                                          "total": mem_total(m), "processes": m})
+                sample_mem(var, "end")
             # idle pipelines must not steal CPU from the one being timed: CPU seconds each
             # pipeline used during the timed phase vs the wall time of its own requests
             cpu = {}
             for var in live:
-                busy = sum(r.get("e2e_ms") or 0 for w in workloads for r in samples[w][var.name]) / 1000
+                busy = (sum(r.get("e2e_ms") or 0 for w in workloads for r in samples[w][var.name]) / 1000
+                        + sum(b.get("wall_s") or 0 for w in workloads for by_c in load_samples[w].values()
+                              for b in by_c[var.name]))
                 cpu[var.name] = {"cpu_s": var.cpu_s() - cpu0[var.name], "own_requests_wall_s": busy}
             alternation["cpu_during_timed_phase"] = cpu
         else:
@@ -403,11 +491,15 @@ def run(args: argparse.Namespace) -> int:
                         rewarm(var, w)
                         for spec in round_specs[(w, r)]:
                             record(v, var.run([spec]))
+                        for c in loads:
+                            run_load(var, w, r, c)
+                    sample_mem(var, f"end of round {r}")
                     var.close()
                     live.remove(var)
         alternation["variant_order_per_round"] = (
             [",".join(_rotate(variants, r)) for r in range(args.repeats)] if mode == "restart"
-            else "per request: variants rotated by (round + request index)")
+            else "per request: variants rotated by (round + request index); under load (c > 1) one batch per "
+                 "variant, variants rotated by (round + index of c in --concurrency)")
     except WorkerDied as exc:  # keep what was measured; the JSON and the exit code say it is partial
         aborted = str(exc)
         alternation.setdefault("mode", mode if mode != "auto" else "undecided")
@@ -430,6 +522,9 @@ def run(args: argparse.Namespace) -> int:
                 metrics.append({"variant": v, "file": p.name, **json.loads(p.read_text())})
             except (OSError, json.JSONDecodeError):
                 pass
+    load = S.summarize_load(load_samples, samples if alone else None)
+    load_checks = S.load_checks(load) if "omni_cache" in variants else {}
+    mem_per_variant = S.memory_per_variant(memory["samples"], metrics, variants)
     result = {
         "command": " ".join(sys.argv),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
@@ -442,11 +537,17 @@ def run(args: argparse.Namespace) -> int:
                    "stage_configs": {v: cfgs[v].read_text() for v in variants}},
         "alternation": alternation,
         "memory": memory,
+        "memory_per_variant": mem_per_variant,
         "pipeline_start_s": starts,
         "metric_definitions": METRIC_DEFINITIONS,
         "workloads": summ,
         "bar_checks": checks,
         "samples": samples,
+        "concurrency": conc,
+        "load": load,
+        "load_bar_checks": load_checks,
+        "load_note": load_note,
+        "load_samples": load_samples,
         "warmup_samples": warm,
         "omni_cache_metrics": metrics,
         "aborted": aborted,
@@ -454,8 +555,17 @@ def run(args: argparse.Namespace) -> int:
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
     png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {Path(model).name}, {alternation['mode']}, "
                                                   f"N={args.requests} R={args.repeats}")
+    load_png = (S.plot_load(load, out / "load.png", title=f"under load, {Path(model).name}, {alternation['mode']}, "
+                                                            f"N={args.requests} R={args.repeats}")
+                if loads else None)
     print()
-    print(S.format_table(summ, checks))
+    if alone:
+        print(S.format_table(summ, checks))
+    if loads:
+        print()
+        print(S.format_load_table(load, load_checks))
+    print()
+    print(S.format_memory(mem_per_variant))
     print(f"\nalternation: {alternation['mode']} ({alternation.get('reason', 'requested')})")
     if "one_pipeline_pss_bytes" in alternation:
         print(f"one pipeline after warm-up: PSS {alternation['one_pipeline_pss_bytes'] / GiB:.2f} GiB, "
@@ -464,7 +574,7 @@ def run(args: argparse.Namespace) -> int:
         print("idle pipeline CPU (cores): "
               + ", ".join(f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
               + ("; frozen while others are timed" if alternation.get("freeze_idle") else ""))
-    print(f"wrote {out / 'result.json'} and {png}")
+    print(f"wrote {out / 'result.json'} and {png}" + (f" and {load_png}" if load_png else ""))
     if aborted:
         print(f"INCOMPLETE RUN: {aborted}", file=sys.stderr)
         return 1
@@ -491,6 +601,16 @@ METRIC_DEFINITIONS = {
     "handoff_ms": "ttfp_ms - ttft_ms - talker_prefill_ms - talker_decode_ms - code2wav_ms: "
                   "hand-off, transfer and orchestration time (median of per-request values)",
     "e2e_ms": "driver clock: generate() called -> last output of the request",
+    "load": "concurrency c > 1: a closed loop with c requests in flight per variant and batch; per request only "
+            "the driver-clock ttft_ms / ttfp_ms / e2e_ms, hit ratio, tokens and audio counts (vLLM's histogram sums "
+            "are per engine, so prefill_ms and TTFP's parts are None under load); c = 1 is taken from the "
+            "one-at-a-time samples",
+    "throughput_rps": "requests finished without error per second of a batch's wall time (first request sent -> "
+                      "last output, driver clock); median over rounds. c = 1: requests / sum of their e2e_ms",
+    "p95": "95th percentile, linear interpolation between order statistics (summary._q)",
+    "gpu_bytes": "GPU memory used by the variant's process tree (NVML per-process used memory), bytes",
+    "omni_cache_pinned_host_bytes": "bytes of omni-cache's hidden-state pools in pinned host memory "
+                                    "(pool_pinned_bytes of its metrics files)",
     "stage_0_gen_ms": "vLLM-Omni: request submitted to the thinker -> thinker finished (prefill + decode steps)",
     "hit_ratio": "h = num_cached_tokens / num_prompt_tokens of the thinker (vLLM prefix hit)",
     "computed_tokens": "thinker prompt tokens computed (vllm:request_prefill_kv_computed_tokens)",

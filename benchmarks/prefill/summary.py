@@ -437,3 +437,262 @@ def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> Non
     if first:
         ax.set_ylabel("time to first audio packet, ms (median)")
         ax.legend(fontsize=6, loc="upper right")
+
+
+# ---- under load (--concurrency c > 1) ------------------------------------------------------
+
+#: driver-clock metrics summarized under load (vLLM's histogram-derived ones are not per request there)
+LOAD_METRICS = ("ttft_ms", "ttfp_ms", "e2e_ms")
+#: the load bars (issue 38): multi-turn chat at c = LOAD_CHAT_C with h ≥ LOAD_CHAT_MIN_HIT:
+#: omni-cache's TTFP p50 ≤ LOAD_FLOOR_FACTOR × the floor's and ≤ the built-in's; at
+#: c = LOAD_HIGH_C: omni-cache's throughput ≥ cache off's and its TTFP p95 ≤ the built-in's.
+#: "≤" / "≥" allow LOAD_TOLERANCE (2 %, as the one-at-a-time bars' "within timer noise").
+LOAD_CHAT_C = 4
+LOAD_CHAT_MIN_HIT = 0.9
+LOAD_FLOOR_FACTOR = 1.25
+LOAD_HIGH_C = 64
+LOAD_TOLERANCE = BUILTIN_TOLERANCE
+
+
+def describe_p95(xs: list[float]) -> dict[str, float] | None:
+    """:func:`describe` plus ``p95`` (95th percentile, :func:`_q`); None if empty."""
+    xs = [float(x) for x in xs if x is not None]
+    d = describe(xs)
+    if d is not None:
+        d["p95"] = _q(xs, 0.95)
+    return d
+
+
+def one_at_a_time_batches(rows: list[dict]) -> list[dict]:
+    """The c = 1 samples (one request at a time) as one batch per round, so they sit on the
+    same axes as the load batches: ``wall_s`` = the sum of the round's e2e times (s) and
+    ``throughput_rps`` = its requests without error / ``wall_s``."""
+    out = []
+    for r in sorted({x.get("round") for x in rows}, key=lambda x: (x is None, x)):
+        rs = [x for x in rows if x.get("round") == r]
+        ok = [x for x in rs if not x.get("error") and x.get("e2e_ms") is not None]
+        wall = sum(x["e2e_ms"] for x in ok) / 1000.0
+        out.append({"round": r, "concurrency": 1, "wall_s": wall, "throughput_rps": len(ok) / wall if wall else None,
+                    "n_requests": len(rs), "n_errors": len(rs) - len(ok), "results": rs,
+                    "source": "one at a time (sum of e2e)"})
+    return out
+
+
+def summarize_batches(batches: list[dict]) -> dict[str, Any]:
+    """One variant at one concurrency: ``ttft_ms`` / ``ttfp_ms`` / ``e2e_ms`` statistics
+    (:func:`describe_p95`: median = p50, p95, p25, p75, n; ms) over the timed requests
+    (``measure`` true, no error) of all batches; ``throughput_rps`` = ``{"median": requests/s
+    over rounds, "per_round": [...]}``; ``hit_ratio`` = median of cached / prompt tokens of
+    the thinker; ``n_errors``; ``wall_s`` per round (s)."""
+    rows = [r for b in batches for r in b.get("results", [])]
+    ok = [r for r in rows if r.get("measure", True) and not r.get("error")]
+    s: dict[str, Any] = {"n": len(ok), "n_requests": len(rows), "n_errors": sum(1 for r in rows if r.get("error"))}
+    for m in LOAD_METRICS:
+        s[m] = describe_p95([r.get(m) for r in ok])
+    hs = [r["num_cached_tokens"] / r["num_prompt_tokens"] for r in ok if r.get("num_prompt_tokens")]
+    s["hit_ratio"] = statistics.median(hs) if hs else None
+    tps = [b["throughput_rps"] for b in batches if b.get("throughput_rps") is not None]
+    s["throughput_rps"] = {"median": statistics.median(tps) if tps else None, "per_round": tps}
+    s["wall_s"] = [b.get("wall_s") for b in batches]
+    s["source"] = batches[0].get("source", "closed loop") if batches else None
+    return s
+
+
+def summarize_load(load_samples: dict[str, dict[str, dict[str, list[dict]]]],
+                   one_at_a_time: dict[str, dict[str, list[dict]]] | None = None) -> dict[str, Any]:
+    """``load[workload][str(c)][variant]`` = :func:`summarize_batches` of that variant's
+    batches at concurrency c; with ``one_at_a_time`` (the c = 1 samples, ``[workload][variant]``)
+    also c = "1" (:func:`one_at_a_time_batches`). Concurrencies sorted ascending."""
+    out: dict[str, Any] = {}
+    for w in dict.fromkeys(list(one_at_a_time or {}) + list(load_samples)):
+        by_c: dict[str, dict[str, list[dict]]] = {}
+        if one_at_a_time and w in one_at_a_time:
+            by_c["1"] = {v: one_at_a_time_batches(rows) for v, rows in one_at_a_time[w].items()}
+        by_c.update(load_samples.get(w, {}))
+        out[w] = {c: {v: summarize_batches(bs) for v, bs in by_c[c].items()} for c in sorted(by_c, key=int)}
+    return out
+
+
+def _stat(s: dict | None, metric: str, key: str) -> float | None:
+    return ((s or {}).get(metric) or {}).get(key)
+
+
+def _check(name: str, value: float | None, target: float, ok) -> dict[str, Any]:
+    return {"check": name, "value": value, "target": target, "passed": None if value is None else bool(ok(value))}
+
+
+def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, list[dict[str, Any]]]:
+    """The load bars for ``variant`` (``passed`` True / False, or None = n/a: a variant,
+    a sample or the precondition missing — never a pass without samples):
+
+    - ``chat`` at c = 4 (applies when the variant's median prefix hit ≥ 0.9): TTFP p50 /
+      the floor's TTFP p50 (workload ``floor`` on cache off at c = 4) ≤ 1.25, and TTFP p50 /
+      the built-in's ≤ 1 + 2 %.
+    - every workload but ``floor`` at c = 64: throughput (requests/s) / cache off's ≥ 1 − 2 %,
+      and TTFP p95 / the built-in's ≤ 1 + 2 %.
+
+    Only concurrencies that were run get checks."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    chat = (load.get("chat") or {}).get(str(LOAD_CHAT_C))
+    if chat is not None:
+        s = chat.get(variant)
+        h = (s or {}).get("hit_ratio")
+        applies = h is not None and h >= LOAD_CHAT_MIN_HIT
+        a = _stat(s, "ttfp_ms", "median") if applies else None
+        floor = _stat(((load.get("floor") or {}).get(str(LOAD_CHAT_C)) or {}).get("off"), "ttfp_ms", "median")
+        builtin = _stat(chat.get("builtin"), "ttfp_ms", "median")
+        hs = f"h={h:.3f}" if h is not None else "h=n/a"
+        note = "" if applies else f" (applies at h ≥ {LOAD_CHAT_MIN_HIT})"
+        out["chat"] = [
+            _check(f"c={LOAD_CHAT_C} TTFP p50: {variant} / floor ≤ {LOAD_FLOOR_FACTOR} ({hs}){note}",
+                   a / floor if a is not None and floor else None, LOAD_FLOOR_FACTOR,
+                   lambda x: x <= LOAD_FLOOR_FACTOR),
+            _check(f"c={LOAD_CHAT_C} TTFP p50: {variant} / builtin ≤ {1 + LOAD_TOLERANCE:.2f} ({hs}){note}",
+                   a / builtin if a is not None and builtin else None, 1 + LOAD_TOLERANCE,
+                   lambda x: x <= 1 + LOAD_TOLERANCE)]
+    for w, by_c in load.items():
+        at = by_c.get(str(LOAD_HIGH_C))
+        if w == "floor" or at is None:
+            continue
+        s = at.get(variant)
+        tp, tp_off = (((x or {}).get("throughput_rps") or {}).get("median") for x in (s, at.get("off")))
+        if not (s or {}).get("n"):  # no timed request: no verdict on its batches either
+            tp = None
+        p95, p95_bi = _stat(s, "ttfp_ms", "p95"), _stat(at.get("builtin"), "ttfp_ms", "p95")
+        out.setdefault(w, []).extend([
+            _check(f"c={LOAD_HIGH_C} throughput: {variant} / off ≥ {1 - LOAD_TOLERANCE:.2f}",
+                   tp / tp_off if tp is not None and tp_off else None, 1 - LOAD_TOLERANCE,
+                   lambda x: x >= 1 - LOAD_TOLERANCE),
+            _check(f"c={LOAD_HIGH_C} TTFP p95: {variant} / builtin ≤ {1 + LOAD_TOLERANCE:.2f}",
+                   p95 / p95_bi if p95 is not None and p95_bi else None, 1 + LOAD_TOLERANCE,
+                   lambda x: x <= 1 + LOAD_TOLERANCE)])
+    return out
+
+
+def format_load_table(load: dict[str, Any], checks: dict[str, list[dict]]) -> str:
+    """Per workload, concurrency and variant: n, h, TTFT / TTFP / E2E p50 and p95 (ms),
+    throughput (requests/s, median over rounds), errors; then the load bars."""
+    head = (f"{'workload':8} {'c':>3} {'variant':10} {'n':>4} {'h':>6} {'TTFT p50':>8} {'p95':>7} "
+            f"{'TTFP p50':>8} {'p95':>7} {'E2E p50':>8} {'p95':>7} {'req/s':>7} {'err':>3}")
+    lines = ["under load (driver clock; c = 1 from the one-at-a-time requests)", head, "-" * len(head)]
+    for w, by_c in load.items():
+        for c, by_v in by_c.items():
+            for v, s in by_v.items():
+                lines.append(
+                    f"{w:8} {c:>3} {v:10} {s['n']:>4} {_f(s.get('hit_ratio'), '{:.3f}'):>6} "
+                    + " ".join(f"{_f(_stat(s, m, 'median')):>8} {_f(_stat(s, m, 'p95')):>7}" for m in LOAD_METRICS)
+                    + f" {_f((s.get('throughput_rps') or {}).get('median'), '{:.2f}'):>7} {s['n_errors']:>3}")
+    lines.append("")
+    lines.append("load bar checks (omni-cache):")
+    for w, cs in checks.items():
+        for c in cs:
+            verdict = {True: "PASS", False: "FAIL", None: "n/a "}[c["passed"]]
+            lines.append(f"  {verdict}  {w:6} {c['check']}: value {_f(c['value'], '{:.3f}')} "
+                         f"(target {_f(c['target'], '{:.3f}')})")
+    if not any(checks.values()):
+        lines.append(f"  (none: the bars need chat at c={LOAD_CHAT_C} or c={LOAD_HIGH_C})")
+    return "\n".join(lines)
+
+
+_COLORS = {"off": "#888888", "builtin": "#4c72b0", "omni_cache": "#dd8452", "fast": "#8172b3",
+           "fast+omni_cache": "#c44e52"}
+
+
+def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
+    """One column per workload: top, TTFP p50 (solid) and p95 (dashed) vs concurrency per
+    variant (TTFT where no variant has a TTFP); bottom, throughput (requests/s, median over
+    rounds) vs concurrency. Log-scaled concurrency axis. PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(load) or [""]
+    fig, axes = plt.subplots(2, len(names), figsize=(3.4 * len(names), 6.4), squeeze=False)
+    for k, w in enumerate(names):
+        by_c = load.get(w, {})
+        cs = sorted(by_c, key=int)
+        variants = list(dict.fromkeys(v for c in cs for v in by_c[c]))
+        metric = "ttfp_ms" if any(_stat(by_c[c][v], "ttfp_ms", "median") for c in cs for v in by_c[c]) else "ttft_ms"
+        top, bot = axes[0][k], axes[1][k]
+        for v in variants:
+            col = _COLORS.get(v, "#55a868")
+            pts = [(int(c), by_c[c].get(v)) for c in cs]
+            for key, style in (("median", "-"), ("p95", "--")):
+                xy = [(c, _stat(s, metric, key)) for c, s in pts if _stat(s, metric, key) is not None]
+                if xy:
+                    top.plot(*zip(*xy), style, marker="o", ms=3, color=col,
+                             label=f"{v} {'p50' if key == 'median' else 'p95'}")
+            xy = [(c, ((s or {}).get("throughput_rps") or {}).get("median")) for c, s in pts]
+            xy = [(c, t) for c, t in xy if t is not None]
+            if xy:
+                bot.plot(*zip(*xy), "-", marker="o", ms=3, color=col, label=v)
+        for ax in (top, bot):
+            if cs:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks([int(c) for c in cs])
+                ax.set_xticklabels(cs, fontsize=8)
+            ax.set_xlabel("concurrency" if ax is bot else "")
+        top.set_title(f"{w}: {metric.replace('_ms', '').upper()} p50 / p95", fontsize=9)
+        bot.set_title(f"{w}: throughput", fontsize=9)
+        if k == 0:
+            top.set_ylabel(f"{metric.replace('_ms', '').upper()}, ms")
+            bot.set_ylabel("requests/s (median over rounds)")
+            if top.lines:
+                top.legend(fontsize=6)
+            if bot.lines:
+                bot.legend(fontsize=6)
+        top.set_ylim(bottom=0)
+        bot.set_ylim(bottom=0)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---- memory per variant ----------------------------------------------------------------------
+
+def memory_per_variant(samples: list[dict], omni_metrics: list[dict], variants: list[str]) -> dict[str, Any]:
+    """Per variant, from its last memory sample (``samples``: the harness's ``memory.samples``)
+    and omni-cache's metrics files (``omni_metrics``: rows with ``variant``):
+
+    - ``pss_bytes`` / ``rss_bytes``: the process tree's host memory (bytes);
+    - ``gpu_bytes``: GPU memory of the process tree (NVML), or None with ``gpu_reason``;
+    - ``omni_cache_pool_bytes`` and ``omni_cache_pinned_host_bytes``: omni-cache's hidden-state
+      pools (all tiers) and the part in pinned host memory, summed over its engine processes'
+      metrics files (bytes); None with ``pinned_reason`` where no file reports them (cache off,
+      built-in, or no metrics file). Pinned buffers of vLLM itself and omni-cache's 4 MiB index
+      staging ring are not counted.
+    """
+    out: dict[str, Any] = {}
+    for v in variants:
+        mine = [s for s in samples if s.get("variant") == v]
+        last = mine[-1] if mine else {}
+        total = last.get("total") or {}
+        gpu = last.get("gpu") or {"gpu_bytes": None, "reason": "no memory sample"}
+        rows = [m for m in omni_metrics if m.get("variant") == v and "pool_pinned_bytes" in m]
+        entry = {"when": last.get("when"), "pss_bytes": total.get("pss"), "rss_bytes": total.get("rss"),
+                 "gpu_bytes": gpu.get("gpu_bytes"), "gpu_reason": gpu.get("reason"),
+                 "omni_cache_pool_bytes": sum(int(m.get("pool_bytes") or 0) for m in rows) if rows else None,
+                 "omni_cache_pool_tier": sorted({m.get("pool_tier") for m in rows}) if rows else None,
+                 "omni_cache_pinned_host_bytes": sum(int(m["pool_pinned_bytes"]) for m in rows) if rows else None,
+                 "pinned_reason": None if rows else
+                 "no omni-cache metrics file with pool sizes for this variant (cache off / built-in have no pool)"}
+        out[v] = entry
+    return out
+
+
+def format_memory(mem: dict[str, Any]) -> str:
+    """One line per variant: PSS, GPU memory, omni-cache pool and its pinned part (MiB)."""
+    def mib(x):
+        return "-" if x is None else f"{x / 2**20:.0f} MiB"
+
+    lines = ["memory per variant (last sample): host PSS, GPU (NVML), omni-cache pool / pinned host"]
+    for v, m in mem.items():
+        gpu = mib(m["gpu_bytes"]) if m["gpu_bytes"] is not None else f"n/a ({m['gpu_reason']})"
+        lines.append(f"  {v:12} PSS {mib(m['pss_bytes'])}, GPU {gpu}, pool {mib(m['omni_cache_pool_bytes'])} "
+                     f"{m['omni_cache_pool_tier'] or ''} / pinned {mib(m['omni_cache_pinned_host_bytes'])}")
+    return "\n".join(lines)

@@ -5,11 +5,17 @@ Protocol: JSON commands on stdin, one per line; every answer is one stdout line
 
 - ``{"op": "run", "specs": [spec, ...]}`` sends the requests one at a time (a spec is a
   :func:`benchmarks.prefill.workloads.RequestSpec` dict) and answers ``{"results": [...]}``.
-- ``{"op": "mem"}`` answers ``{"mem": [...]}``: memory of this process and all its
-  children (the stage processes), see :func:`process_tree_memory`.
+- ``{"op": "run_concurrent", "specs": [...], "concurrency": c}`` sends them with ``c`` in
+  flight (:meth:`VariantWorker.run_concurrent`) and answers ``{"results": [...], "wall_s",
+  "throughput_rps", ...}``; streaming only.
+- ``{"op": "mem"}`` answers ``{"mem": [...], "gpu": {...}}``: memory of this process and all its
+  children (the stage processes), see :func:`process_tree_memory`, and their GPU memory
+  (:func:`gpu_memory`).
 - ``{"op": "quit"}`` stops the pipeline.
 
-What is measured per request (times in ms, all from one request sent alone):
+What is measured per request (times in ms; with ``run``, from one request sent alone; under
+load, ``run_concurrent``, only the driver-clock times, hit ratio, tokens and audio counts: the
+fields read from vLLM's histograms are None and ``stage_breakdown`` says why):
 
 - ``prefill_ms``: vLLM's own per-request prefill time of the thinker: first-token time minus
   scheduled time, both stamped by the thinker's engine core (vLLM's
@@ -76,6 +82,38 @@ def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out
+
+
+def gpu_memory(pids: list[int]) -> dict[str, Any]:
+    """GPU memory used by the processes ``pids`` (a variant's process tree), from NVML.
+
+    Returns ``{"gpu_bytes": total bytes, "per_process": {pid: bytes}, "reason": None}``, or
+    ``{"gpu_bytes": None, "reason": why}`` where NVML (``pynvml``, package ``nvidia-ml-py``) or
+    a GPU is missing. Per-process figures are what the driver reports as the process's used
+    memory on each device (the CUDA context, PyTorch's caching allocator reserve, KV cache and
+    any omni-cache device pool); a process NVML cannot attribute (e.g. in a container without
+    the host PID namespace) is missing from ``per_process`` and the total.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return {"gpu_bytes": None, "reason": "pynvml (nvidia-ml-py) not importable"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - no driver / no GPU
+        return {"gpu_bytes": None, "reason": f"NVML unavailable ({type(exc).__name__}: {exc})"}
+    try:
+        want, per = set(pids), {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid in want and p.usedGpuMemory is not None:
+                    per[p.pid] = per.get(p.pid, 0) + int(p.usedGpuMemory)
+        if not per:
+            return {"gpu_bytes": None, "per_process": {}, "reason": "NVML lists no process of this variant"}
+        return {"gpu_bytes": sum(per.values()), "per_process": per, "reason": None}
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _hist_sums(stage: str = "0") -> dict[str, float]:
@@ -197,105 +235,83 @@ class VariantWorker:
         params[0].output_kind = RequestOutputKind.DELTA
         return params
 
-    def _each_output(self, prompt: dict, params: list, handle) -> None:
-        """Send one request; call ``handle(output, perf_counter_time)`` for every output."""
-        if not self.stream:
-            for o in self.omni.generate([prompt], params, py_generator=True, use_tqdm=False):
-                handle(o, time.perf_counter())
-            return
+    def _next_request_id(self) -> str:
         self._seq += 1
-
-        async def drive():
-            async for o in self.omni.generate(prompt, request_id=self._request_id(),
-                                              sampling_params_list=params):
-                handle(o, time.perf_counter())
-
-        self._loop.run_until_complete(drive())
-
-    def _request_id(self) -> str:
         return f"bench-{self._seq}"
 
     def run_one(self, spec: dict) -> dict:
-        prompt = self.engine_prompt(spec)
-        params = self.sampling_params(spec)
+        """One request sent alone (concurrency 1): the driver-clock times plus vLLM's per-request
+        stage breakdown (changes of its histogram sums across the request, valid only because
+        nothing else runs)."""
         before = {st: _hist_sums(st) for st in STAGES}
-        t0 = time.perf_counter()
-        st = {"ttft": None, "ttfp": None, "prompt_ids": [], "gen_ids": [], "cached": 0, "text": "",
-              "audio_samples": 0, "packets": 0}
-        durations: dict[str, float] = {}
-        stage_metrics: dict = {}
-        errors = []
+        if self.stream:
+            row, delta = self._loop.run_until_complete(self.request(spec, alone=True, before=before))
+            return row
+        rid = self._next_request_id()
+        req = _Request(self, spec, rid)
+        for o in self.omni.generate([req.prompt], req.params, py_generator=True, use_tqdm=False):
+            req.handle(o, time.perf_counter())
+        return req.row(time.perf_counter(), _hist_delta(before), talker=(None, None))
 
-        def handle(o, now: float) -> None:
-            if getattr(o, "error", None):
-                errors.append(str(o.error))
-            durations.update(o.stage_durations or {})
-            if isinstance(o.metrics, dict) and o.metrics.get("stage_metrics"):
-                stage_metrics.update(o.metrics["stage_metrics"])
-            if o.stage_id == 0:
-                if o.prompt_token_ids:
-                    st["prompt_ids"] = list(o.prompt_token_ids)
-                st["cached"] = max(st["cached"], int(o.num_cached_tokens or 0))
-                for c in o.outputs or []:
-                    new = list(c.token_ids or [])
-                    if new and st["ttft"] is None:
-                        st["ttft"] = now
-                    st["gen_ids"] += new  # DELTA outputs carry only new tokens
-                    st["text"] += c.text or ""
-            if o.final_output_type == "audio":
-                n = _num_audio_samples(o)
-                if n and st["ttfp"] is None:
-                    st["ttfp"] = now
-                st["audio_samples"] += n
-                st["packets"] += 1 if n else 0
-
-        self._each_output(prompt, params, handle)
+    async def request(self, spec: dict, *, alone: bool, before: dict | None = None) -> tuple[dict, dict | None]:
+        """Send one request through ``AsyncOmni`` and collect its outputs (the coroutine shared
+        by :meth:`run_one` and :meth:`run_concurrent`). ``alone``: no other request runs, so the
+        change of vLLM's histogram sums since ``before`` is this request's; otherwise the
+        histogram-derived fields are None with the reason. Returns ``(row, delta)``."""
+        rid = self._next_request_id()
+        req = _Request(self, spec, rid)
+        async for o in self.omni.generate(req.prompt, request_id=rid, sampling_params_list=req.params):
+            req.handle(o, time.perf_counter())
         end = time.perf_counter()
-        delta = {}
-        for sid in STAGES:
-            after = _hist_sums(sid)
-            delta[sid] = {k: after.get(k, 0.0) - before[sid].get(k, 0.0) for k in after}
-        prompt_ids, gen_ids = st["prompt_ids"], st["gen_ids"]
-        if spec.get("chat"):
-            self.sessions[spec["chat"]["session"]] = prompt_ids + [t for t in gen_ids if t != self._im_end()]
-        talker_hit, talker_prompt = (self.hooks.talker_hit(self._request_id())
-                                     if self.hooks is not None and self.stream else (None, None))
-        s0 = stage_metrics.get("0", {})
-        n_fin = delta["0"].get("vllm:request_prefill_time_seconds:count", 0.0)
+        delta = _hist_delta(before) if alone and before is not None else None
+        talker = self.hooks.talker_hit(rid) if self.hooks is not None else (None, None)
+        return req.row(end, delta, talker=talker), delta
 
-        def per_request_ms(sid: str, family: str) -> float | None:
-            d = delta[sid]
-            return 1000.0 * d[family] if d.get(family + ":count", 0.0) == 1 and family in d else None
+    def run_concurrent(self, specs: list[dict], concurrency: int) -> dict:
+        """A closed loop with ``concurrency`` requests in flight (like ``vllm bench serve
+        --max-concurrency``): ``concurrency`` senders take the next chain of requests from a
+        queue and send its requests in order, so a new request starts as soon as one finishes.
+        A chain is a chat conversation (its turns, in order: turn k+1 needs turn k's answer) or
+        one request of any other workload. Answers ``{"results": [row, ...], "wall_s": s,
+        "throughput_rps": requests/s, "n_requests", "n_errors"}``: ``wall_s`` from the first
+        request sent to the last output of the batch (driver clock, seconds), throughput = the
+        requests that finished without error / ``wall_s``. Only streaming (``AsyncOmni``)."""
+        import asyncio
 
-        ms = lambda t: 1000.0 * (t - t0) if t is not None else None  # noqa: E731
-        return {
-            "workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
-            "measure": spec.get("measure", True),
-            "streaming": self.stream,
-            "num_prompt_tokens": len(prompt_ids),
-            "num_cached_tokens": st["cached"],
-            "hit_ratio": st["cached"] / len(prompt_ids) if prompt_ids else 0.0,
-            "computed_tokens": delta["0"].get("vllm:request_prefill_kv_computed_tokens"),
-            "num_output_tokens": len(gen_ids),
-            "prefill_ms": 1000.0 * delta["0"]["vllm:request_prefill_time_seconds"] if n_fin == 1 else None,
-            "prefill_source": "vllm:request_prefill_time_seconds (stage 0)" if n_fin == 1 else
-                              f"unavailable ({n_fin:.0f} finished thinker requests observed)",
-            "ttft_ms": ms(st["ttft"]),
-            "vllm_ttft_ms": s0.get("vllm_ttft_ms"),
-            "ttfp_ms": ms(st["ttfp"]),
-            "talker_prefill_ms": per_request_ms("1", "vllm:request_prefill_time_seconds"),
-            "talker_hit_tokens": talker_hit,        # talker prefix-hit tokens (None: talker cache off
-            "talker_prompt_tokens": talker_prompt,  # or not streaming)
-            "talker_decode_ms": per_request_ms("1", "vllm:request_decode_time_seconds"),
-            "code2wav_ms": per_request_ms("2", "vllm:request_inference_time_seconds"),
-            "e2e_ms": ms(end),
-            "stage_0_gen_ms": durations.get("stage_0_gen_ms"),
-            "stage_ms": {k: v for k, v in durations.items() if isinstance(v, (int, float))},
-            "audio_samples": st["audio_samples"],
-            "audio_packets": st["packets"],
-            "text": st["text"][:80],
-            "error": "; ".join(errors) or None,
-        }
+        if not self.stream:
+            raise ValueError("run_concurrent needs the streaming engine (AsyncOmni); --no-stream is one at a time")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        chains = request_chains(specs)
+
+        async def batch():
+            todo: asyncio.Queue = asyncio.Queue()
+            for ch in chains:
+                todo.put_nowait(ch)
+            results: list[dict] = []
+
+            async def sender():
+                while True:
+                    try:
+                        chain = todo.get_nowait()
+                    except asyncio.QueueEmpty:
+                        return
+                    for spec in chain:
+                        try:
+                            row, _ = await self.request(spec, alone=False)
+                        except Exception as exc:  # one bad request must not stop the batch
+                            row = _error_row(spec, exc)
+                        row["concurrency"] = concurrency
+                        results.append(row)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(sender() for _ in range(min(concurrency, len(chains)) or 1)))
+            return results, time.perf_counter() - t0
+
+        results, wall = self._loop.run_until_complete(batch())
+        ok = sum(1 for r in results if not r.get("error"))
+        return {"results": results, "wall_s": wall, "throughput_rps": ok / wall if wall > 0 else None,
+                "n_requests": len(results), "n_errors": len(results) - ok, "concurrency": concurrency}
 
     def _im_end(self) -> int:
         return self.tokenizer().convert_tokens_to_ids("<|im_end|>")
@@ -309,6 +325,150 @@ class VariantWorker:
                 omni.close()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.close()
+
+
+#: why the vLLM histogram-derived fields are None under load
+UNDER_LOAD = "unavailable under concurrency: vLLM's histogram sums are per engine, not per request"
+_HIST_FIELDS = ("prefill_ms", "computed_tokens", "talker_prefill_ms", "talker_decode_ms", "code2wav_ms")
+
+
+def _hist_delta(before: dict) -> dict:
+    """Change of every stage's histogram sums/counts since ``before`` (:func:`_hist_sums`)."""
+    delta = {}
+    for sid in STAGES:
+        after = _hist_sums(sid)
+        delta[sid] = {k: after.get(k, 0.0) - before[sid].get(k, 0.0) for k in after}
+    return delta
+
+
+def request_chains(specs: list[dict]) -> list[list[dict]]:
+    """Group request specs into chains that must run in order: one chain per chat session
+    (its turns sorted by turn number), every other spec a chain of its own; chains keep the
+    order of their first spec."""
+    chains: list[list[dict]] = []
+    by_session: dict[str, list[dict]] = {}
+    for spec in specs:
+        chat = spec.get("chat")
+        if chat:
+            if chat["session"] not in by_session:
+                by_session[chat["session"]] = []
+                chains.append(by_session[chat["session"]])
+            by_session[chat["session"]].append(spec)
+        else:
+            chains.append([spec])
+    for ch in by_session.values():
+        ch.sort(key=lambda s: s["chat"]["turn"])
+    return chains
+
+
+def _error_row(spec: dict, exc: BaseException) -> dict:
+    return {"workload": spec.get("workload"), "index": spec.get("index"), "round": spec.get("round"),
+            "measure": spec.get("measure", True), "error": f"{type(exc).__name__}: {exc}"}
+
+
+class _Request:
+    """One request's prompt, sampling parameters and the outputs seen so far (driver clock)."""
+
+    def __init__(self, w: VariantWorker, spec: dict, rid: str):
+        self.w, self.spec, self.rid = w, spec, rid
+        self.prompt = w.engine_prompt(spec)
+        self.params = w.sampling_params(spec)
+        self.t0 = time.perf_counter()
+        self.ttft: float | None = None
+        self.ttfp: float | None = None
+        self.prompt_ids: list[int] = []
+        self.gen_ids: list[int] = []
+        self.cached = 0
+        self.text = ""
+        self.audio_samples = 0
+        self.packets = 0
+        self.durations: dict[str, float] = {}
+        self.stage_metrics: dict = {}
+        self.errors: list[str] = []
+
+    def handle(self, o, now: float) -> None:
+        if getattr(o, "error", None):
+            self.errors.append(str(o.error))
+        self.durations.update(o.stage_durations or {})
+        if isinstance(o.metrics, dict) and o.metrics.get("stage_metrics"):
+            self.stage_metrics.update(o.metrics["stage_metrics"])
+        if o.stage_id == 0:
+            if o.prompt_token_ids:
+                self.prompt_ids = list(o.prompt_token_ids)
+            self.cached = max(self.cached, int(o.num_cached_tokens or 0))
+            for c in o.outputs or []:
+                new = list(c.token_ids or [])
+                if new and self.ttft is None:
+                    self.ttft = now
+                self.gen_ids += new  # DELTA outputs carry only new tokens
+                self.text += c.text or ""
+        if o.final_output_type == "audio":
+            n = _num_audio_samples(o)
+            if n and self.ttfp is None:
+                self.ttfp = now
+            self.audio_samples += n
+            self.packets += 1 if n else 0
+
+    def row(self, end: float, delta: dict | None, *, talker: tuple) -> dict:
+        """The request's result row; ``delta``: the histogram changes across the request when
+        it ran alone, None under load (those fields are then None, ``stage_breakdown`` says why)."""
+        spec, w = self.spec, self.w
+        prompt_ids, gen_ids = self.prompt_ids, self.gen_ids
+        if spec.get("chat"):
+            w.sessions[spec["chat"]["session"]] = prompt_ids + [t for t in gen_ids if t != w._im_end()]
+        talker_hit, talker_prompt = talker if w.stream else (None, None)
+        s0 = self.stage_metrics.get("0", {})
+        ms = lambda t: 1000.0 * (t - self.t0) if t is not None else None  # noqa: E731
+        out = {
+            "workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
+            "measure": spec.get("measure", True),
+            "streaming": w.stream,
+            "request_id": self.rid,
+            "num_prompt_tokens": len(prompt_ids),
+            "num_cached_tokens": self.cached,
+            "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0,
+            "computed_tokens": None,
+            "num_output_tokens": len(gen_ids),
+            "prefill_ms": None,
+            "prefill_source": UNDER_LOAD,
+            "ttft_ms": ms(self.ttft),
+            "vllm_ttft_ms": s0.get("vllm_ttft_ms"),
+            "ttfp_ms": ms(self.ttfp),
+            "talker_prefill_ms": None,
+            "talker_hit_tokens": talker_hit,        # talker prefix-hit tokens (None: talker cache off
+            "talker_prompt_tokens": talker_prompt,  # or not streaming)
+            "talker_decode_ms": None,
+            "code2wav_ms": None,
+            "e2e_ms": ms(end),
+            "stage_0_gen_ms": self.durations.get("stage_0_gen_ms"),
+            "stage_ms": {k: v for k, v in self.durations.items() if isinstance(v, (int, float))},
+            "audio_samples": self.audio_samples,
+            "audio_packets": self.packets,
+            "text": self.text[:80],
+            "error": "; ".join(self.errors) or None,
+        }
+        if chat := spec.get("chat"):
+            out["session"], out["turn"] = chat["session"], chat["turn"]
+        if delta is None:
+            out["stage_breakdown"] = UNDER_LOAD
+            return out
+        n_fin = delta["0"].get("vllm:request_prefill_time_seconds:count", 0.0)
+
+        def per_request_ms(sid: str, family: str) -> float | None:
+            d = delta[sid]
+            return 1000.0 * d[family] if d.get(family + ":count", 0.0) == 1 and family in d else None
+
+        out.update({
+            "computed_tokens": delta["0"].get("vllm:request_prefill_kv_computed_tokens"),
+            "prefill_ms": 1000.0 * delta["0"]["vllm:request_prefill_time_seconds"] if n_fin == 1 else None,
+            "prefill_source": "vllm:request_prefill_time_seconds (stage 0)" if n_fin == 1 else
+                              f"unavailable ({n_fin:.0f} finished thinker requests observed)",
+            "talker_prefill_ms": per_request_ms("1", "vllm:request_prefill_time_seconds"),
+            "talker_decode_ms": per_request_ms("1", "vllm:request_decode_time_seconds"),
+            "code2wav_ms": per_request_ms("2", "vllm:request_inference_time_seconds"),
+        })
+        return out
+
 
 
 def _num_audio_samples(o) -> int:
@@ -352,16 +512,22 @@ def main(argv: list[str] | None = None) -> int:
             if op == "quit":
                 break
             if op == "mem":
-                _reply({"mem": process_tree_memory()})
+                m = process_tree_memory()
+                _reply({"mem": m, "gpu": gpu_memory([r["pid"] for r in m])})
+            elif op == "run_concurrent":
+                try:
+                    _reply(w.run_concurrent(cmd["specs"], int(cmd["concurrency"])))
+                except Exception as exc:  # noqa: BLE001 - answered, the driver records it
+                    _reply({"results": [_error_row(s, exc) for s in cmd["specs"]], "wall_s": None,
+                            "throughput_rps": None, "n_requests": len(cmd["specs"]),
+                            "n_errors": len(cmd["specs"]), "concurrency": cmd.get("concurrency")})
             elif op == "run":
                 out = []
                 for spec in cmd["specs"]:
                     try:
                         out.append(w.run_one(spec))
                     except Exception as exc:  # one bad request must not stop the variant
-                        out.append({"workload": spec.get("workload"), "index": spec.get("index"),
-                                    "round": spec.get("round"), "measure": spec.get("measure", True),
-                                    "error": f"{type(exc).__name__}: {exc}"})
+                        out.append(_error_row(spec, exc))
                 _reply({"results": out})
             else:
                 _reply({"error": f"unknown op {op!r}"})

@@ -26,6 +26,9 @@ soundfile and processed by the model's own HF processors inside vLLM):
   attention over the prefix), so ``off / floor`` is the *attainable* speedup
   (:func:`benchmarks.prefill.summary.add_attainable`).
 
+At concurrency c > 1 (:func:`specs`' ``concurrency``) a round has max(N, 2c) requests and
+``chat`` c conversations of N turns; no prompt repeats one of another concurrency level.
+
 Rounds use distinct questions, so a timed request never hits its own full prompt; the shared
 prefix is warmed by an untimed request (``warmup_specs``) before each round of a workload.
 """
@@ -66,45 +69,81 @@ class WorkloadOptions:
         return (str(self.image or sample_path("astronaut.jpg")), str(self.audio or sample_path("speech.wav")))
 
 
-def _question(r: int, i: int, n: int) -> str:
-    return f"Question {r}.{i}: " + words(n, 1000 + 37 * r + i) + "?"
+def _question(r: int, i: int, n: int, c: int = 1) -> str:
+    """Question ``i`` of round ``r``; at concurrency ``c`` > 1 its label names ``c`` too, so no
+    request of one concurrency level repeats a prompt of another."""
+    label = f"{r}.{i}" if c == 1 else f"{r}.{i}/c{c}"
+    return f"Question {label}: " + words(n, 1000 + 37 * r + i) + "?"
 
 
-def specs(workload: str, r: int, opts: WorkloadOptions) -> list[dict]:
-    """The ``opts.requests`` request specs of ``workload`` in round ``r`` (in send order).
+def load_requests(requests: int, concurrency: int) -> int:
+    """Requests per round of a non-chat workload at ``concurrency`` c: ``requests`` at c = 1,
+    else max(``requests``, 2·c), so every one of the c senders of the closed loop sends at
+    least two requests (a batch is a loop, not a single burst of c)."""
+    return requests if concurrency == 1 else max(requests, 2 * concurrency)
+
+
+def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
+    """The request specs of ``workload`` in round ``r`` (in send order) at ``concurrency`` c.
+
+    c = 1: ``opts.requests`` requests (chat: one conversation of ``opts.requests`` turns).
+    c > 1: :func:`load_requests` requests; chat: c conversations (distinct sessions and
+    openings, so each one's turn 1 is a miss) of ``opts.requests`` turns each, listed turn by
+    turn (turn k of every conversation before turn k+1 of any). Prompts at c > 1 differ from
+    those at c = 1 and at any other c (:func:`_question`).
 
     Raises:
-        ValueError: unknown workload.
+        ValueError: unknown workload, or ``concurrency`` < 1.
     """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    c = concurrency
     image, audio = opts.media()
     doc = words(opts.prefix_words, 1)
-    n = opts.requests
+    n = load_requests(opts.requests, c)
+    q = lambda r, i: _question(r, i, opts.suffix_words, c)  # noqa: E731
     base = {"workload": workload, "round": r, "image": None, "audio": None, "max_tokens": None,
             "measure": True, "chat": None, "system": DEFAULT_SYSTEM_PROMPT}
+    if c > 1:
+        base["concurrency"] = c
     if workload == "text":
-        return [{**base, "index": i, "text": f"{doc}\n\n{_question(r, i, opts.suffix_words)}"} for i in range(n)]
+        return [{**base, "index": i, "text": f"{doc}\n\n{q(r, i)}"} for i in range(n)]
     if workload in ("image", "audio"):
         media = {"image": image} if workload == "image" else {"audio": audio}
         lead = f"{words(opts.media_doc_words, 2)}\n\n" if opts.media_doc_words else ""
         return [{**base, **media, "media_copies": opts.media_copies, "index": i,
-                 "text": lead + _question(r, i, opts.suffix_words)} for i in range(n)]
+                 "text": lead + q(r, i)} for i in range(n)]
     if workload == "chat":
-        out = []
-        for i in range(n):
-            first = i == 0
-            out.append({**base, "index": i, "measure": not first, "max_tokens": opts.chat_answer_tokens,
-                        "system": f"Conversation {r}. {DEFAULT_SYSTEM_PROMPT}",
-                        "text": f"{doc}\n\n{_question(r, 0, opts.suffix_words)}" if first
-                        else _question(r, i, opts.suffix_words),
-                        "chat": {"session": f"round{r}", "turn": i}})
-        return out
+        if c == 1:
+            return _conversation(base, r, opts, doc, q, session=f"round{r}", opening=f"Conversation {r}.")
+        convs = [_conversation(base, r, opts, doc, lambda rr, i, j=j: q(rr, 1000 * j + i),
+                               session=f"round{r}-c{c}-conv{j}", opening=f"Conversation {r}.{j} (c{c}).",
+                               index0=j * opts.requests)
+                 for j in range(c)]
+        return [conv[t] for t in range(opts.requests) for conv in convs]
     if workload == "miss":
-        return [{**base, "index": i, "system": f"[{r}-{i}] {words(3, 5000 + 97 * r + i)}. {DEFAULT_SYSTEM_PROMPT}",
-                 "text": f"{words(opts.prefix_words, 50 + 31 * r + i)}\n\n{_question(r, i, opts.suffix_words)}"}
+        tag = lambda r, i: f"{r}-{i}" if c == 1 else f"{r}-{i}-c{c}"  # noqa: E731
+        return [{**base, "index": i, "system": f"[{tag(r, i)}] {words(3, 5000 + 97 * r + i)}. {DEFAULT_SYSTEM_PROMPT}",
+                 "text": f"{words(opts.prefix_words, 50 + 31 * r + i)}\n\n{q(r, i)}"}
                 for i in range(n)]
     if workload == "floor":
-        return [{**base, "index": i, "system": "", "text": _question(r, i, opts.suffix_words)} for i in range(n)]
+        return [{**base, "index": i, "system": "", "text": q(r, i)} for i in range(n)]
     raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
+
+
+def _conversation(base: dict, r: int, opts: WorkloadOptions, doc: str, q, *, session: str, opening: str,
+                  index0: int = 0) -> list[dict]:
+    """One chat conversation of ``opts.requests`` turns: turn 1 (untimed, a miss: its system
+    prompt starts with ``opening``) carries the document and a question, turn k+1 a new
+    question after turns 1..k (see :mod:`benchmarks.prefill.worker`)."""
+    out = []
+    for i in range(opts.requests):
+        first = i == 0
+        out.append({**base, "index": index0 + i, "measure": not first, "max_tokens": opts.chat_answer_tokens,
+                    "system": f"{opening} {DEFAULT_SYSTEM_PROMPT}",
+                    "text": f"{doc}\n\n{q(r, 0)}" if first else q(r, i),
+                    "chat": {"session": session, "turn": i}})
+    return out
 
 
 def warmup_specs(workloads: list[str], opts: WorkloadOptions) -> list[dict]:

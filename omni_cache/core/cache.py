@@ -126,6 +126,12 @@ class HiddenStateCache:
         """Total pool storage in bytes."""
         return sum(p.nbytes for p in self.pools.values())
 
+    @property
+    def pinned_nbytes(self) -> int:
+        """Pool storage in page-locked (pinned) host memory, bytes (0 unless ``PINNED_HOST``
+        on a CUDA machine)."""
+        return sum(p.nbytes for p in self.pools.values() if p.pinned)
+
     def describe(self) -> str:
         """Human-readable memory layout: MiB per key and in total."""
         lines = [f"HiddenStateCache {self.num_blocks} blocks x {self.block_size} tokens, "

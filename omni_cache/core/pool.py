@@ -100,6 +100,7 @@ class HiddenPool:
         self.tier = tier
         self.device = _with_index(device) if tier is Tier.DEVICE else torch.device("cpu")
         pin = tier is Tier.PINNED_HOST and torch.cuda.is_available()
+        self.pinned = pin  #: whether the storage is page-locked (pinned) host memory
         self.storage = torch.zeros(
             (num_blocks, block_size, width), dtype=dtype, device=self.device, pin_memory=pin
         )

@@ -467,10 +467,14 @@ class OmniCacheStageManager:
     def _publish_metrics(self, force: bool = False) -> None:
         """With ``OMNI_CACHE_METRICS_DIR`` set, write the counters to ``metrics-<pid>.json``:
         on a step that served a hit and at shutdown, else at most every
-        :attr:`PUBLISH_INTERVAL_S` seconds."""
+        :attr:`PUBLISH_INTERVAL_S` seconds. Besides the counters: the pool's size in bytes
+        (``pool_bytes``), its tier (``pool_tier``) and its bytes of pinned host memory
+        (``pool_pinned_bytes``)."""
         if self.cache is not None:
             self._metrics_file.publish(
-                lambda: {**self.cache.metrics.as_dict(), "last_save_seconds": self.step_seconds}, force=force)
+                lambda: {**self.cache.metrics.as_dict(), "last_save_seconds": self.step_seconds,
+                         "pool_bytes": self.cache.nbytes, "pool_tier": self.cache.tier.value,
+                         "pool_pinned_bytes": self.cache.pinned_nbytes}, force=force)
 
     def shutdown(self) -> None:
         """Final metrics (log line and file); called from the model runner's ``shutdown``."""

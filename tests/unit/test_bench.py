@@ -358,3 +358,347 @@ def test_yoco_paired_runs_combine_to_the_same_composition(tmp_path):
     assert got["passed"] is want["passed"]
     assert got["hit_gain_fast"] / got["miss_gain_fast"] == pytest.approx(want["value"], rel=1e-12)
     assert (tmp_path / "p" / "prefill.png").stat().st_size > 0
+
+
+# ---- under load (--concurrency) -----------------------------------------------------------
+
+def _load_rows(ttfp: list[float], h: float = 0.95, prompt: int = 1000, **extra) -> list[dict]:
+    return [{"round": 0, "index": i, "measure": True, "ttft_ms": t / 2, "ttfp_ms": t, "e2e_ms": 2 * t,
+             "num_prompt_tokens": prompt, "num_cached_tokens": int(round(h * prompt)), **extra}
+            for i, t in enumerate(ttfp)]
+
+
+def _batches(ttfp: list[float], rps: list[float], h: float = 0.95) -> list[dict]:
+    """One batch per entry of ``rps`` (requests/s), each holding the requests ``ttfp`` (ms)."""
+    return [{"round": r, "throughput_rps": x, "wall_s": len(ttfp) / x, "results": _load_rows(ttfp, h)}
+            for r, x in enumerate(rps)]
+
+
+def test_load_summary_percentiles_and_throughput():
+    ttfp = [float(x) for x in range(1, 21)]                     # 1..20 ms
+    batches = _batches(ttfp, [2.0, 4.0, 3.0])
+    batches[0]["results"].append({"round": 0, "index": 99, "measure": True, "error": "boom", "ttfp_ms": 1e6})
+    batches[0]["results"].append({"round": 0, "index": 98, "measure": False, "ttfp_ms": 1e6,
+                                  "num_prompt_tokens": 10, "num_cached_tokens": 0})  # chat turn 1: untimed
+    s = S.summarize_batches(batches)
+    assert s["n"] == 60 and s["n_errors"] == 1 and s["n_requests"] == 62
+    assert s["ttfp_ms"]["median"] == pytest.approx(10.5)
+    assert s["ttfp_ms"]["p95"] == pytest.approx(19.05)          # 1 + 0.95 × 19 (interpolated order statistics)
+    assert s["ttft_ms"]["p95"] == pytest.approx(19.05 / 2) and s["e2e_ms"]["p25"] == pytest.approx(2 * 5.75)
+    assert s["throughput_rps"] == {"median": 3.0, "per_round": [2.0, 4.0, 3.0]}
+    assert s["hit_ratio"] == pytest.approx(0.95)
+    # c = 1 rows (one at a time): throughput = requests / sum of their e2e per round
+    one = S.one_at_a_time_batches(_load_rows([250.0, 250.0], 0.0) + [{"round": 0, "index": 5, "error": "x"}])
+    assert one[0]["throughput_rps"] == pytest.approx(2 / 1.0) and one[0]["n_errors"] == 1
+    load = S.summarize_load({"text": {"4": {"off": batches}}}, {"text": {"off": _load_rows([250.0, 250.0])}})
+    assert list(load["text"]) == ["1", "4"]
+    assert load["text"]["1"]["off"]["throughput_rps"]["median"] == pytest.approx(2.0)
+    assert load["text"]["4"]["off"]["ttfp_ms"]["median"] == pytest.approx(10.5)
+
+
+def _chat_load(oc: float, builtin: float, floor: float, h: float = 0.95) -> dict:
+    return S.summarize_load({
+        "chat": {"4": {"off": _batches([1000.0] * 4, [1.0], 0.0), "builtin": _batches([builtin] * 4, [1.0], h),
+                       "omni_cache": _batches([oc] * 4, [1.0], h)}},
+        "floor": {"4": {"off": _batches([floor] * 4, [1.0], 0.0)}}})
+
+
+def test_load_bar_chat_c4():
+    # omni-cache 120 ms, floor 100 ms (1.2 ≤ 1.25), builtin 130 ms: both pass
+    checks = S.load_checks(_chat_load(120.0, 130.0, 100.0))["chat"]
+    assert [c["passed"] for c in checks] == [True, True]
+    assert checks[0]["value"] == pytest.approx(1.2) and checks[1]["value"] == pytest.approx(120 / 130)
+    # 130 ms: 1.3× the floor fails; slower than builtin (125 ms) by more than 2 % fails
+    checks = S.load_checks(_chat_load(130.0, 125.0, 100.0))["chat"]
+    assert [c["passed"] for c in checks] == [False, False]
+    # prefix hit below 0.9: the bar does not apply
+    assert [c["passed"] for c in S.load_checks(_chat_load(120.0, 130.0, 100.0, h=0.5))["chat"]] == [None, None]
+    # no samples: n/a, never a pass
+    empty = S.summarize_load({"chat": {"4": {"off": [], "builtin": [], "omni_cache": []}}})
+    checks = S.load_checks(empty)["chat"]
+    assert [c["passed"] for c in checks] == [None, None]
+    assert "PASS" not in S.format_load_table(empty, {"chat": checks})
+    # c = 4 not run: no chat bar at all
+    assert "chat" not in S.load_checks(S.summarize_load({"chat": {"16": {"omni_cache": _batches([1.0], [1.0])}}}))
+
+
+def _c64_load(oc_rps: float, oc_p95: float, off_rps: float = 10.0, builtin_p95: float = 200.0) -> dict:
+    def b(p95: float, rps: float):  # 20 requests, the largest one sets the p95 (19 × 100 ms + 1 × big)
+        return _batches([100.0] * 19 + [100.0 + (p95 - 100.0) / 0.05], [rps])
+
+    return S.summarize_load({"text": {"64": {"off": b(300.0, off_rps), "builtin": b(builtin_p95, 11.0),
+                                             "omni_cache": b(oc_p95, oc_rps)}}})
+
+
+def test_load_bar_c64():
+    load = _c64_load(oc_rps=12.0, oc_p95=150.0)
+    assert load["text"]["64"]["omni_cache"]["ttfp_ms"]["p95"] == pytest.approx(150.0)
+    checks = S.load_checks(load)["text"]
+    assert [c["passed"] for c in checks] == [True, True]
+    assert checks[0]["value"] == pytest.approx(1.2) and checks[1]["value"] == pytest.approx(0.75)
+    checks = S.load_checks(_c64_load(oc_rps=9.0, oc_p95=250.0))["text"]
+    assert [c["passed"] for c in checks] == [False, False]
+    # throughput within 2 % of off still passes (timer noise), 3 % below fails
+    assert S.load_checks(_c64_load(oc_rps=9.85, oc_p95=150.0))["text"][0]["passed"] is True
+    assert S.load_checks(_c64_load(oc_rps=9.7, oc_p95=150.0))["text"][0]["passed"] is False
+    # omni-cache's batches without a timed request: no verdict; floor gets no bar
+    load = _c64_load(oc_rps=12.0, oc_p95=150.0)
+    load["text"]["64"]["omni_cache"] = S.summarize_batches([{"round": 0, "throughput_rps": 50.0, "results": []}])
+    load["floor"] = {"64": load["text"]["64"]}
+    checks = S.load_checks(load)
+    assert [c["passed"] for c in checks["text"]] == [None, None] and "floor" not in checks
+
+
+def test_load_table_and_plot(tmp_path):
+    load = _chat_load(120.0, 130.0, 100.0)
+    load["chat"]["1"] = load["chat"]["4"]
+    checks = S.load_checks(load)
+    table = S.format_load_table(load, checks)
+    assert "TTFP p50" in table and "PASS" in table and "req/s" in table
+    png = S.plot_load(load, tmp_path / "load.png", title="t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    S.plot_load({}, tmp_path / "empty.png")
+
+
+def test_chat_sessions_under_load():
+    """c > 1: c distinct conversations per round, each one's turns in order, turn 1 untimed;
+    c = 1 is today's single conversation; no prompt repeats across concurrencies."""
+    from benchmarks.prefill.worker import request_chains
+
+    opts = WorkloadOptions(requests=3, prefix_words=20)
+    one = specs("chat", 0, opts)
+    assert [s["chat"] for s in one] == [{"session": "round0", "turn": t} for t in range(3)]
+    assert one[0]["system"].startswith("Conversation 0. ")
+    four = specs("chat", 0, opts, concurrency=4)
+    assert len(four) == 12
+    sessions = list(dict.fromkeys(s["chat"]["session"] for s in four))
+    assert len(sessions) == 4 and "round0" not in sessions
+    assert len({s["system"] for s in four}) == 4                     # distinct openings: each turn 1 a miss
+    assert [s["measure"] for s in four] == [False] * 4 + [True] * 8
+    chains = request_chains(four)
+    assert [[s["chat"]["session"] for s in ch] for ch in chains] == [[x] * 3 for x in sessions]
+    assert all([s["chat"]["turn"] for s in ch] == [0, 1, 2] for ch in chains)
+    assert len({s["index"] for s in four}) == 12
+    assert request_chains(list(reversed(four)))[0][0]["chat"]["turn"] == 0   # turns sorted within a chain
+    # other workloads: max(N, 2c) requests, prompts distinct from those at any other c
+    text4, text1 = specs("text", 0, opts, concurrency=4), specs("text", 0, opts)
+    assert len(text4) == 8 and len(specs("text", 0, WorkloadOptions(requests=20), concurrency=4)) == 20
+    assert not {s["text"] for s in text4} & {s["text"] for s in text1}
+    assert not {s["text"] for s in text4} & {s["text"] for s in specs("text", 0, opts, concurrency=8)}
+    assert not {s["system"] for s in specs("miss", 0, opts, 4)} & {s["system"] for s in specs("miss", 0, opts)}
+    assert [len(request_chains(specs(w, 0, opts, 4))) for w in ("text", "floor")] == [8, 8]
+    with pytest.raises(ValueError, match="concurrency"):
+        specs("text", 0, opts, concurrency=0)
+
+
+class _FakeAsyncOmni:
+    """Stands in for AsyncOmni: each request yields a thinker token, then an audio packet."""
+
+    def __init__(self):
+        self.in_flight = self.max_in_flight = 0
+        self.events: list[tuple] = []
+
+    async def generate(self, prompt, request_id, sampling_params_list):
+        import asyncio
+        from types import SimpleNamespace as NS
+
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.events.append(("start", prompt["key"], request_id))
+        await asyncio.sleep(0.01)
+        yield NS(error=None, stage_durations={}, metrics=None, stage_id=0, prompt_token_ids=[1] * 10,
+                 num_cached_tokens=8, outputs=[NS(token_ids=[5], text="a")], final_output_type="text",
+                 multimodal_output=None)
+        await asyncio.sleep(0.01)
+        self.in_flight -= 1
+        self.events.append(("end", prompt["key"], request_id))
+        yield NS(error=None, stage_durations={}, metrics=None, stage_id=2, prompt_token_ids=None,
+                 num_cached_tokens=None, outputs=[], final_output_type="audio",
+                 multimodal_output={"audio": NS(numel=lambda: 480)})
+
+
+def _fake_worker():
+    import asyncio
+
+    from benchmarks.prefill.worker import VariantWorker
+
+    w = object.__new__(VariantWorker)
+    w.stream, w.hooks, w._seq, w.sessions = True, None, 0, {}
+    w._loop, w.omni = asyncio.new_event_loop(), _FakeAsyncOmni()
+    w.engine_prompt = lambda spec: {"key": (spec.get("chat") or {}).get("session", spec["index"])}
+    w.sampling_params = lambda spec: []
+    w._im_end = lambda: -1
+    return w
+
+
+def test_run_concurrent_is_a_closed_loop_with_ordered_turns():
+    from benchmarks.prefill.worker import UNDER_LOAD
+
+    w = _fake_worker()
+    try:
+        ans = w.run_concurrent(specs("text", 0, WorkloadOptions(requests=10, prefix_words=5), 4), 4)
+        assert w.omni.max_in_flight == 4 and ans["n_requests"] == 10 and ans["n_errors"] == 0
+        assert ans["throughput_rps"] == pytest.approx(10 / ans["wall_s"])
+        row = ans["results"][0]
+        assert row["prefill_ms"] is None and row["stage_breakdown"] == UNDER_LOAD
+        assert row["ttft_ms"] > 0 and row["ttfp_ms"] >= row["ttft_ms"] and row["e2e_ms"] >= row["ttfp_ms"]
+        assert row["hit_ratio"] == pytest.approx(0.8) and row["audio_samples"] == 480
+        assert len({r["request_id"] for r in ans["results"]}) == 10
+        # chat: 3 conversations at once, never two turns of one conversation in flight
+        w.omni = _FakeAsyncOmni()
+        chat = specs("chat", 0, WorkloadOptions(requests=3, prefix_words=5), 3)
+        ans = w.run_concurrent(chat, 3)
+        assert w.omni.max_in_flight == 3 and ans["n_errors"] == 0
+        for sess in {s["chat"]["session"] for s in chat}:
+            ev = [e[0] for e in w.omni.events if e[1] == sess]
+            assert ev == ["start", "end"] * 3, ev
+            assert [r["turn"] for r in ans["results"] if r["session"] == sess] == [0, 1, 2]
+    finally:
+        w._loop.close()
+    w.stream = False
+    with pytest.raises(ValueError, match="streaming"):
+        w.run_concurrent(chat, 3)
+
+
+def test_cli_rejects_bad_concurrency_before_starting_anything(tmp_path, capsys, monkeypatch):
+    from benchmarks.prefill import harness
+    from benchmarks.prefill.harness import parse_concurrency
+    from omni_cache.cli import main
+
+    def started(*a, **k):  # a check that lets a bad value through fails here, starting nothing
+        raise AssertionError("the harness went on to build a model / start a pipeline")
+
+    monkeypatch.setattr(harness.subprocess, "run", started)
+    monkeypatch.setattr(harness, "Variant", started)
+
+    assert parse_concurrency("1,4, 16,64,4") == [1, 4, 16, 64]
+    for bad, msg in (("0", "0 < 1"), ("4,x", "'x' is not an integer"), ("", "not an integer"), ("1.5", "1.5")):
+        assert main(["bench", "prefill", "--concurrency", bad, "--out", str(tmp_path)]) == 2, bad
+        assert msg in capsys.readouterr().err
+    assert main(["bench", "prefill", "--concurrency", "1,4", "--no-stream", "--out", str(tmp_path)]) == 2
+    assert "--no-stream" in capsys.readouterr().err
+    assert not any(tmp_path.glob("prefill-*"))   # no run directory, no pipeline
+
+
+def test_memory_per_variant_and_gpu_without_nvml(monkeypatch):
+    import sys
+
+    from benchmarks.prefill.worker import gpu_memory
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)   # not importable, as on a CPU-only machine
+    g = gpu_memory([1])
+    assert g["gpu_bytes"] is None and "pynvml" in g["reason"]
+    samples = [{"variant": "omni_cache", "when": "after warm-up", "total": {"pss": 1, "rss": 2}, "gpu": g},
+               {"variant": "omni_cache", "when": "end", "total": {"pss": 3, "rss": 4},
+                "gpu": {"gpu_bytes": 5 << 20, "reason": None}},
+               {"variant": "off", "when": "end", "total": {"pss": 7, "rss": 8}, "gpu": g}]
+    metrics = [{"variant": "omni_cache", "pool_bytes": 100, "pool_tier": "pinned_host", "pool_pinned_bytes": 100},
+               {"variant": "omni_cache", "pool_bytes": 50, "pool_tier": "device", "pool_pinned_bytes": 0},
+               {"variant": "omni_cache", "hits_served": 3}]             # an older file without pool sizes
+    m = S.memory_per_variant(samples, metrics, ["off", "omni_cache"])
+    assert m["omni_cache"]["pss_bytes"] == 3 and m["omni_cache"]["gpu_bytes"] == 5 << 20
+    assert m["omni_cache"]["omni_cache_pool_bytes"] == 150 and m["omni_cache"]["omni_cache_pinned_host_bytes"] == 100
+    assert m["off"]["gpu_bytes"] is None and "pynvml" in m["off"]["gpu_reason"]
+    assert m["off"]["omni_cache_pinned_host_bytes"] is None and m["off"]["pinned_reason"]
+    assert "n/a (pynvml" in S.format_memory(m)
+
+
+def test_cache_reports_its_pinned_bytes():
+    import torch
+
+    from omni_cache.core.cache import HiddenStateCache
+    from omni_cache.core.interface import KeySpec
+    from omni_cache.core.pool import Tier
+
+    c = HiddenStateCache(4, 2, [KeySpec("hidden", 8, torch.float32)], tier=Tier.HOST)
+    assert c.nbytes == 4 * 2 * 8 * 4 and c.pinned_nbytes == 0
+
+
+class _FakeVariant:
+    """Stands in for harness.Variant (no pipeline): answers with synthetic rows."""
+
+    def __init__(self, name, model, cfg, log, *, env, stream=True):
+        self.name, self.frozen, self.ready = name, False, None
+        self.fast = {"off": 1.0, "builtin": 0.3, "omni_cache": 0.2}[name]
+
+    def wait_ready(self, timeout=0):
+        self.ready = {"ready": True, "start_s": 0.1}
+        return self.ready
+
+    def _row(self, spec):
+        hit = 0.0 if self.name == "off" or spec["workload"] == "floor" else 0.95
+        t = 100.0 * (self.fast if hit else 0.5 if spec["workload"] == "floor" else 1.0)
+        return {"workload": spec["workload"], "round": spec["round"], "index": spec["index"],
+                "measure": spec["measure"], "prefill_ms": t / 2, "ttft_ms": t, "ttfp_ms": 2 * t, "e2e_ms": 3 * t,
+                "num_prompt_tokens": 1000, "num_cached_tokens": int(hit * 1000)}
+
+    def run(self, batch):
+        return [self._row(s) for s in batch]
+
+    def run_concurrent(self, batch, c):
+        rows = [dict(self._row(s), prefill_ms=None) for s in batch]
+        return {"results": rows, "wall_s": 1.0, "throughput_rps": len(rows) / (self.fast * 10),
+                "n_requests": len(rows), "n_errors": 0, "concurrency": c}
+
+    def mem(self):
+        return [{"pid": 1, "rss": 2, "pss": 1, "uss": 1, "cpu_s": 0.0}], {"gpu_bytes": None, "reason": "no GPU"}
+
+    def cpu_s(self):
+        return 0.0
+
+    def freeze(self):
+        self.frozen = True
+
+    def thaw(self):
+        self.frozen = False
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("alternation", ["concurrent", "restart"])
+def test_harness_under_load_with_a_fake_pipeline(tmp_path, monkeypatch, alternation):
+    """The driver's whole flow, pipelines replaced by _FakeVariant: the c = 1 sections keep
+    their keys, the load section, its bars, memory per variant and load.png are written."""
+    from benchmarks.prefill import harness
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(harness, "Variant", _FakeVariant)
+    rc = harness.main(["--model", str(model), "--modalities", "text,chat,floor", "--requests", "2", "--repeats", "2",
+                       "--concurrency", "1,4,64", "--alternation", alternation, "--idle-probe-s", "0",
+                       "--out", str(tmp_path), "--name", "run"])
+    assert rc == 0
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["concurrency"] == [1, 4, 64] and "max-num-seqs" in res["load_note"]
+    assert set(res["workloads"]["text"]) == {"off", "builtin", "omni_cache"}          # c = 1 as before
+    assert res["workloads"]["text"]["omni_cache"]["prefill_ms"]["median"] == pytest.approx(10.0)
+    assert list(res["load"]["chat"]) == ["1", "4", "64"]
+    chat4 = res["load_samples"]["chat"]["4"]["omni_cache"]
+    assert len(chat4) == 2 and len(chat4[0]["results"]) == 4 * 2                     # 4 conversations x 2 turns
+    assert len(res["load_samples"]["text"]["64"]["off"][0]["results"]) == 128        # max(N, 2c)
+    assert res["load"]["text"]["64"]["omni_cache"]["ttfp_ms"]["p95"] == pytest.approx(40.0)
+    verdicts = {w: [c["passed"] for c in cs] for w, cs in res["load_bar_checks"].items()}
+    # chat c=4: TTFP 40 ms vs floor 100 ms and builtin 60 ms; c=64 (chat, text): 5x off's throughput
+    assert verdicts == {"chat": [True, True, True, True], "text": [True, True]}
+    assert res["load_bar_checks"]["chat"][0]["value"] == pytest.approx(0.4)
+    assert res["memory_per_variant"]["off"]["gpu_reason"] == "no GPU"
+    assert (tmp_path / "run" / "load.png").stat().st_size > 10_000
+
+
+def test_gpu_memory_sums_the_variants_processes_over_devices(monkeypatch):
+    """gpu_memory with a stand-in NVML: only the given pids count, summed over every device."""
+    import sys
+    from types import SimpleNamespace as NS
+
+    from benchmarks.prefill.worker import gpu_memory
+
+    procs = {0: [NS(pid=10, usedGpuMemory=100), NS(pid=99, usedGpuMemory=5000)],
+             1: [NS(pid=10, usedGpuMemory=20), NS(pid=11, usedGpuMemory=3), NS(pid=12, usedGpuMemory=None)]}
+    fake = NS(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+              nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetComputeRunningProcesses=lambda h: procs[h])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    g = gpu_memory([10, 11, 12])
+    assert g == {"gpu_bytes": 123, "per_process": {10: 120, 11: 3}, "reason": None}
+    assert gpu_memory([7])["gpu_bytes"] is None and "no process" in gpu_memory([7])["reason"]
