@@ -1,13 +1,14 @@
 """Realtime voice sessions (vLLM-Omni's ``/v1/realtime?duplex=1``, OpenAI Realtime events over a
 websocket) per turn: time from the commit to the first audio and text delta, thinker and
 talker prefix hits, with no prefix cache, vLLM-Omni's built-in cache and omni-cache, each
-with vLLM-Omni's conversation window and omni-cache's (issue 30).
+with vLLM-Omni's conversation window and omni-cache's (issue 30), for 1 and N sessions at once,
+against the floor — the turn's utterance in a fresh session with no history (issue 38).
 
-Three duplex servers up at once (``stage_configs/qwen3_omni_cpu_duplex.yaml`` on the bench
-model as :func:`omni_cache.exactness.fuzz.recording_stage_config` variants — every thinker →
-talker hand-off and every served hit recorded — each stage's worker in its engine process,
-vLLM's ``uni`` executor, as the other side-by-side benchmarks run them; the two servers not
-being timed are paused, SIGSTOP, unless ``--no-pause-idle``):
+Three duplex servers, one per variant (``--stage-config``, default
+``stage_configs/qwen3_omni_cpu_duplex.yaml``, on the model, as
+:func:`omni_cache.exactness.fuzz.recording_stage_config` variants — every thinker → talker
+hand-off and every served hit recorded unless ``--no-record`` — each stage's worker in its
+engine process, vLLM's ``uni`` executor, as the other side-by-side benchmarks run them):
 
 - ``off``: prefix caching off on the thinker and the talker;
 - ``builtin``: vLLM-Omni's hidden-state cache on the thinker, talker caching off (as vLLM-Omni
@@ -15,26 +16,51 @@ being timed are paused, SIGSTOP, unless ``--no-pause-idle``):
 - ``omni_cache``: omni-cache on the thinker, the talker's content-keyed cache on (the bundled
   config).
 
-Each server first answers one throwaway turn (its cold first turn is reported apart:
-``cold_first_turn``). Then per round and window (``stock``, ``omni_cache``: the session's
-``extra_body.omni_cache_window``) one session per variant of ``--turns`` voice turns (clips of
-the bundled speech recording; the same instructions and clips in every variant; instructions
-differ per round and window, so sessions share nothing); the variants alternate turn by turn,
-the first one rotated; one request in flight at a time. Per turn: commit → first audio
-delta, commit → first text delta, the thinker's and talker's prompt and hit tokens (the
-server's ``/metrics`` deltas). Then the oracles, on the recorded hand-offs:
+``--servers together`` (the default; the CPU): the three servers up at once, the two not being
+timed paused (SIGSTOP, unless ``--no-pause-idle``), the variants alternating turn by turn (the
+first one rotated). ``--servers one-at-a-time`` (a card that holds one server, e.g. the
+full-size model on one H200): one server up at a time, running its whole schedule; the
+variants then run one after another, not interleaved.
+
+Each server first answers one throwaway turn (its cold first turn, reported apart:
+``cold_first_turn``). Then per round, sessions count N (``--sessions``) and window
+(``stock``, ``omni_cache``: the session's ``extra_body.omni_cache_window``), N sessions per
+variant of ``--turns`` voice turns each (clips of the bundled speech recording; the same
+instructions and clips in every variant; instructions differ per round, N, window and
+session, so sessions share nothing but what a session shares with itself). Per turn the N
+sessions of one variant commit at once (asyncio); per session and turn: commit → first audio
+delta, commit → first text delta (seconds), and with N = 1 the thinker's and talker's prompt
+and hit tokens (the server's ``/metrics`` deltas; with N > 1 they span every session's turn,
+so they are not recorded: None, ``hits_note``).
+
+The floor: after a group's sessions closed, per turn N fresh sessions at once on the
+cache-off server, each with its session's instructions and that turn's clip and no history,
+timed the same way — what the turn would cost if its history cost nothing (the cache-off
+server: no hit of any kind, not even of an earlier floor turn or of the instructions).
+
+Then the oracles, on the recorded hand-offs:
 
 - (a) omni-cache's served blocks equal their writers' rows and tokens
   (:func:`omni_cache.exactness.realtime.judge_session`), and every omni-cache turn got the hit
-  it should (whole shared blocks with an earlier prompt);
+  it should (whole shared blocks with an earlier prompt) — every N (hand-offs are recorded per
+  session);
 - (b) omni-cache = built-in, bitwise (hand-offs, transcript, audio) where both served the same
-  thinker hit;
-- (c) tokens (prompt and transcript) = cache off's.
+  thinker hit — N = 1 only;
+- (c) tokens (prompt and transcript) = cache off's — N = 1 only.
 
-``result.json`` (every turn, per variant × window × turn p50/p95, ratios, bars, oracle
-counts) and ``realtime.png``.
+(b) and (c) compare two servers' answers; with N > 1 each server batches its sessions' steps
+as they arrive, and vLLM's kernels are not batch-invariant, so a transcript — and with it every
+later prompt of the session — may differ between variants without any cache fault.
 
-    .venv/bin/python -m benchmarks.realtime_bench --model-size bench-voice --rounds 3 --turns 8
+The bar (issue 38): for turns ≥ 4, omni-cache's commit → first audio p50 ≤ 1.25 × the floor's
+p50 and ≤ the built-in's p50, per window and N (``bars.floor_bar``: PASS / FAIL / n/a; n/a
+where a side has no sample).
+
+``result.json`` (every turn, per variant × window × N × turn p50/p95 and the floor's, bars,
+oracle counts) and ``realtime.png`` (first audio and first text p50 per turn, the floor as a
+line, one column per N).
+
+    .venv/bin/python -m benchmarks.realtime_bench --model-size bench-voice --rounds 3 --turns 8 --sessions 1,8
 """
 
 from __future__ import annotations
@@ -44,6 +70,7 @@ import asyncio
 import datetime as dt
 import hashlib
 import json
+import math
 import platform
 import sys
 import time
@@ -52,30 +79,136 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("off", "builtin", "omni_cache")
 WINDOWS = ("stock", "omni_cache")
+#: the pseudo-variant of the floor's turns (a fresh session per turn, no history)
+FLOOR = "floor"
+#: the server the floor runs on (no hit of any kind there)
+FLOOR_ON = "off"
 BLOCK = 32
+#: the bar looks at turns from this one on
+LATE_TURN = 4
+#: the bar: omni-cache's first audio p50 at most this many times the floor's
+FLOOR_RATIO = 1.25
+SERVER_MODES = ("together", "one-at-a-time")
+DEFAULT_STAGE_CONFIG = "qwen3_omni_cpu_duplex.yaml"
+#: why per-turn hits are None with N > 1
+HITS_NOTE = ("N sessions at once: the server's /metrics deltas span every session's turn, so per-turn "
+             "prefix hits are recorded only with N = 1")
+METRICS = ("first_audio_s", "first_text_s", "thinker_prompt", "thinker_hit", "talker_prompt", "talker_hit")
 
 
-def _config(out: Path, variant: str) -> Path:
+# -- inputs --------------------------------------------------------------------------------------
+
+def parse_sessions(text: str) -> list[int]:
+    """``--sessions``: a comma list of positive session counts (``"1,8"`` → ``[1, 8]``;
+    duplicates dropped, order kept).
+
+    Raises:
+        ValueError: an empty list, or an item that is not a positive integer.
+    """
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            n = int(item)
+        except ValueError:
+            raise ValueError(f"--sessions {text!r}: {item!r} is not an integer (expected e.g. 1,8)") from None
+        if n < 1:
+            raise ValueError(f"--sessions {text!r}: {n} sessions; each count must be >= 1")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def resolve_stage_config(text: str) -> Path:
+    """``--stage-config``: a path, else a bundled config's file name.
+
+    Raises:
+        ValueError: neither a file nor a bundled name.
+    """
+    from omni_cache.driver.stage_config import bundled_stage_config
+
+    p = Path(text).expanduser()
+    if p.is_file():
+        return p.resolve()
+    if p.parent != Path(".") or not text.endswith((".yaml", ".yml")):
+        bundled = None
+    else:  # this checkout's stage_configs/ first, then the installed package's
+        here = REPO / "stage_configs" / text
+        bundled = here if here.is_file() else bundled_stage_config(text)
+    if bundled is None:
+        raise ValueError(f"--stage-config {text}: file not found (a path, or a bundled name such as "
+                         f"{DEFAULT_STAGE_CONFIG})")
+    return bundled
+
+
+def check_stage_config(path: Path, sessions: list[int], servers: str) -> dict:
+    """Validate the duplex stage config the three variants derive from; returns its YAML.
+
+    Raises:
+        ValueError: invalid (:func:`~omni_cache.driver.stage_config.load_stage_config`'s
+            problems), not a duplex config, fewer ``duplex_session.max_sessions`` than the largest
+            ``--sessions`` count, or ``--servers together`` with GPU shares that three servers
+            cannot hold on one card.
+    """
+    from omni_cache.driver.stage_config import StageConfigError, load_stage_config
+
+    try:
+        raw = load_stage_config(path).raw
+    except StageConfigError as exc:
+        raise ValueError(f"--stage-config {path}: {exc}") from None
+    if raw.get("session_mode") != "duplex":
+        raise ValueError(f"--stage-config {path}: not a duplex config (needs `session_mode: duplex`: the "
+                         f"realtime endpoint /v1/realtime?duplex=1)")
+    most = int((raw.get("duplex_session") or {}).get("max_sessions", 1))
+    if max(sessions) > most:
+        raise ValueError(f"--stage-config {path}: duplex_session.max_sessions is {most}, --sessions asks for "
+                         f"{max(sessions)} at once")
+    if servers == "together":
+        share: dict[str, float] = {}
+        for st in raw.get("stages") or []:
+            if "gpu_memory_utilization" in st:
+                for dev in str(st.get("devices", "0")).split(","):
+                    share[dev.strip()] = share.get(dev.strip(), 0.0) + float(st["gpu_memory_utilization"])
+        full = {d: s for d, s in share.items() if 3 * s > 1}
+        if full:
+            raise ValueError(f"--stage-config {path}: three servers at once need 3 × {max(full.values()):.2f} of "
+                             f"GPU {', '.join(sorted(full))}; use --servers one-at-a-time")
+    return raw
+
+
+def _config(out: Path, variant: str, base: Path, record: bool) -> Path:
     import yaml
 
-    from omni_cache.driver.stage_config import bundled_stage_config
+    from omni_cache import settings
     from omni_cache.exactness.fuzz import recording_stage_config
 
-    cfg = recording_stage_config(out / variant, variant, streaming=True, in_process=True,
-                                 base=bundled_stage_config("qwen3_omni_cpu_duplex.yaml"))
+    cfg = recording_stage_config(out / variant, variant, streaming=True, in_process=True, base=base)
     raw = yaml.safe_load(cfg.read_text())
     for stage in raw["stages"]:
-        if stage["stage_id"] == 1:
-            stage["kv_cache_memory_bytes"] = 256 << 20  # bench-voice talker: ~9 KiB a token
+        if stage["stage_id"] == 1 and "kv_cache_memory_bytes" in stage:  # the CPU configs; bench-voice's
+            stage["kv_cache_memory_bytes"] = max(stage["kv_cache_memory_bytes"], 256 << 20)  # talker: ~9 KiB a token
+        if not record:
+            for key in (settings.HANDOFF_DUMP.name, settings.HIT_AUDIT.name):
+                (stage.get("env") or {}).pop(key, None)
     cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
     return cfg
 
 
-def _instructions(rnd: int, window: str) -> str:
+def _instructions(rnd: int, n: int, session: int, window: str) -> str:
     from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT
 
-    return f"Session {rnd + 1} ({window} window). {DEFAULT_SYSTEM_PROMPT}"
+    return f"Session {rnd + 1}.{session + 1} of {n} ({window} window). {DEFAULT_SYSTEM_PROMPT}"
 
+
+def _clip(seconds: float, turn: int, rnd: int, session: int) -> bytes:
+    """The utterance of a session's turn (0-based ``turn``): the same in every variant and in
+    the floor."""
+    from omni_cache.driver.realtime import speech_clip
+
+    return speech_clip(seconds, 0.9 + 1.7 * turn + 0.37 * rnd + 0.23 * session)
+
+
+# -- running ---------------------------------------------------------------------------------------
 
 def _pause(server, paused: bool) -> None:
     """SIGSTOP (``paused``) or SIGCONT a server and its stage processes: an idle server still
@@ -83,6 +216,8 @@ def _pause(server, paused: bool) -> None:
     as the prefill benchmark freezes its idle pipelines."""
     import psutil
 
+    if server.proc is None:
+        return
     try:
         root = psutil.Process(server.proc.pid)
         tree = [root] + root.children(recursive=True)
@@ -95,87 +230,148 @@ def _pause(server, paused: bool) -> None:
             pass
 
 
-async def _turn(server, session, audio: bytes) -> dict:
+async def _turn(server, session, audio: bytes, metrics: bool) -> dict:
+    """One voice turn; times in seconds from the commit. ``metrics``: the server's /metrics
+    deltas as the turn's hits (only when nothing else runs on the server)."""
     from omni_cache.driver.realtime import prefix_cache_counters
 
-    before = await asyncio.to_thread(prefix_cache_counters, server.url)
-    t = await session.turn(audio)
-    after = await asyncio.to_thread(prefix_cache_counters, server.url)
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    return {"first_audio_s": t.first_audio_s, "first_text_s": t.first_text_s, "done_s": t.done_s,
-            "status": t.status, "text": t.text, "audio_md5": hashlib.md5(t.audio).hexdigest(),
-            "audio_ms": t.audio_ms, "thinker_prompt": d.get("queries_0"), "thinker_hit": d.get("hits_0"),
-            "talker_prompt": d.get("queries_1"), "talker_hit": d.get("hits_1")}
+    before = await asyncio.to_thread(prefix_cache_counters, server.url) if metrics else {}
+    try:
+        t = await session.turn(audio)
+    except Exception as exc:  # noqa: BLE001 - recorded per turn; the run goes on
+        return {"first_audio_s": None, "first_text_s": None, "done_s": None, "status": None, "text": "",
+                "audio_md5": None, "audio_ms": 0, **{k: None for k in METRICS[2:]},
+                "error": f"{type(exc).__name__}: {exc}"}
+    rec = {"first_audio_s": t.first_audio_s, "first_text_s": t.first_text_s, "done_s": t.done_s,
+           "status": t.status, "text": t.text, "audio_md5": hashlib.md5(t.audio).hexdigest(),
+           "audio_ms": t.audio_ms}
+    if metrics:
+        after = await asyncio.to_thread(prefix_cache_counters, server.url)
+        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        rec.update(thinker_prompt=d.get("queries_0"), thinker_hit=d.get("hits_0"),
+                   talker_prompt=d.get("queries_1"), talker_hit=d.get("hits_1"))
+    else:
+        rec.update({k: None for k in METRICS[2:]}, hits_note=HITS_NOTE)
+    if t.first_audio_s is None:
+        rec["error"] = f"no audio delta (status {t.status})"
+    return rec
 
 
-async def _run(servers: dict, args, records: list[dict], sessions: dict) -> dict:
+async def _turns(server, sessions: list, audios: list[bytes]) -> list[dict]:
+    """The same turn of every session at once; per-turn hits only for one session."""
+    if len(sessions) == 1:
+        return [await _turn(server, sessions[0], audios[0], True)]
+    return list(await asyncio.gather(*(_turn(server, s, a, False) for s, a in zip(sessions, audios))))
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _print(rec: dict) -> None:
+    print(f"round {rec['round'] + 1} N={rec['n_sessions']} {rec['window']:>10} turn {rec['turn']} "
+          f"{rec['variant']:>10}#{rec['session']}: first audio {_fmt(rec['first_audio_s'])} s, text "
+          f"{_fmt(rec['first_text_s'])} s, thinker {_fmt(rec['thinker_hit'], '.0f')}/"
+          f"{_fmt(rec['thinker_prompt'], '.0f')}" + (f"  ERROR {rec['error']}" if rec.get("error") else ""),
+          flush=True)
+
+
+async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict], session_ids: dict) -> dict:
+    """Every round × N × window of the variants in ``active`` (their servers up): the cold
+    first turn of each, the sessions' turns, the floor (when :data:`FLOOR_ON` is active).
+    Returns the cold first turns."""
     from omni_cache.driver.realtime import RealtimeSession, speech_clip
-
-    cold = {}
 
     def only(v):  # the one server not paused
         for name, srv in servers.items():
-            _pause(srv, name != v and args.pause_idle)
+            if name in active:
+                _pause(srv, name != v and args.pause_idle)
 
-    for v in VARIANTS:  # the throwaway first turn of each server
+    def open_session(v, rnd, n, i, window):
+        return RealtimeSession(servers[v].realtime_url, instructions=_instructions(rnd, n, i, window),
+                               extra_body={"omni_cache_window": window}, ping_interval=None)
+
+    cold = {}
+    for v in active:  # the throwaway first turn of each server
         only(v)
         async with RealtimeSession(servers[v].realtime_url, instructions="Warm up.", ping_interval=None) as s:
-            cold[v] = await _turn(servers[v], s, speech_clip(args.seconds, 0.0))
-        print(f"cold first turn {v:>10}: first audio {cold[v]['first_audio_s']:.2f} s, "
-              f"first text {cold[v]['first_text_s']:.2f} s", flush=True)
+            cold[v] = await _turn(servers[v], s, speech_clip(args.seconds, 0.0), True)
+        print(f"cold first turn {v:>10}: first audio {_fmt(cold[v]['first_audio_s'])} s, "
+              f"first text {_fmt(cold[v]['first_text_s'])} s", flush=True)
     k = 0
     for rnd in range(args.rounds):
-        for window in WINDOWS:
-            live = {}
-            for v in VARIANTS:
-                only(v)
-                live[v] = RealtimeSession(servers[v].realtime_url, instructions=_instructions(rnd, window),
-                                          extra_body={"omni_cache_window": window}, ping_interval=None)
-                await live[v].open()
-                sessions[(v, window, rnd)] = live[v].session_id
-            for turn in range(args.turns):
-                audio = speech_clip(args.seconds, 0.9 + 1.7 * turn + 0.37 * rnd)
-                for v in VARIANTS[k % 3:] + VARIANTS[:k % 3]:
+        for n in args.sessions:
+            for window in WINDOWS:
+                live: dict[str, list] = {}
+                for v in active:
                     only(v)
-                    rec = {"variant": v, "window": window, "round": rnd, "turn": turn + 1,
-                           "session_id": live[v].session_id, **await _turn(servers[v], live[v], audio)}
-                    records.append(rec)
-                    print(f"round {rnd + 1} {window:>10} turn {turn + 1} {v:>10}: first audio "
-                          f"{rec['first_audio_s']:.2f} s, text {rec['first_text_s']:.2f} s, thinker "
-                          f"{rec['thinker_hit']:.0f}/{rec['thinker_prompt']:.0f}, talker "
-                          f"{rec['talker_hit']:.0f}/{rec['talker_prompt']:.0f}", flush=True)
-                k += 1
-            for v, s in live.items():
-                only(v)
-                await s.close()
-    for srv in servers.values():
-        _pause(srv, False)
+                    live[v] = [open_session(v, rnd, n, i, window) for i in range(n)]
+                    await asyncio.gather(*(s.open() for s in live[v]))
+                    for i, s in enumerate(live[v]):
+                        session_ids[(v, window, rnd, n, i)] = s.session_id
+                for turn in range(args.turns):
+                    audios = [_clip(args.seconds, turn, rnd, i) for i in range(n)]
+                    for v in active[k % len(active):] + active[:k % len(active)]:
+                        only(v)
+                        for i, r in enumerate(await _turns(servers[v], live[v], audios)):
+                            rec = {"variant": v, "window": window, "round": rnd, "n_sessions": n, "session": i,
+                                   "turn": turn + 1, "session_id": live[v][i].session_id, **r}
+                            records.append(rec)
+                            _print(rec)
+                    k += 1
+                for v, ss in live.items():
+                    only(v)
+                    await asyncio.gather(*(s.close() for s in ss))
+                if FLOOR_ON in active:  # the floor: each turn's utterance in fresh sessions, no history
+                    only(FLOOR_ON)
+                    for turn in range(args.turns):
+                        fresh = [open_session(FLOOR_ON, rnd, n, i, window) for i in range(n)]
+                        await asyncio.gather(*(s.open() for s in fresh))
+                        res = await _turns(servers[FLOOR_ON], fresh, [_clip(args.seconds, turn, rnd, i)
+                                                                      for i in range(n)])
+                        await asyncio.gather(*(s.close() for s in fresh))
+                        for i, r in enumerate(res):
+                            rec = {"variant": FLOOR, "window": window, "round": rnd, "n_sessions": n, "session": i,
+                                   "turn": turn + 1, "session_id": fresh[i].session_id, "server": FLOOR_ON, **r}
+                            records.append(rec)
+                            _print(rec)
+    for v in active:
+        _pause(servers[v], False)
     return cold
 
 
-def _oracles(out: Path, records: list[dict], sessions: dict, rounds: int) -> dict:
-    """Oracles (a), (b), (c) over the recorded hand-offs (module docstring)."""
+# -- oracles, summary, bars ---------------------------------------------------------------------------
+
+def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, sessions: list[int]) -> dict:
+    """Oracles (a) on every N, (b) and (c) on N = 1 (module docstring)."""
     from omni_cache.exactness import oracles
     from omni_cache.exactness.fuzz import records as handoffs
     from omni_cache.exactness.realtime import judge_session, session_requests
 
     res = {"a_violations": [], "a_verified_blocks": 0, "a_unverified_blocks": 0, "hit_below_expected": [],
-           "b_compared": 0, "b_violations": [], "b_other_hit": 0, "c_compared": 0, "c_violations": []}
-    by = {(r["variant"], r["window"], r["round"], r["turn"]): r for r in records}
+           "b_compared": 0, "b_violations": [], "b_other_hit": 0, "c_compared": 0, "c_violations": [],
+           "a_sessions_counts": list(sessions), "bc_sessions_counts": [1] if 1 in sessions else [],
+           "bc_note": "(b) and (c) compare two servers' answers: with N > 1 each server batches its sessions' "
+                      "steps as they arrive (kernels not batch-invariant), so they run on N = 1 only"}
+    by = {(r["variant"], r["window"], r["round"], r["n_sessions"], r["session"], r["turn"]): r for r in records}
     for window in WINDOWS:
         for rnd in range(rounds):
-            ids = {v: session_requests(out / v, sessions[(v, window, rnd)]) for v in VARIANTS}
-            for verdict in judge_session(out / "omni_cache", sessions[("omni_cache", window, rnd)]):
-                res["a_verified_blocks"] += verdict.verified
-                res["a_unverified_blocks"] += verdict.unverified
-                res["a_violations"] += [f"{verdict.request_id}: {m}" for m in verdict.mismatches]
-                if verdict.hit < verdict.expected_hit:
-                    res["hit_below_expected"].append(f"{verdict.request_id}: {verdict.hit} < {verdict.expected_hit}")
-            for turn, (rid_off, rid_bi, rid_on) in enumerate(zip(ids["off"], ids["builtin"], ids["omni_cache"]), 1):
-                off, bi, on = (by[(v, window, rnd, turn)] for v in VARIANTS)
+            for n in sessions:
+                for i in range(n):
+                    for verdict in judge_session(out / "omni_cache", session_ids[("omni_cache", window, rnd, n, i)]):
+                        res["a_verified_blocks"] += verdict.verified
+                        res["a_unverified_blocks"] += verdict.unverified
+                        res["a_violations"] += [f"{verdict.request_id}: {m}" for m in verdict.mismatches]
+                        if verdict.hit < verdict.expected_hit:
+                            res["hit_below_expected"].append(
+                                f"{verdict.request_id}: {verdict.hit} < {verdict.expected_hit}")
+            if 1 not in sessions:
+                continue
+            ids = {v: session_requests(out / v, session_ids[(v, window, rnd, 1, 0)]) for v in VARIANTS}
+            for turn, rids in enumerate(zip(*(ids[v] for v in VARIANTS)), 1):
+                off, bi, on = (by[(v, window, rnd, 1, 0, turn)] for v in VARIANTS)
                 name = f"{window}/round {rnd + 1}/turn {turn}"
-                rec_off, rec_bi, rec_on = (handoffs(out / v, rid) for v, rid in
-                                           zip(VARIANTS, (rid_off, rid_bi, rid_on)))
+                rec_off, rec_bi, rec_on = (handoffs(out / v, rid) for v, rid in zip(VARIANTS, rids))
                 res["c_compared"] += 1
                 if rec_on[0]["ids.prompt"].tolist() != rec_off[0]["ids.prompt"].tolist() or on["text"] != off["text"]:
                     res["c_violations"].append(f"{name}: tokens differ from cache off's")
@@ -190,150 +386,281 @@ def _oracles(out: Path, records: list[dict], sessions: dict, rounds: int) -> dic
     return res
 
 
-def _summary(records: list[dict], turns: int) -> dict:
+def _cell(xs: list) -> dict | None:
+    """p50 / p95 / min / max / n of the samples that are not None (None: no sample)."""
     import numpy as np
 
-    def cell(xs):
-        xs = [x for x in xs if x is not None]
-        return ({"p50": float(np.percentile(xs, 50)), "p95": float(np.percentile(xs, 95)), "min": float(min(xs)),
-                 "max": float(max(xs)), "n": len(xs)} if xs else None)
+    xs = [x for x in xs if x is not None]
+    return ({"p50": float(np.percentile(xs, 50)), "p95": float(np.percentile(xs, 95)), "min": float(min(xs)),
+             "max": float(max(xs)), "n": len(xs)} if xs else None)
 
+
+def summarize(records: list[dict], turns: int, sessions: list[int]) -> dict:
+    """Per ``variant/window/N/turn`` (variants and :data:`FLOOR`), each of :data:`METRICS`:
+    :func:`_cell` over every session and round (seconds for the times, tokens for the hits;
+    None where there is no sample, e.g. hits with N > 1)."""
     out = {}
-    for v in VARIANTS:
+    for v in (*VARIANTS, FLOOR):
         for w in WINDOWS:
-            for t in range(1, turns + 1):
-                rs = [r for r in records if r["variant"] == v and r["window"] == w and r["turn"] == t]
-                out[f"{v}/{w}/{t}"] = {m: cell([r[m] for r in rs]) for m in
-                                       ("first_audio_s", "first_text_s", "thinker_prompt", "thinker_hit",
-                                        "talker_prompt", "talker_hit")}
+            for n in sessions:
+                for t in range(1, turns + 1):
+                    rs = [r for r in records if r["variant"] == v and r["window"] == w and r["n_sessions"] == n
+                          and r["turn"] == t]
+                    out[f"{v}/{w}/{n}/{t}"] = {m: _cell([r.get(m) for r in rs]) for m in METRICS}
     return out
 
 
-def _bars(out: Path, records: list[dict], sessions: dict, summary: dict, oracle: dict, turns: int,
-          rounds: int) -> dict:
-    """The issue's bars (module docstring of the issue; docs/benchmarks.md)."""
+def late_samples(records: list[dict], variant: str, window: str, n: int, metric: str = "first_audio_s") -> list[float]:
+    """``metric`` of every turn ≥ :data:`LATE_TURN` of ``variant`` (or :data:`FLOOR`), window and
+    N (seconds), the turns without a value left out."""
+    return [r[metric] for r in records if r["variant"] == variant and r["window"] == window
+            and r["n_sessions"] == n and r["turn"] >= LATE_TURN and r.get(metric) is not None]
+
+
+def floor_bar(records: list[dict], window: str, n: int) -> dict:
+    """The bar for one window and N: over turns ≥ :data:`LATE_TURN`, omni-cache's commit → first
+    audio p50 ≤ :data:`FLOOR_RATIO` × the floor's p50 and ≤ the built-in's p50 (seconds).
+    ``verdict``: ``PASS`` / ``FAIL``, or ``n/a`` where omni-cache, the floor or the built-in has
+    no sample (never PASS without samples)."""
     import numpy as np
 
+    xs = {v: late_samples(records, v, window, n) for v in ("omni_cache", FLOOR, "builtin")}
+    p50 = {v: float(np.median(x)) if x else None for v, x in xs.items()}
+    res = {"omni_cache_p50_s": p50["omni_cache"], "floor_p50_s": p50[FLOOR], "builtin_p50_s": p50["builtin"],
+           "samples": {v: len(x) for v, x in xs.items()}, "max_ratio_to_floor": FLOOR_RATIO}
+    missing = [v for v, x in xs.items() if not x]
+    if missing:
+        return {**res, "verdict": "n/a", "ratio_to_floor": None,
+                "reason": f"no turn >= {LATE_TURN} with a first audio delta for {', '.join(missing)}"}
+    ratio = p50["omni_cache"] / p50[FLOOR] if p50[FLOOR] > 0 else math.inf
+    ok_floor = p50["omni_cache"] <= FLOOR_RATIO * p50[FLOOR]
+    ok_builtin = p50["omni_cache"] <= p50["builtin"]
+    return {**res, "verdict": "PASS" if ok_floor and ok_builtin else "FAIL", "ratio_to_floor": ratio,
+            "le_floor_ratio": ok_floor, "le_builtin": ok_builtin}
+
+
+def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[int]) -> dict:
+    """The latency bars per window and N: :func:`floor_bar`, the pooled p50 of turns ≥
+    :data:`LATE_TURN` per variant and the floor (seconds), and the issue-30 bars (first audio ≥ 5×
+    lower than cache off pooled; ≤ the built-in's on every turn) — None where a side has no
+    sample."""
+    import numpy as np
+
+    def p50(v, w, n, t):
+        c = summary[f"{v}/{w}/{n}/{t}"]["first_audio_s"]
+        return c["p50"] if c else None
+
+    out: dict = {"floor_bar": {}, "pooled_first_audio_p50_turns_ge_4_s": {},
+                 "first_audio_5x_lower_than_off_turns_ge_4_p50": {}, "first_audio_le_builtin_every_turn_p50": {},
+                 "per_turn_ratios": {}}
+    for w in WINDOWS:
+        for key in out:
+            out[key][w] = {}
+        for n in sessions:
+            out["floor_bar"][w][n] = floor_bar(records, w, n)
+            pooled = {v: (float(np.median(x)) if (x := late_samples(records, v, w, n)) else None)
+                      for v in (*VARIANTS, FLOOR)}
+            out["pooled_first_audio_p50_turns_ge_4_s"][w][n] = pooled
+            out["first_audio_5x_lower_than_off_turns_ge_4_p50"][w][n] = (
+                None if pooled["off"] is None or pooled["omni_cache"] is None
+                else pooled["off"] / pooled["omni_cache"] >= 5)
+            pairs = [(p50("omni_cache", w, n, t), p50("builtin", w, n, t)) for t in range(1, turns + 1)]
+            out["first_audio_le_builtin_every_turn_p50"][w][n] = (
+                None if any(a is None or b is None for a, b in pairs) else all(a <= b for a, b in pairs))
+            out["per_turn_ratios"][w][n] = {
+                t: {f"{v}_over_omni": (p50(v, w, n, t) / p50("omni_cache", w, n, t)
+                                       if p50(v, w, n, t) and p50("omni_cache", w, n, t) else None)
+                    for v in ("off", "builtin", FLOOR)} for t in range(1, turns + 1)}
+    return out
+
+
+def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int) -> dict:
+    """The hit bars, N = 1 (per-turn hits attributable): every omni-cache turn from 2 on (its
+    window) hit ≥ 0.9 of the blocks it shares with the previous turn's prompt; the talker hits
+    from turn 2 on."""
     from omni_cache.exactness.realtime import common_prompt_tokens, first_prompts, session_requests
 
     prompts = first_prompts(out / "omni_cache")
-    shared_ratio = []  # omni-cache window: hit / blocks shared with the previous turn's prompt
+    shared_ratio = []
     for rnd in range(rounds):
-        rids = session_requests(out / "omni_cache", sessions[("omni_cache", "omni_cache", rnd)])
+        rids = session_requests(out / "omni_cache", session_ids[("omni_cache", "omni_cache", rnd, 1, 0)])
         for t in range(1, len(rids)):
             me, prev = prompts[rids[t]], prompts[rids[t - 1]]
             shared = (min(common_prompt_tokens(me, prev), len(me.ids) - 1) // BLOCK) * BLOCK
             rec = next(r for r in records if r["variant"] == "omni_cache" and r["window"] == "omni_cache"
-                       and r["round"] == rnd and r["turn"] == t + 1)
-            shared_ratio.append({"round": rnd, "turn": t + 1, "hit": rec["thinker_hit"], "shared": shared,
-                                 "ratio": rec["thinker_hit"] / shared if shared else None,
+                       and r["round"] == rnd and r["n_sessions"] == 1 and r["turn"] == t + 1)
+            hit = rec["thinker_hit"]
+            shared_ratio.append({"round": rnd, "turn": t + 1, "hit": hit, "shared": shared,
+                                 "ratio": hit / shared if shared and hit is not None else None,
                                  "talker_hit": rec["talker_hit"]})
-
-    def p50(v, w, t, m="first_audio_s"):
-        c = summary[f"{v}/{w}/{t}"][m]
-        return c["p50"] if c else float("nan")
-
-    late = [t for t in range(4, turns + 1)]
-    ratios = {w: {t: {"off_over_omni": p50("off", w, t) / p50("omni_cache", w, t),
-                      "builtin_over_omni": p50("builtin", w, t) / p50("omni_cache", w, t)}
-                  for t in range(1, turns + 1)} for w in WINDOWS}
-    pooled = {w: {v: float(np.median([r["first_audio_s"] for r in records if r["variant"] == v and r["window"] == w
-                                      and r["turn"] >= 4])) for v in VARIANTS} for w in WINDOWS}
-    return {
-        "thinker_hit_ge_0.9_of_shared_blocks_turns_2_on": all(
-            x["ratio"] is None or x["ratio"] >= 0.9 for x in shared_ratio),
-        "talker_hits_from_turn_2": all((x["talker_hit"] or 0) > 0 for x in shared_ratio),
-        "first_audio_5x_lower_than_off_turns_ge_4_p50": {
-            w: pooled[w]["off"] / pooled[w]["omni_cache"] >= 5 for w in WINDOWS},
-        "first_audio_le_builtin_every_turn_p50": {
-            w: all(p50("omni_cache", w, t) <= p50("builtin", w, t) for t in range(1, turns + 1)) for w in WINDOWS},
-        "oracles_0_violations": not (oracle["a_violations"] or oracle["b_violations"] or oracle["c_violations"]
-                                     or oracle["hit_below_expected"]),
-        "pooled_first_audio_p50_turns_ge_4_s": pooled,
-        "pooled_off_over_omni_turns_ge_4": {w: pooled[w]["off"] / pooled[w]["omni_cache"] for w in WINDOWS},
-        "per_turn_ratios": ratios, "shared_blocks": shared_ratio, "late_turns": late,
-    }
+    return {"thinker_hit_ge_0.9_of_shared_blocks_turns_2_on": all(
+                x["ratio"] is None or x["ratio"] >= 0.9 for x in shared_ratio) if shared_ratio else None,
+            "talker_hits_from_turn_2": all((x["talker_hit"] or 0) > 0 for x in shared_ratio) if shared_ratio else None,
+            "shared_blocks": shared_ratio}
 
 
-def _plot(summary: dict, turns: int, path: Path, title: str) -> None:
+# -- plot --------------------------------------------------------------------------------------------
+
+def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str) -> None:
+    """First audio and first text p50 per turn (seconds) per variant and window, the floor as a
+    black line; one column per N."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, axes = plt.subplots(2, len(sessions), figsize=(6.5 * len(sessions), 8), squeeze=False)
     ts = list(range(1, turns + 1))
-    styles = {"off": ("o", "C3"), "builtin": ("s", "C0"), "omni_cache": ("D", "C2")}  # marker, colour
-    for w, ls in zip(WINDOWS, ("--", "-")):
-        for v in VARIANTS:
-            for ax, m, scale in ((axes[0], "first_audio_s", 1.0), (axes[1], "first_text_s", 1.0),
-                                 (axes[2], "thinker_hit", 1.0)):
-                cells = [summary[f"{v}/{w}/{t}"][m] for t in ts]
-                ys = [c["p50"] * scale if c else float("nan") for c in cells]
-                ax.plot(ts, ys, ls, marker=styles[v][0], color=styles[v][1], label=f"{v}, {w} window")
-    axes[0].set_ylabel("commit → first audio delta (s), p50")
-    axes[1].set_ylabel("commit → first text delta (s), p50")
-    axes[2].set_ylabel("thinker prefix hit (tokens), p50")
-    for ax in axes:
-        ax.set_xlabel("turn")
-        ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize=7)
+    styles = {"off": ("o", "C3"), "builtin": ("s", "C0"), "omni_cache": ("D", "C2"), FLOOR: ("", "k")}
+    for col, n in enumerate(sessions):
+        for row, m in enumerate(("first_audio_s", "first_text_s")):
+            ax = axes[row][col]
+            for w, ls in zip(WINDOWS, ("--", "-")):
+                for v in (*VARIANTS, FLOOR):
+                    ys = [c["p50"] if (c := summary[f"{v}/{w}/{n}/{t}"][m]) else float("nan") for t in ts]
+                    ax.plot(ts, ys, ls, marker=styles[v][0], color=styles[v][1],
+                            lw=2.2 if v == FLOOR else 1.4,
+                            label=f"floor (no history), {w} instructions" if v == FLOOR else f"{v}, {w} window")
+            ax.set_title(f"N = {n} session{'s' if n > 1 else ''} at once")
+            ax.set_xlabel("turn")
+            ax.set_ylabel(f"commit → first {'audio' if m == 'first_audio_s' else 'text'} delta (s), p50")
+            ax.set_ylim(bottom=0)
+            ax.set_xticks(ts)
+    axes[0][0].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+
+
+# -- main --------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stage-config", default=DEFAULT_STAGE_CONFIG,
+                    help="the duplex stage config the three variants derive from: a path or a bundled name "
+                         f"(default {DEFAULT_STAGE_CONFIG}; one H200, full-size model: "
+                         "stage_configs/qwen3_omni_30b_a3b_h200_dummy_duplex.yaml)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="model directory (e.g. one built by `omni-cache make-model --size full`); "
+                         "default: the embedded model of --model-size, built on first use")
+    ap.add_argument("--model-size", choices=("tiny", "bench", "bench-voice"), default=None,
+                    help="embedded model to build and serve when --model is not given (default bench-voice)")
+    ap.add_argument("--turns", type=int, default=8, help="voice turns per session (the bar looks at turns >= 4)")
+    ap.add_argument("--rounds", type=int, default=3, help="groups of sessions per variant, N and window")
+    ap.add_argument("--sessions", default="1",
+                    help="comma list of session counts N: N sessions of a variant run at once (default 1; e.g. 1,8)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="speech per turn (seconds)")
+    ap.add_argument("--servers", choices=SERVER_MODES, default="together",
+                    help="together: the three servers up at once, variants alternating turn by turn (the idle "
+                         "ones paused); one-at-a-time: one server up at a time, for a card that holds one "
+                         "(the full-size model on one H200)")
+    ap.add_argument("--no-record", dest="record", action="store_false",
+                    help="record no hand-offs or served hits (no oracles, no hit bars): no disk writes in the "
+                         "stages' hot path")
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/realtime-<time>")
+    ap.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
+                    help="--servers together: keep the servers not being timed running (default: SIGSTOP them)")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, validated before anything starts (``SystemExit`` 2 with a message
+    naming the flag or file at fault). Adds ``stage_config_path`` and ``stage_config_raw``."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.turns < 1 or args.rounds < 1 or args.seconds <= 0:
+        ap.error("--turns and --rounds must be >= 1 and --seconds > 0")
+    if args.model is not None and args.model_size is not None:
+        ap.error("--model and --model-size: give one (--model-size builds an embedded model)")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        ap.error(f"--model {args.model}: not a model directory (no config.json)")
+    try:
+        args.sessions = parse_sessions(args.sessions)
+        args.stage_config_path = resolve_stage_config(args.stage_config)
+        args.stage_config_raw = check_stage_config(args.stage_config_path, args.sessions, args.servers)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-size", choices=("tiny", "bench", "bench-voice"), default="bench-voice")
-    ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3, help="sessions per variant and window")
-    ap.add_argument("--seconds", type=float, default=2.0, help="speech per turn")
-    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/realtime-<time>")
-    ap.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
-                    help="keep the servers not being timed running (default: SIGSTOP them)")
-    args = ap.parse_args(argv)
-    if args.turns < 4 or args.rounds < 1:
-        ap.error("--turns must be >= 4 (the bars look at turns >= 4) and --rounds >= 1")
+    args = parse_args(argv)
 
     from omni_cache.driver.server import OmniServer
     from omni_cache.models import build_qwen3_omni, default_model_dir
 
     out = (args.out or REPO / "benchmarks" / "results" / f"realtime-{dt.datetime.now():%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    print(f"model {args.model_size} (built on first use) ...", flush=True)
-    model = build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
+    if args.model is not None:
+        model, model_name = args.model.resolve(), args.model.name
+    else:
+        size = args.model_size or "bench-voice"
+        print(f"model {size} (built on first use) ...", flush=True)
+        model, model_name = build_qwen3_omni(default_model_dir(size), size), size
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "MALLOC_ARENA_MAX": "2"}
-    servers = {v: OmniServer(model, _config(out, v), log_path=out / f"server-{v}.log", env=env) for v in VARIANTS}
+    servers = {v: OmniServer(model, _config(out, v, args.stage_config_path, args.record),
+                             log_path=out / f"server-{v}.log", env=env) for v in VARIANTS}
     records: list[dict] = []
-    sessions: dict = {}
+    session_ids: dict = {}
+    cold: dict = {}
+    ready_s: dict = {}
     t0 = time.perf_counter()
+
+    def up(v):
+        print(f"starting the {v} server ...", flush=True)
+        servers[v].start()
+        ready_s[v] = servers[v].wait_ready(timeout=1800, progress=lambda s, v=v: print(f"[{v}] {s}", flush=True))
+
     try:
-        for v in VARIANTS:  # one at a time: two cores
-            print(f"starting the {v} server ...", flush=True)
-            servers[v].start()
-            servers[v].wait_ready(timeout=1800, progress=lambda s, v=v: print(f"[{v}] {s}", flush=True))
-        cold = asyncio.run(_run(servers, args, records, sessions))
+        if args.servers == "together":
+            for v in VARIANTS:  # one at a time: two cores
+                up(v)
+            cold = asyncio.run(_run(servers, VARIANTS, args, records, session_ids))
+        else:
+            for v in VARIANTS:
+                up(v)
+                try:
+                    cold.update(asyncio.run(_run(servers, (v,), args, records, session_ids)))
+                finally:
+                    servers[v].stop()
     finally:
         for s in servers.values():
             _pause(s, False)
             s.stop()
-    oracle = _oracles(out, records, sessions, args.rounds)
-    summary = _summary(records, args.turns)
-    bars = _bars(out, records, sessions, summary, oracle, args.turns, args.rounds)
+    summary = summarize(records, args.turns, args.sessions)
+    bars = latency_bars(records, summary, args.turns, args.sessions)
+    if args.record:
+        oracle = _oracles(out, records, session_ids, args.rounds, args.sessions)
+        if 1 in args.sessions:
+            bars.update(_hit_bars(out, records, session_ids, args.rounds))
+        bars["oracles_0_violations"] = not (oracle["a_violations"] or oracle["b_violations"]
+                                            or oracle["c_violations"] or oracle["hit_below_expected"])
+    else:
+        oracle = {"not_run": "--no-record: no hand-offs recorded"}
+    errors = [f"{r['variant']}/{r['window']}/round {r['round'] + 1}/N={r['n_sessions']}/session {r['session']}/"
+              f"turn {r['turn']}: {r['error']}" for r in records if r.get("error")]
     command = [Path(sys.executable).name, "-m", "benchmarks.realtime_bench", *(argv or sys.argv[1:])]
     result = {"command": " ".join(command),
-              "args": {k: (str(x) if isinstance(x, Path) else x) for k, x in vars(args).items()},
+              "args": {k: (str(x) if isinstance(x, Path) else x) for k, x in vars(args).items()
+                       if k != "stage_config_raw"},
+              "model": str(model), "stage_config": str(args.stage_config_path),
               "machine": {"platform": platform.platform(), "processor": platform.processor()},
-              "wall_s": time.perf_counter() - t0, "cold_first_turn": cold, "bars": bars,
-              "oracles": {k: (len(x) if isinstance(x, list) else x) for k, x in oracle.items()},
+              "wall_s": time.perf_counter() - t0, "server_ready_s": ready_s, "sessions_counts": args.sessions,
+              "floor": {"on": FLOOR_ON, "how": "per turn, N fresh sessions at once with the sessions' instructions "
+                                              "and that turn's clip, no history, after the group's sessions closed"},
+              "hits_note": HITS_NOTE, "errors": errors, "cold_first_turn": cold, "bars": bars,
+              "oracles": {k: (len(x) if isinstance(x, list) and k.endswith(("violations", "expected")) else x)
+                          for k, x in oracle.items()},
               "oracle_details": oracle, "summary": summary, "turns": records,
-              "sessions": {"/".join(map(str, k)): x for k, x in sessions.items()}}
+              "sessions": {"/".join(map(str, k)): x for k, x in session_ids.items()}}
     (out / "result.json").write_text(json.dumps(result, indent=2))
-    _plot(summary, args.turns, out / "realtime.png",
-          f"Realtime sessions ({args.rounds} per variant and window, {args.turns} voice turns, {args.model_size})")
-    print(json.dumps({k: bars[k] for k in bars if k not in ("per_turn_ratios", "shared_blocks")}, indent=2))
+    _plot(summary, args.turns, args.sessions, out / "realtime.png",
+          f"Realtime sessions ({args.rounds} rounds, {args.turns} voice turns, {model_name}, "
+          f"{args.stage_config_path.name}, servers {args.servers})")
+    print(json.dumps({"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"]},
+                     indent=2))
     print(json.dumps(result["oracles"], indent=2))
+    print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else ""))
     print(f"wrote {out / 'result.json'}")
     return 0
 
