@@ -105,18 +105,9 @@ def parse_sessions(text: str) -> list[int]:
     Raises:
         ValueError: an empty list, or an item that is not a positive integer.
     """
-    out: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
-        try:
-            n = int(item)
-        except ValueError:
-            raise ValueError(f"--sessions {text!r}: {item!r} is not an integer (expected e.g. 1,8)") from None
-        if n < 1:
-            raise ValueError(f"--sessions {text!r}: {n} sessions; each count must be >= 1")
-        if n not in out:
-            out.append(n)
-    return out
+    from benchmarks.args import positive_int_list
+
+    return positive_int_list(text, "--sessions", "1,8")
 
 
 def resolve_stage_config(text: str) -> Path:

@@ -120,25 +120,35 @@ def build_full(out_dir: str | os.PathLike, *, force: bool = False) -> Path:
     Returns:
         The model directory (``out_dir``).
     """
-    from transformers import Qwen3OmniMoeConfig
-
-    from omni_cache.models import build_processor, build_tokenizer, is_up_to_date
+    from omni_cache.models import is_up_to_date
 
     out = Path(out_dir)
     stamp = out / "omni_cache_model.json"
     fp = full_fingerprint()
     if not force and is_up_to_date(stamp, fp):
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    Qwen3OmniMoeConfig(**{k: v for k, v in FULL_CONFIG.items() if k != "model_type"})  # raises if malformed
-    (out / "config.json").write_text(json.dumps(FULL_CONFIG, indent=2))
-    tokenizer = build_tokenizer(out)
-    build_processor(tokenizer).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    _write_qwen3_omni_dir(out, FULL_CONFIG)
     stamp.write_text(json.dumps({"size": "full", "weights": "none (load_format: dummy)",
                                  "source": "Qwen/Qwen3-Omni-30B-A3B-Instruct config.json",
                                  "fingerprint": fp}, indent=2))
     return out
+
+
+def _write_qwen3_omni_dir(out: Path, config: dict):
+    """``config.json`` (``config``, checked by constructing transformers' ``Qwen3OmniMoeConfig``
+    first: raises if malformed) with the embedded tokenizer and processor files into ``out``.
+    Returns the tokenizer."""
+    from transformers import Qwen3OmniMoeConfig
+
+    from omni_cache.models import build_processor, build_tokenizer
+
+    Qwen3OmniMoeConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer = build_tokenizer(out)
+    build_processor(tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return tokenizer
 
 
 # ---- Gemma-4-E4B as the YOCO thinker, at its released size (issue 38, item 5) -----------------
@@ -212,35 +222,21 @@ def build_gemma4_full(out_dir: str | os.PathLike, *, force: bool = False) -> Pat
     Returns:
         The pipeline directory (``out_dir``).
     """
-    from transformers import Gemma4AudioFeatureExtractor, Gemma4Config, Gemma4Processor, Qwen3OmniMoeConfig
-    from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
-    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
+    from transformers import Gemma4Config
 
-    from omni_cache.models import CHAT_TEMPLATE, build_processor, build_tokenizer, is_up_to_date
-    from omni_cache.models_gemma import GEMMA4_TOWERS, THINKER_SUBDIR, gemma4_tokenizer
+    from omni_cache.models import is_up_to_date
+    from omni_cache.models_gemma import GEMMA4_TOWERS, THINKER_SUBDIR, save_gemma4_processor
 
     out = Path(out_dir)
     stamp = out / "omni_cache_model.json"
     fp = gemma4_full_fingerprint()
     if not force and is_up_to_date(stamp, fp):
         return out
-    pipeline = gemma4_e4b_pipeline_config()
-    Qwen3OmniMoeConfig(**{k: v for k, v in pipeline.items() if k != "model_type"})  # raises if malformed
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(pipeline, indent=2))
-    tokenizer = build_tokenizer(out)
-    build_processor(tokenizer).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
+    tokenizer = _write_qwen3_omni_dir(out, gemma4_e4b_pipeline_config())
     thinker = out / THINKER_SUBDIR
     thinker.mkdir(exist_ok=True)
     Gemma4Config(**gemma4_e4b_config()).save_pretrained(thinker)  # raises if malformed
-    tok = gemma4_tokenizer(tokenizer)
-    soft = GEMMA4_TOWERS["bench"].image_soft_tokens
-    Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
-                    image_processor=Gemma4ImageProcessor(max_soft_tokens=soft),
-                    video_processor=Gemma4VideoProcessor(), tokenizer=tok, chat_template=CHAT_TEMPLATE,
-                    image_seq_length=soft).save_pretrained(thinker)
+    save_gemma4_processor(thinker, tokenizer, GEMMA4_TOWERS["bench"].image_soft_tokens)
     stamp.write_text(json.dumps({"family": "gemma4", "size": "full", "weights": "none (load_format: dummy)",
                                  "source": "google/gemma-4-E4B-it text_config; Qwen/Qwen3-Omni-30B-A3B-Instruct "
                                            "talker and code2wav; bench vision/audio towers",

@@ -280,6 +280,23 @@ def gemma4_tokenizer(qwen_tokenizer):
     return tok
 
 
+def save_gemma4_processor(out: Path, qwen_tokenizer, soft_tokens: int) -> None:
+    """Save Gemma 4's real processor into ``out``: its image processor (``soft_tokens`` soft
+    tokens per image, at most ``soft_tokens x 9`` patches), audio feature extractor, video
+    processor, and :func:`gemma4_tokenizer` of ``qwen_tokenizer``, with the embedded chat
+    template."""
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4Processor
+    from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
+    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
+
+    from omni_cache.models import CHAT_TEMPLATE
+
+    Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
+                    image_processor=Gemma4ImageProcessor(max_soft_tokens=soft_tokens),
+                    video_processor=Gemma4VideoProcessor(), tokenizer=gemma4_tokenizer(qwen_tokenizer),
+                    chat_template=CHAT_TEMPLATE, image_seq_length=soft_tokens).save_pretrained(out)
+
+
 def _save_seeded(out: Path, model_cls, cfg) -> None:
     """Instantiate ``model_cls(cfg)`` with transformers' init under seed :data:`SEED` and save
     it (safetensors) into ``out``."""
@@ -302,11 +319,7 @@ def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, forc
     Raises:
         KeyError: unknown ``size``.
     """
-    from transformers import Gemma4AudioFeatureExtractor, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4Processor
-    from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
-    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
-
-    from omni_cache.models import CHAT_TEMPLATE
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     if size not in GEMMA4_SIZES:
         raise KeyError(f"unknown gemma4 thinker size {size!r}; choose one of {sorted(GEMMA4_SIZES)}")
@@ -316,14 +329,7 @@ def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, forc
     if not force and is_up_to_date(stamp, fp):
         return out
     _save_seeded(out, Gemma4ForConditionalGeneration, Gemma4Config(**gemma4_config_dict(size)))
-    tok = gemma4_tokenizer(build_tokenizer(out))
-    soft = GEMMA4_TOWERS[size].image_soft_tokens
-    processor = Gemma4Processor(
-        feature_extractor=Gemma4AudioFeatureExtractor(),
-        image_processor=Gemma4ImageProcessor(max_soft_tokens=soft),
-        video_processor=Gemma4VideoProcessor(), tokenizer=tok, chat_template=CHAT_TEMPLATE,
-        image_seq_length=soft)
-    processor.save_pretrained(out)
+    save_gemma4_processor(out, build_tokenizer(out), GEMMA4_TOWERS[size].image_soft_tokens)
     stamp.write_text(json.dumps({"family": "gemma4", "size": size, "seed": SEED, "fingerprint": fp,
                                  "widths": asdict(GEMMA4_SIZES[size]), "towers": asdict(GEMMA4_TOWERS[size])},
                                 indent=2))

@@ -175,20 +175,9 @@ def parse_concurrency(text: str) -> list[int]:
     Raises:
         ValueError: an empty list, a value that is no integer, or one < 1.
     """
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            c = int(part)
-        except ValueError:
-            raise ValueError(f"--concurrency: {part!r} is not an integer") from None
-        if c < 1:
-            raise ValueError(f"--concurrency: {c} < 1")
-        if c not in out:
-            out.append(c)
-    if not out:
-        raise ValueError("--concurrency: empty")
-    return out
+    from benchmarks.args import positive_int_list
+
+    return positive_int_list(text, "--concurrency", "1,4,16,64")
 
 
 def _rotate(xs: list, k: int) -> list:

@@ -341,6 +341,19 @@ def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[s
     return "\n".join(lines)
 
 
+def _save_figure(fig, path: str | Path, title: str = "") -> Path:
+    """Title (if any), tight layout, PNG at 120 dpi into ``path``; closes the figure."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, title: str = "") -> Path:
     """One panel per workload: median thinker prefill time per variant (bar, p25–p75 error bar);
     a dashed line marks the ideal for each cache variant (off median / (1/(1−h))). When TTFP
@@ -391,13 +404,7 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
     if with_ttfp:
         for ax, w in zip(axes[1], names):
             _ttfp_panel(ax, workloads[w], w, first=ax is axes[1][0])
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path, title)
 
 
 def _tick_labels(variants: list[str]) -> list[str]:
@@ -644,13 +651,7 @@ def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
                 bot.legend(fontsize=6)
         top.set_ylim(bottom=0)
         bot.set_ylim(bottom=0)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path, title)
 
 
 # ---- memory per variant ----------------------------------------------------------------------

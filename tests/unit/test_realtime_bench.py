@@ -128,7 +128,7 @@ def test_parse_sessions():
 
 @pytest.mark.parametrize("argv, msg", [
     (["--sessions", "1,x"], "--sessions '1,x': 'x' is not an integer"),
-    (["--sessions", "0"], "--sessions '0': 0 sessions"),
+    (["--sessions", "0"], "--sessions '0': 0 < 1"),
     (["--sessions", "9"], "max_sessions is 8, --sessions asks for 9"),
     (["--stage-config", "/nope/rt.yaml"], "--stage-config /nope/rt.yaml: file not found"),
     (["--stage-config", "no_such_config.yaml"], "--stage-config no_such_config.yaml: file not found"),
