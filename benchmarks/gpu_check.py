@@ -17,7 +17,8 @@ runs, on the card of this host (docs/gpu.md, "The GPU lane"):
   ``streaming`` (streaming, talker cache; omni-cache = the built-in cache bitwise; the fuzzer's
   slice), ``stress`` (preemptions, aborts), ``serve`` (chat + realtime), ``yoco-eager`` and
   ``yoco-compiled`` (the Gemma-4 YOCO thinker, fast prefill x the cache, eager and with
-  torch.compile + CUDA graphs).
+  torch.compile + CUDA graphs), ``equality-compiled`` (the Qwen3-Omni thinker with torch.compile +
+  CUDA graphs: the equality and streaming tests, production mode).
 
 Groups run as separate pytest processes, ``--jobs`` at a time (each starts its own engines on
 the one card). Writes ``report.json`` under ``--out`` (default
@@ -56,10 +57,15 @@ GROUPS: dict[str, tuple[list[str], dict[str, str]]] = {
     "serve": (["tests/pipeline/test_serve.py", "tests/pipeline/test_realtime.py"], INVARIANT),
     "yoco-eager": (["tests/pipeline/test_yoco_pipeline.py"], INVARIANT),
     "yoco-compiled": (["tests/pipeline/test_yoco_pipeline.py"], {"OMNI_TEST_COMPILED": "1", **INVARIANT}),
+    # production mode for Qwen3-Omni: the thinker compiled with CUDA graphs (its capture and the hand-off
+    # staged off the graph's buffers), streaming under async scheduling: served rows = their writer's,
+    # omni-cache = the built-in cache bitwise
+    "equality-compiled": (["tests/pipeline/test_cache_equality.py", "tests/pipeline/test_streaming_equality.py"],
+                          {"OMNI_TEST_COMPILED": "1", **INVARIANT}),
 }
 #: longest first, so ``--jobs`` slots fill well
-ORDER = ("streaming", "main-job", "serve", "stress", "yoco-compiled", "yoco-eager", "equality", "equality-default",
-         "unit")
+ORDER = ("streaming", "main-job", "equality-compiled", "serve", "stress", "yoco-compiled", "yoco-eager", "equality",
+         "equality-default", "unit")
 
 
 def log(msg: str) -> None:

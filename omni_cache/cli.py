@@ -56,12 +56,24 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
                 else "the embedded KV-shared Gemma-3n text thinker")
         return _build(f"{what} + Qwen3-Omni talker ({args.size})", out,
                       lambda: build_gemma_omni(out, args.size, force=args.force, family=family))
+    layers = getattr(args, "thinker_layers", None)
+    if layers is not None and (args.size != "full" or family != "qwen3-omni"):
+        print("error: --thinker-layers applies to --size full of qwen3-omni only", file=sys.stderr)
+        return 2
+    if layers is not None and not 2 <= layers <= 48:
+        print(f"error: --thinker-layers {layers}: Qwen3-Omni-30B-A3B's thinker has 48 layers; give 2..48",
+              file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else default_model_dir(args.size)
     if args.size == "full":
         from omni_cache.models_full import build_full
 
-        return _build("Qwen3-Omni-30B-A3B-Instruct's shape (config + tokenizer, no weights: load_format dummy)",
-                      out, lambda: build_full(out, force=args.force))
+        if layers is not None and layers != 48 and not args.out:
+            out = out.with_name(f"{out.name}-l{layers}")
+        what = ("Qwen3-Omni-30B-A3B-Instruct's shape" + ("" if layers in (None, 48) else
+                f" with {layers} of its 48 thinker layers (profiling)"))
+        return _build(f"{what} (config + tokenizer, no weights: load_format dummy)",
+                      out, lambda: build_full(out, force=args.force, thinker_layers=layers))
     return _build(f"the embedded Qwen3-Omni ({args.size})", out,
                   lambda: build_qwen3_omni(out, args.size, force=args.force))
 
@@ -294,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(stage_configs/gemma3n_yoco_cpu.yaml)")
     mm.add_argument("--out", help=f"target directory (default: ${settings.HOME.name}/models/<family>-omni-<size>; "
                                   "qwen3-omni: qwen3-omni-<size>)")
+    mm.add_argument("--thinker-layers", type=int, default=None,
+                    help="--size full (qwen3-omni) only: the same widths with this many thinker layers (2..48; the "
+                         "talker's accept_hidden_layer becomes half of it): the profiling shape for one 80 GB card; "
+                         "default directory qwen3-omni-full-l<N>")
     mm.add_argument("--force", action="store_true", help="rebuild even if up to date")
     mm.set_defaults(func=_cmd_make_model)
 

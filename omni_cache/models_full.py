@@ -104,33 +104,62 @@ FULL_CONFIG: dict = {
 }
 
 
-def full_fingerprint() -> str:
+def full_config(thinker_layers: int | None = None) -> dict:
+    """:data:`FULL_CONFIG`, or with ``thinker_layers`` (< 48) the same widths and fewer thinker
+    layers — the profiling shape that fits one 80 GB card beside its talker (the issue's
+    "12 of 48"): the talker's ``accept_hidden_layer`` becomes ``thinker_layers // 2`` (the
+    released model takes layer 24 of 48, its middle), so the captured layers stay layer 0 and
+    the middle one.
+
+    Raises:
+        ValueError: ``thinker_layers`` outside ``[2, 48]``.
+    """
+    import copy
+
+    cfg = copy.deepcopy(FULL_CONFIG)
+    if thinker_layers is None or thinker_layers == 48:
+        return cfg
+    if not 2 <= thinker_layers <= 48:
+        raise ValueError(f"--thinker-layers {thinker_layers}: Qwen3-Omni-30B-A3B's thinker has 48; give 2..48")
+    cfg["thinker_config"]["text_config"]["num_hidden_layers"] = thinker_layers
+    cfg["talker_config"]["accept_hidden_layer"] = thinker_layers // 2
+    return cfg
+
+
+def full_fingerprint(thinker_layers: int | None = None) -> str:
     """Digest of what :func:`build_full` writes (config + format version)."""
     import hashlib
 
-    payload = json.dumps({"cfg": FULL_CONFIG, "v": FULL_FORMAT_VERSION}, sort_keys=True)
+    payload = json.dumps({"cfg": full_config(thinker_layers), "v": FULL_FORMAT_VERSION}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def build_full(out_dir: str | os.PathLike, *, force: bool = False) -> Path:
-    """Write the full-size model directory: ``config.json`` (:data:`FULL_CONFIG`, checked by
-    constructing transformers' ``Qwen3OmniMoeConfig`` from it), the tokenizer and processor
-    files, and the build stamp — no weights (load it with ``load_format: dummy``).
+def build_full(out_dir: str | os.PathLike, *, force: bool = False, thinker_layers: int | None = None) -> Path:
+    """Write the full-size model directory: ``config.json`` (:data:`FULL_CONFIG`, or
+    :func:`full_config` with ``thinker_layers``; checked by constructing transformers'
+    ``Qwen3OmniMoeConfig`` from it), the tokenizer and processor files, and the build stamp —
+    no weights (load it with ``load_format: dummy``).
 
     Returns:
         The model directory (``out_dir``).
+
+    Raises:
+        ValueError: ``thinker_layers`` outside ``[2, 48]``.
     """
     from omni_cache.models import is_up_to_date
 
     out = Path(out_dir)
     stamp = out / "omni_cache_model.json"
-    fp = full_fingerprint()
+    cfg = full_config(thinker_layers)
+    fp = full_fingerprint(thinker_layers)
     if not force and is_up_to_date(stamp, fp):
         return out
-    _write_qwen3_omni_dir(out, FULL_CONFIG)
+    _write_qwen3_omni_dir(out, cfg)
+    layers = cfg["thinker_config"]["text_config"]["num_hidden_layers"]
     stamp.write_text(json.dumps({"size": "full", "weights": "none (load_format: dummy)",
-                                 "source": "Qwen/Qwen3-Omni-30B-A3B-Instruct config.json",
-                                 "fingerprint": fp}, indent=2))
+                                 "source": "Qwen/Qwen3-Omni-30B-A3B-Instruct config.json"
+                                           + ("" if layers == 48 else f", thinker cut to {layers} of 48 layers"),
+                                 "thinker_layers": layers, "fingerprint": fp}, indent=2))
     return out
 
 

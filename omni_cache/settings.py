@@ -123,6 +123,12 @@ FUSED = Setting(
     "OMNI_CACHE_FUSED", Kind.CHOICE, "1", ReadBy.ENGINE, True,
     "CUDA: write a step's rows of every key with one Triton kernel (`1`, default) or with "
     "torch's per-key `index_copy_` (`0`); same results", choices=("0", "1"))
+HANDOFF_STAGING = Setting(
+    "OMNI_CACHE_HANDOFF_STAGING", Kind.CHOICE, "host", ReadBy.ENGINE, True,
+    "CUDA: the thinker's hand-off rows reach vLLM-Omni's payload builder as pinned host tensors "
+    "copied asynchronously at save time (`host`, default) or as device tensors it copies itself "
+    "(`device`: the path before 2026-11-26, kept to measure it against; docs/gpu.md)",
+    choices=("host", "device"))
 CPU_PLATFORM = Setting(
     "OMNI_CACHE_CPU_PLATFORM", Kind.CHOICE, None, ReadBy.EVERY, True,
     "force the CPU OmniPlatform on (`1`) or off (`0`); unset: on when vLLM resolved to its CPU "
@@ -188,7 +194,7 @@ VENV = Setting(
 #: name → setting, in documentation order.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, HIT_AUDIT, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
-    FUSED, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, PARALLEL_STAGE_INIT, ROUTING,
+    FUSED, HANDOFF_STAGING, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, PARALLEL_STAGE_INIT, ROUTING,
     ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, REALTIME_WINDOW, REALTIME_PINNED_TURNS, REALTIME_KEEP_ON_SLIDE,
     TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}
 

@@ -164,6 +164,50 @@ class Variant:
         self.log.close()
 
 
+def gpu_inventory() -> list[dict]:
+    """The host's NVIDIA GPUs from NVML (``nvidia-ml-py``): per device ``index``, ``name``,
+    ``memory_total`` / ``memory_free`` (bytes) and the ``driver`` version; ``[]`` without NVML
+    or a GPU (the CPU host). NVML, not torch: this driver process keeps torch out."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML / no driver: a CPU host
+        return []
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            m = pynvml.nvmlDeviceGetMemoryInfo(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                        "memory_total": int(m.total), "memory_free": int(m.free),
+                        "driver": driver.decode() if isinstance(driver, bytes) else driver})
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def gpu_fit(one: dict | None, gpus: list[dict], others: int, margin: int) -> tuple[bool, str]:
+    """Whether ``others`` more pipelines like ``one`` (its ``gpu`` memory row:
+    ``per_device`` index → bytes) fit the free memory of each device now (``gpus`` from
+    :func:`gpu_inventory`, read with ``one`` up), with ``margin`` bytes to spare per device;
+    and why, in words."""
+    per = (one or {}).get("per_device") or {}
+    if not per:
+        return False, "the first pipeline's GPU memory is unknown (NVML); one pipeline at a time"
+    free = {g["index"]: g["memory_free"] for g in gpus}
+    lines, ok = [], True
+    for dev, used in sorted(per.items(), key=lambda kv: int(kv[0])):
+        need = used * others + margin
+        have = free.get(int(dev), 0)
+        ok = ok and have >= need
+        lines.append(f"GPU {dev}: free {have / GiB:.1f} GiB {'≥' if have >= need else '<'} {need / GiB:.1f} GiB "
+                     f"({others} more × {used / GiB:.1f} GiB + margin)")
+    return ok, "; ".join(lines)
+
+
 def mem_total(rows: list[dict]) -> dict[str, int]:
     return {k: sum(r.get(k, 0) for r in rows) for k in ("rss", "pss", "uss", "cpu_s")}
 
@@ -220,14 +264,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="concurrent: SIGSTOP the pipelines not being timed (default on)")
     ap.add_argument("--idle-probe-s", type=float, default=10.0,
                     help="concurrent: seconds to measure the CPU use of idle pipelines before timing")
-    ap.add_argument("--thinker-kv-mib", type=int, default=MemorySettings.thinker_kv_bytes // MiB)
-    ap.add_argument("--talker-kv-mib", type=int, default=MemorySettings.talker_kv_bytes // MiB)
-    ap.add_argument("--code2wav-kv-mib", type=int, default=MemorySettings.code2wav_kv_bytes // MiB)
+    ap.add_argument("--thinker-kv-mib", type=int, default=None,
+                    help=f"thinker KV cache, MiB (default: {MemorySettings.thinker_kv_bytes // MiB} on the CPU; on a "
+                         "GPU host the stage config's kv_cache_memory_bytes / gpu_memory_utilization)")
+    ap.add_argument("--talker-kv-mib", type=int, default=None,
+                    help=f"talker KV cache, MiB (default: {MemorySettings.talker_kv_bytes // MiB} on the CPU; the "
+                         "stage config's on a GPU host)")
+    ap.add_argument("--code2wav-kv-mib", type=int, default=None,
+                    help=f"code2wav KV cache, MiB (default: {MemorySettings.code2wav_kv_bytes // MiB} on the CPU; "
+                         "the stage config's on a GPU host)")
     ap.add_argument("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs,
                     help="max_num_seqs of every stage (default for one request at a time; under load give "
                          ">= the largest --concurrency)")
-    ap.add_argument("--cpu-executor", default=MemorySettings.cpu_executor, choices=["uni", "mp"],
-                    help="vLLM executor of each stage on CPU (uni: worker inside the engine-core process)")
+    ap.add_argument("--cpu-executor", default=None, choices=["uni", "mp"],
+                    help="vLLM executor of each stage (uni: worker inside the engine-core process; default uni on "
+                         "the CPU, the stage config's on a GPU host)")
     ap.add_argument("--no-stream", action="store_true",
                     help="measure without streaming: async_chunk false and vLLM-Omni's synchronous Omni "
                          "(TTFP = the whole waveform); default: async_chunk true through AsyncOmni "
@@ -253,10 +304,19 @@ def _talker_cache(args, variant: str) -> bool:
     return bool(talker and talker[0].get("enable_prefix_caching", raw.get("enable_prefix_caching")))
 
 
-def _memory_settings(args) -> MemorySettings:
-    return MemorySettings(thinker_kv_bytes=args.thinker_kv_mib * MiB, talker_kv_bytes=args.talker_kv_mib * MiB,
-                          code2wav_kv_bytes=args.code2wav_kv_mib * MiB, max_num_seqs=args.max_num_seqs,
-                          cpu_executor=args.cpu_executor)
+def _memory_settings(args, gpu_host: bool) -> MemorySettings:
+    """The variants' memory knobs: what the command gives; else on the CPU the CPU defaults
+    and on a GPU host the stage config's own (its KV sizes, its executor)."""
+    d = MemorySettings()
+
+    def kv(mib: int | None, cpu_default: int) -> int | None:
+        return mib * MiB if mib is not None else (None if gpu_host else cpu_default)
+
+    return MemorySettings(thinker_kv_bytes=kv(args.thinker_kv_mib, d.thinker_kv_bytes),
+                          talker_kv_bytes=kv(args.talker_kv_mib, d.talker_kv_bytes),
+                          code2wav_kv_bytes=kv(args.code2wav_kv_mib, d.code2wav_kv_bytes),
+                          max_num_seqs=args.max_num_seqs,
+                          cpu_executor=args.cpu_executor or (None if gpu_host else d.cpu_executor))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -314,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    mem = _memory_settings(args)
+    gpus = gpu_inventory()
+    mem = _memory_settings(args, gpu_host=bool(gpus))
     cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
                                     talker_prefix_caching=_talker_cache(args, v))
             for v in variants}
@@ -389,6 +450,68 @@ def run(args: argparse.Namespace) -> int:
             samples[row["workload"]][v].append(row)
         bar.update(len(rows))
 
+    def write_result(final: bool):
+        """Summaries, bars, ``result.json`` and the plots of what is measured so far (also
+        during the run: a run stopped before its end keeps what it measured; ``complete``
+        says whether it ran to its end)."""
+        summ = {w: S.summarize_workload(samples[w]) for w in workloads}
+        S.add_attainable(summ)
+        if set(YOCO_VARIANTS) <= set(variants):
+            checks = {w: S.yoco_checks(w, summ[w]) for w in workloads if w in ("text", "image", "audio", "chat")}
+        else:
+            checks = {w: S.bar_checks(w, summ[w]) for w in workloads} if "omni_cache" in variants else {}
+        metrics = []
+        for v in variants:
+            for p in sorted((out / f"metrics_{v}").glob("*.json")):
+                try:
+                    metrics.append({"variant": v, "file": p.name, **json.loads(p.read_text())})
+                except (OSError, json.JSONDecodeError):
+                    pass
+        load = S.summarize_load(load_samples, samples if alone else None)
+        load_checks = S.load_checks(load) if "omni_cache" in variants else {}
+        mem_per_variant = S.memory_per_variant(memory["samples"], metrics, variants)
+        result = {
+            "command": " ".join(sys.argv),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
+            "duration_s": time.time() - t_start,
+            "machine": _machine(gpus),
+            "versions": _versions(),
+            "git": _git(),
+            "model": model,
+            "config": {"args": vars(args), "memory_settings": mem.to_dict(), "workload_options": opts.__dict__,
+                       "stage_configs": {v: cfgs[v].read_text() for v in variants}},
+            "alternation": alternation,
+            "memory": memory,
+            "memory_per_variant": mem_per_variant,
+            "pipeline_start_s": starts,
+            "metric_definitions": METRIC_DEFINITIONS,
+            "workloads": summ,
+            "bar_checks": checks,
+            "samples": samples,
+            "concurrency": conc,
+            "load": load,
+            "load_bar_checks": load_checks,
+            "load_note": load_note,
+            "load_samples": load_samples,
+            "warmup_samples": warm,
+            "omni_cache_metrics": metrics,
+            "aborted": aborted,
+            "complete": final and not aborted,
+        }
+        (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
+        png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {Path(model).name}, {alternation['mode']}, "
+                                                      f"N={args.requests} R={args.repeats}")
+        load_png = (S.plot_load(load, out / "load.png", title=f"under load, {Path(model).name}, {alternation['mode']}, "
+                                                                f"N={args.requests} R={args.repeats}")
+                    if loads else None)
+        return summ, checks, load, load_checks, mem_per_variant, png, load_png
+
+    def checkpoint() -> None:
+        try:
+            write_result(final=False)
+        except Exception as exc:  # noqa: BLE001 - a partial summary must never stop the run
+            print(f"\nnote: partial result.json not written ({type(exc).__name__}: {exc})", file=sys.stderr)
+
     live: list[Variant] = []
     aborted: str | None = None
     t_start = time.time()
@@ -407,11 +530,19 @@ def run(args: argparse.Namespace) -> int:
         alternation.update({"one_pipeline_pss_bytes": one["pss"], "one_pipeline_rss_bytes": one["rss"],
                             "available_bytes_with_one_up": avail, "needed_bytes_for_others": need})
         if mode == "auto":
-            mode = "concurrent" if avail >= need else "restart"
-            alternation["reason"] = (f"available {avail / GiB:.1f} GiB with one pipeline up "
-                                     f"{'≥' if mode == 'concurrent' else '<'} {need / GiB:.1f} GiB needed "
-                                     f"({len(variants) - 1} more × {one['pss'] / GiB:.2f} GiB PSS + "
-                                     f"{args.mem_margin_gib} GiB margin)")
+            host_ok = avail >= need
+            host_why = (f"host: available {avail / GiB:.1f} GiB with one pipeline up "
+                        f"{'≥' if host_ok else '<'} {need / GiB:.1f} GiB needed "
+                        f"({len(variants) - 1} more × {one['pss'] / GiB:.2f} GiB PSS + "
+                        f"{args.mem_margin_gib} GiB margin)")
+            if gpus:  # a GPU host: the cards decide first (three full-size pipelines on one card do not fit)
+                gpu_ok, gpu_why = gpu_fit(memory["samples"][-1].get("gpu"), gpu_inventory(), len(variants) - 1,
+                                          int(args.mem_margin_gib * GiB))
+                mode = "concurrent" if (gpu_ok and host_ok) else "restart"
+                alternation["reason"] = f"{gpu_why}; {host_why}"
+            else:
+                mode = "concurrent" if host_ok else "restart"
+                alternation["reason"] = host_why
         alternation["mode"] = mode
         if mode == "concurrent":
             alternation["how"] = ("all variants up at once; each request sent to every variant in turn, "
@@ -451,6 +582,7 @@ def run(args: argparse.Namespace) -> int:
                             run_load(var, w, r, c)
                             if args.freeze_idle:
                                 var.freeze()
+                    checkpoint()
             for var in live:
                 if var.frozen:
                     var.thaw()
@@ -485,6 +617,7 @@ def run(args: argparse.Namespace) -> int:
                     sample_mem(var, f"end of round {r}")
                     var.close()
                     live.remove(var)
+                    checkpoint()
         alternation["variant_order_per_round"] = (
             [",".join(_rotate(variants, r)) for r in range(args.repeats)] if mode == "restart"
             else "per request: variants rotated by (round + request index); under load (c > 1) one batch per "
@@ -498,55 +631,7 @@ def run(args: argparse.Namespace) -> int:
             var.close()
         bar.close()
 
-    summ = {w: S.summarize_workload(samples[w]) for w in workloads}
-    S.add_attainable(summ)
-    if set(YOCO_VARIANTS) <= set(variants):
-        checks = {w: S.yoco_checks(w, summ[w]) for w in workloads if w in ("text", "image", "audio", "chat")}
-    else:
-        checks = {w: S.bar_checks(w, summ[w]) for w in workloads} if "omni_cache" in variants else {}
-    metrics = []
-    for v in variants:
-        for p in sorted((out / f"metrics_{v}").glob("*.json")):
-            try:
-                metrics.append({"variant": v, "file": p.name, **json.loads(p.read_text())})
-            except (OSError, json.JSONDecodeError):
-                pass
-    load = S.summarize_load(load_samples, samples if alone else None)
-    load_checks = S.load_checks(load) if "omni_cache" in variants else {}
-    mem_per_variant = S.memory_per_variant(memory["samples"], metrics, variants)
-    result = {
-        "command": " ".join(sys.argv),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
-        "duration_s": time.time() - t_start,
-        "machine": _machine(),
-        "versions": _versions(),
-        "git": _git(),
-        "model": model,
-        "config": {"args": vars(args), "memory_settings": mem.to_dict(), "workload_options": opts.__dict__,
-                   "stage_configs": {v: cfgs[v].read_text() for v in variants}},
-        "alternation": alternation,
-        "memory": memory,
-        "memory_per_variant": mem_per_variant,
-        "pipeline_start_s": starts,
-        "metric_definitions": METRIC_DEFINITIONS,
-        "workloads": summ,
-        "bar_checks": checks,
-        "samples": samples,
-        "concurrency": conc,
-        "load": load,
-        "load_bar_checks": load_checks,
-        "load_note": load_note,
-        "load_samples": load_samples,
-        "warmup_samples": warm,
-        "omni_cache_metrics": metrics,
-        "aborted": aborted,
-    }
-    (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
-    png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {Path(model).name}, {alternation['mode']}, "
-                                                  f"N={args.requests} R={args.repeats}")
-    load_png = (S.plot_load(load, out / "load.png", title=f"under load, {Path(model).name}, {alternation['mode']}, "
-                                                            f"N={args.requests} R={args.repeats}")
-                if loads else None)
+    summ, checks, load, load_checks, mem_per_variant, png, load_png = write_result(final=True)
     print()
     if alone:
         print(S.format_table(summ, checks))
@@ -615,7 +700,7 @@ METRIC_DEFINITIONS = {
 }
 
 
-def _machine() -> dict:
+def _machine(gpus: list[dict] | None = None) -> dict:
     import psutil
 
     cpu = ""
@@ -634,7 +719,8 @@ def _machine() -> dict:
         capability = None
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "cpu_model": cpu, "cpu_capability": capability, "memory_bytes": psutil.virtual_memory().total,
-            "hostname": platform.node()}
+            "hostname": platform.node(),
+            "gpus": [{k: g[k] for k in ("index", "name", "memory_total", "driver")} for g in (gpus or [])]}
 
 
 def _versions() -> dict:

@@ -87,7 +87,8 @@ def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
 def gpu_memory(pids: list[int]) -> dict[str, Any]:
     """GPU memory used by the processes ``pids`` (a variant's process tree), from NVML.
 
-    Returns ``{"gpu_bytes": total bytes, "per_process": {pid: bytes}, "reason": None}``, or
+    Returns ``{"gpu_bytes": total bytes, "per_process": {pid: bytes}, "per_device": {device
+    index: bytes}, "reason": None}``, or
     ``{"gpu_bytes": None, "reason": why}`` where NVML (``pynvml``, package ``nvidia-ml-py``) or
     a GPU is missing. Per-process figures are what the driver reports as the process's used
     memory on each device (the CUDA context, PyTorch's caching allocator reserve, KV cache and
@@ -103,15 +104,16 @@ def gpu_memory(pids: list[int]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - no driver / no GPU
         return {"gpu_bytes": None, "reason": f"NVML unavailable ({type(exc).__name__}: {exc})"}
     try:
-        want, per = set(pids), {}
+        want, per, dev = set(pids), {}, {}
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
                 if p.pid in want and p.usedGpuMemory is not None:
                     per[p.pid] = per.get(p.pid, 0) + int(p.usedGpuMemory)
+                    dev[i] = dev.get(i, 0) + int(p.usedGpuMemory)
         if not per:
             return {"gpu_bytes": None, "per_process": {}, "reason": "NVML lists no process of this variant"}
-        return {"gpu_bytes": sum(per.values()), "per_process": per, "reason": None}
+        return {"gpu_bytes": sum(per.values()), "per_process": per, "per_device": dev, "reason": None}
     finally:
         pynvml.nvmlShutdown()
 
@@ -140,6 +142,7 @@ class VariantWorker:
 
     def __init__(self, model: str, stage_config: str, *, stream: bool = True):
         from omni_cache.driver.engine_hooks import hooks_wanted, install_engine_hooks, prepare_environment
+        from omni_cache.driver.pipeline import engine_start_environment, start_kwargs
         from omni_cache.driver.stage_config import load_stage_config
         from omni_cache.engine.plugin import register
 
@@ -151,18 +154,21 @@ class VariantWorker:
         self.family = cfg.thinker_family  # the prompt's media placeholders
         self._loop = None
         t0 = time.perf_counter()
-        if stream:
-            # AsyncOmni: the only vLLM-Omni engine that hands the driver each audio packet
-            # as it leaves code2wav (see omni_cache.driver.streaming)
-            import asyncio
+        # the product's start: its environment and its keyword arguments (e.g. parallel stage
+        # start with OMNI_CACHE_PARALLEL_STAGE_INIT=1), as OmniPipeline and `omni-cache serve`
+        with engine_start_environment(cfg):
+            if stream:
+                # AsyncOmni: the only vLLM-Omni engine that hands the driver each audio packet
+                # as it leaves code2wav (see omni_cache.driver.streaming)
+                import asyncio
 
-            self._loop = asyncio.new_event_loop()
-            self.omni = self._loop.run_until_complete(self._start_async(model, str(cfg.path)))
-        else:
-            from vllm_omni import Omni
+                self._loop = asyncio.new_event_loop()
+                self.omni = self._loop.run_until_complete(self._start_async(model, str(cfg.path)))
+            else:
+                from vllm_omni import Omni
 
-            self.omni = Omni(model=model, deploy_config=str(cfg.path), stage_init_timeout=900,
-                             init_timeout=1200, log_stats=True)
+                self.omni = Omni(model=model, deploy_config=str(cfg.path), stage_init_timeout=900,
+                                 init_timeout=1200, log_stats=True, **start_kwargs())
         # what OmniPipeline / omni-cache serve install: without the talker's content identity
         # a talker with prefix caching on gets no keys and shares nothing
         self.hooks = install_engine_hooks(self.omni, cfg) if hooks_wanted(cfg) else None
@@ -177,8 +183,10 @@ class VariantWorker:
     async def _start_async(model: str, deploy_config: str):
         from vllm_omni.entrypoints.async_omni import AsyncOmni
 
+        from omni_cache.driver.pipeline import start_kwargs
+
         return AsyncOmni(model=model, deploy_config=deploy_config, stage_init_timeout=900,
-                         init_timeout=1200, log_stats=True)
+                         init_timeout=1200, log_stats=True, **start_kwargs())
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -27,9 +27,11 @@ class KeySpec:
 @dataclass
 class CacheMetrics:
     """Counters since construction. Rows count one token of one key; bytes are
-    ``rows * width * itemsize``; seconds are wall time (``time.perf_counter``) spent in
-    cache writes / reads. ``hits_refused`` counts ``read_prefix`` calls refused as stale
-    or uncovered."""
+    ``rows * width * itemsize``; seconds are host wall time (``time.perf_counter``) spent in
+    cache writes / reads; ``seconds_save`` / ``seconds_materialize`` are the stage manager's
+    whole per-step host time in the runner's save and hand-off calls (block hashes, writes,
+    reads, staging; set by :class:`omni_cache.engine.stage_manager.OmniCacheStageManager`).
+    ``hits_refused`` counts ``read_prefix`` calls refused as stale or uncovered."""
 
     steps: int = 0
     rows_written: int = 0
@@ -41,6 +43,8 @@ class CacheMetrics:
     hits_refused: int = 0
     seconds_write: float = 0.0
     seconds_read: float = 0.0
+    seconds_save: float = 0.0
+    seconds_materialize: float = 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         """Counter name -> value."""

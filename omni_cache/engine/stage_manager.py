@@ -39,7 +39,9 @@ from typing import Any
 
 import torch
 
+from omni_cache import settings
 from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashes
+from omni_cache.core.staging import HostStager, KeptIds, StagedStep
 from omni_cache.engine.metrics import HitAudit, MetricsFile
 
 logger = logging.getLogger(__name__)
@@ -63,8 +65,9 @@ class RequestView:
         block_hashes: chained block hashes of the request's full blocks, computed so far.
         resolved: position → token id of output tokens the runner's host state holds as
             placeholders (async scheduling, :meth:`OmniCacheStageManager.keep_async_inputs`).
-        device_inputs: ``(first position, int tensor [n] on the device)``: input ids of
-            steps whose positions hold placeholders, not copied to the host yet.
+        device_inputs: ``(first position, kept step ids, start, end)``: the request's input
+            ids of a step whose positions hold placeholders (rows ``[start, end)`` of that
+            step's :class:`~omni_cache.core.staging.KeptIds`), not read on the host yet.
     """
 
     block_ids: list[int]
@@ -72,7 +75,7 @@ class RequestView:
     hit_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)
     resolved: dict[int, int] = field(default_factory=dict)
-    device_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    device_inputs: list[tuple[int, KeptIds, int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -127,9 +130,14 @@ class HandOff:
 @dataclass
 class _SavedStep:
     plan: StepPlan
-    merged: dict[str, dict[str, torch.Tensor]]  # req -> key -> rows
+    merged: dict[str, dict[str, torch.Tensor]] | None  # req -> key -> rows (host tier)
+    staged: StagedStep | None  # the same rows, staged to pinned host memory (CUDA)
     passthrough: dict[str, Any]
     num_tokens: int
+
+    def rows(self, req_id: str) -> dict[str, torch.Tensor]:
+        """Key → the request's hand-off rows (``cached prefix ++ fresh``)."""
+        return self.staged.rows(req_id) if self.staged is not None else self.merged[req_id]
 
 
 def mm_extra_keys(req_state) -> list[tuple[int, int, object]]:
@@ -174,6 +182,7 @@ class OmniCacheStageManager:
         self._metrics_file = MetricsFile("metrics", self.PUBLISH_INTERVAL_S)
         self._hit_audit = HitAudit()
         self.step_seconds = 0.0  # the last save_outputs, whole (hashes, writes, reads, merge)
+        self._stager: HostStager | None = None  # CUDA: hand-off rows to pinned host (ensure_keys)
 
     # ---- 1. step begin ---------------------------------------------------------------
     def new_step_starts(self, scheduler_output) -> None:
@@ -238,10 +247,14 @@ class OmniCacheStageManager:
         self.keep_async_inputs(plan)
         fresh = self.write_rows(plan, outputs)
         prefixes = self.read_hits(plan)
-        merged = self.merge(plan, fresh, prefixes)
+        if self._stager is not None:
+            merged, staged = None, self.stage_handoff(plan, fresh, prefixes)
+        else:
+            merged, staged = self.merge(plan, fresh, prefixes), None
         step_id = next(self._step_ids)
-        self._steps[step_id] = _SavedStep(plan, merged, outputs.passthrough, outputs.num_tokens)
+        self._steps[step_id] = _SavedStep(plan, merged, staged, outputs.passthrough, outputs.num_tokens)
         self.step_seconds = time.perf_counter() - t0
+        self.cache.metrics.seconds_save += self.step_seconds
         return step_id
 
     # ---- 2. classify outputs -------------------------------------------------------------
@@ -271,6 +284,8 @@ class OmniCacheStageManager:
             tier = Tier.DEVICE if device.type != "cpu" else Tier.HOST
             self.cache = HiddenStateCache(self.num_blocks, self.block_size, specs, device=device, tier=tier)
             self.cache.begin_step()
+            if device.type == "cuda" and settings.HANDOFF_STAGING.get() == "host":
+                self._stager = HostStager(device)
             logger.info("omni-cache: %s", self.cache.describe().replace("\n", "; "))
         else:
             new = [s for s in specs if s.name not in self.cache.specs]
@@ -309,42 +324,47 @@ class OmniCacheStageManager:
         """Under async scheduling (vLLM-Omni's default on GPUs) the runner's host-side
         ``output_token_ids`` hold :data:`PLACEHOLDER_TOKEN` for tokens sampled in earlier
         steps: their values stay on the device. A decode step's input ids — this step's
-        tokens, in the runner's device ``input_ids`` — are those tokens: keep the slice of
-        each request whose positions hold a placeholder (a device copy, no host sync), for
-        :meth:`block_hashes` to hash the real tokens. Without this the writer's decode-filled
-        blocks were cached under hashes of placeholders, and the next turn's hit on them was
-        refused (``StaleRowsError``, the engine stopped) — found on an H200 (docs/gpu.md).
+        tokens, in the runner's device ``input_ids`` — are those tokens: keep the step's ids
+        (one non-blocking copy to pinned memory per step, :class:`~omni_cache.core.staging.KeptIds`;
+        no host sync, not even when a block fills and they are read) for every request whose
+        positions hold a placeholder, for :meth:`block_hashes` to hash the real tokens. Without
+        this the writer's decode-filled blocks were cached under hashes of placeholders, and the
+        next turn's hit on them was refused (``StaleRowsError``, the engine stopped) — found on an H200 (docs/gpu.md).
         Nothing to do under synchronous scheduling (the CPU platform's only mode)."""
         ids = getattr(getattr(self.runner, "input_ids", None), "gpu", None)
         if ids is None:
             return
+        need = []
         for rid in plan.req_ids:
             st = self.runner.requests.get(rid)
             out = getattr(st, "output_token_ids", None)
             if not out or out[-1] != PLACEHOLDER_TOKEN:
                 continue
-            view = self.reqs[rid]
             n_prompt = len(st.prompt_token_ids or [])
             s, e = plan.spans[rid]
-            start = view.num_computed_tokens
+            start = self.reqs[rid].num_computed_tokens
             lo = max(start, n_prompt)
             hi = min(start + (e - s), n_prompt + len(out))
             if any(out[p - n_prompt] == PLACEHOLDER_TOKEN for p in range(lo, hi)):
-                view.device_inputs.append((start, ids[s:e].clone()))
+                need.append((rid, start, s, e))
+        if need:
+            kept = KeptIds(ids[:need[-1][3]])  # one copy for the step (batch order: the last ends last)
+            for rid, start, s, e in need:
+                self.reqs[rid].device_inputs.append((start, kept, s, e))
 
     def _known_tokens(self, view: RequestView, st, lo: int, hi: int) -> list[int]:
         """The request's token ids at positions ``[lo, hi)``: prompt, then output tokens with
-        placeholders replaced by their kept device values (copied to the host here, once per
-        kept step — a block filled by decode tokens, every ``block_size`` steps). A position
-        still unknown stays :data:`PLACEHOLDER_TOKEN`."""
+        placeholders replaced by their kept values (read on the host here when a block filled
+        by decode tokens is hashed, every ``block_size`` steps; their copy completed long
+        before). A position still unknown stays :data:`PLACEHOLDER_TOKEN`."""
         prompt = st.prompt_token_ids or []
         n_prompt = len(prompt)
         tokens = (list(prompt[lo:hi])
                   + list(st.output_token_ids or [])[max(lo - n_prompt, 0):max(hi - n_prompt, 0)])
         if PLACEHOLDER_TOKEN not in tokens[max(n_prompt - lo, 0):]:
             return tokens
-        for first, t in view.device_inputs:
-            for i, tok in enumerate(t.tolist()):
+        for first, kept, s, e in view.device_inputs:
+            for i, tok in enumerate(kept.values(s, e)):
                 view.resolved[first + i] = int(tok)
         view.device_inputs.clear()
         for i in range(max(n_prompt - lo, 0), len(tokens)):
@@ -427,6 +447,15 @@ class OmniCacheStageManager:
             merged[rid] = HiddenStateCache.merge(prefixes[rid], rows) if rid in prefixes else rows
         return merged
 
+    def stage_handoff(self, plan: StepPlan, fresh: Mapping[str, Mapping[str, torch.Tensor]],
+                      prefixes: Mapping[str, Mapping[str, torch.Tensor]]) -> StagedStep:
+        """The merge on CUDA: every request's ``cached prefix ++ fresh`` rows of the handoff
+        keys, copied off the forward's buffers and on to pinned host memory asynchronously
+        (:class:`~omni_cache.core.staging.HostStager`), so the payload builder, which runs a
+        step late on another thread, gets host tensors and never waits for a later step."""
+        parts = {rid: ([prefixes[rid]] if rid in prefixes else []) + [fresh[rid]] for rid in plan.req_ids}
+        return self._stager.stage(plan.handoff_keys, plan.req_ids, parts)
+
     # ---- 7. hand off -----------------------------------------------------------------------
     def materialize(self, step_id: int, req_ids: list[str]) -> HandOff:
         """Per-request merged tensors of a saved step (consumes the step).
@@ -437,15 +466,19 @@ class OmniCacheStageManager:
         """
         from vllm_omni.utils.mm_outputs import to_payload_element
 
+        t0 = time.perf_counter()
         step = self._steps.pop(step_id)
         plan = step.plan
         unknown = set(req_ids) - set(plan.spans)
         if unknown:
             raise RuntimeError(f"omni-cache: materialize(step {step_id}) got unknown request ids {sorted(unknown)[:8]}")
-        hidden = {rid: step.merged[rid][HIDDEN_KEY] for rid in req_ids if HIDDEN_KEY in step.merged[rid]}
+        if step.staged is not None:
+            step.staged.wait()
+        rows = {rid: step.rows(rid) for rid in req_ids}
+        hidden = {rid: rows[rid][HIDDEN_KEY] for rid in req_ids if HIDDEN_KEY in rows[rid]}
         mm: dict[str, dict[str, Any]] = {}
         for rid in req_ids:
-            for k, v in step.merged[rid].items():
+            for k, v in rows[rid].items():
                 if k != HIDDEN_KEY:
                     mm.setdefault(k, {})[rid] = v
         for k, v in step.passthrough.items():
@@ -455,6 +488,8 @@ class OmniCacheStageManager:
                                         seq_len=step.num_tokens)
                 for rid in req_ids
             }
+        if self.cache is not None:
+            self.cache.metrics.seconds_materialize += time.perf_counter() - t0
         self._publish_metrics(force=self._read_this_step)
         self._read_this_step = False
         return HandOff(hidden_states=hidden or None, mm_outputs=mm)

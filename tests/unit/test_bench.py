@@ -700,5 +700,30 @@ def test_gpu_memory_sums_the_variants_processes_over_devices(monkeypatch):
               nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetComputeRunningProcesses=lambda h: procs[h])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     g = gpu_memory([10, 11, 12])
-    assert g == {"gpu_bytes": 123, "per_process": {10: 120, 11: 3}, "reason": None}
+    assert g == {"gpu_bytes": 123, "per_process": {10: 120, 11: 3}, "per_device": {0: 100, 1: 23}, "reason": None}
     assert gpu_memory([7])["gpu_bytes"] is None and "no process" in gpu_memory([7])["reason"]
+
+
+def test_gpu_fit_decides_per_device_with_the_first_pipelines_use():
+    """auto alternation on a GPU host: every card must hold the other variants' share of it."""
+    from benchmarks.prefill.harness import GiB, gpu_fit
+
+    one = {"per_device": {0: 20 * GiB, 1: 8 * GiB}}
+    gpus = [{"index": 0, "memory_free": 45 * GiB}, {"index": 1, "memory_free": 60 * GiB}]
+    ok, why = gpu_fit(one, gpus, 2, 1 * GiB)
+    assert ok and "GPU 0" in why and "GPU 1" in why
+    ok, why = gpu_fit(one, [{"index": 0, "memory_free": 40 * GiB}, gpus[1]], 2, 1 * GiB)
+    assert not ok and "GPU 0: free 40.0 GiB < 41.0 GiB" in why
+    assert gpu_fit(None, gpus, 2, 0)[0] is False  # NVML saw nothing: one at a time
+
+
+def test_memory_settings_keep_the_stage_configs_kv_on_a_gpu_host():
+    from types import SimpleNamespace as NS
+
+    from benchmarks.prefill.harness import MiB, _memory_settings
+
+    args = NS(thinker_kv_mib=None, talker_kv_mib=64, code2wav_kv_mib=None, max_num_seqs=4, cpu_executor=None)
+    gpu = _memory_settings(args, gpu_host=True)
+    assert gpu.thinker_kv_bytes is None and gpu.talker_kv_bytes == 64 * MiB and gpu.cpu_executor is None
+    cpu = _memory_settings(args, gpu_host=False)
+    assert cpu.thinker_kv_bytes == 256 * MiB and cpu.cpu_executor == "uni"

@@ -1,0 +1,139 @@
+"""Device → pinned host staging of one step's hand-off rows, and of a step's input ids.
+
+Why (found on H100s, 2026-11-26, docs/gpu.md "Zero overhead"): vLLM-Omni builds a step's
+hand-off to the next stage on a background thread, one step late, under async scheduling
+(``OmniAsyncGPUModelRunnerOutput``). Handing it device tensors made that thread copy each
+request's rows to the host with a synchronous copy on the stream that already holds the next
+step's forward, so the engine waited for step N+1 before it could return step N: the overlap
+of host and GPU that async scheduling exists for was lost on every step, hit or not.
+vLLM-Omni's own cache stages the whole step's rows to the host at save time for the same
+reason ("The engine thread never waits on this thread's device→host copy",
+``vllm_omni/core/prefix_cache/manager.py``). Here:
+
+- :class:`HostStager` copies, at save time, every hand-off key's rows of the whole step off
+  the forward's buffers with one device ``cat`` per key on the current stream (so a CUDA-graph
+  replay of the next step cannot overwrite them), then device → pinned host on a side stream
+  (non-blocking), and records one event. :meth:`StagedStep.wait` waits for that event only
+  (normally long complete when the builder runs), never for later work on the stream.
+- :class:`KeptIds` keeps a step's input ids (async scheduling: the decode tokens' values exist
+  only on the device) with one non-blocking copy to pinned memory, read back on the host when
+  a block fills, without synchronising with the stream.
+
+Pinned buffers come from torch's caching host allocator (``torch.empty(..., pin_memory=True)``):
+reused once every copy that used them has completed and the step's views are dropped.
+Engine-free (torch only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StagedStep:
+    """One step's hand-off rows in pinned host memory.
+
+    Attributes:
+        host: key → ``[rows, width]`` pinned CPU tensor (the key's dtype): every request's
+            rows, in batch order (a hit's prefix rows then its fresh rows).
+        spans: request → its rows ``[start, end)`` in ``host``.
+        event: recorded after the device → host copies (``None``: nothing was copied).
+    """
+
+    host: dict[str, torch.Tensor]
+    spans: dict[str, tuple[int, int]]
+    event: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        """Wait until the copies of this step are complete (only those)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    def rows(self, req_id: str) -> dict[str, torch.Tensor]:
+        """Key → the request's rows ``[n, width]`` (views of :attr:`host`; call :meth:`wait`
+        first).
+
+        Raises:
+            KeyError: a request the step did not stage.
+        """
+        a, b = self.spans[req_id]
+        return {k: t[a:b] for k, t in self.host.items()}
+
+
+class HostStager:
+    """Stages steps' hand-off rows from one CUDA device to pinned host memory.
+
+    Args:
+        device: the CUDA device the rows live on (with its index); a CPU device stages by
+            copying alone (no stream, no pinning: the same contract, for tests on the CPU).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def stage(self, keys: Sequence[str], req_ids: Sequence[str],
+              parts: Mapping[str, Sequence[Mapping[str, torch.Tensor]]]) -> StagedStep:
+        """Copy the step's rows to the host, asynchronously.
+
+        Args:
+            keys: the hand-off keys (each part carries all of them).
+            req_ids: the step's requests in batch order.
+            parts: request → its row groups in prompt order (e.g. ``[prefix, fresh]``), each
+                key → ``[n_i, width]`` on :attr:`device` (same ``n_i`` for every key).
+
+        Returns:
+            The :class:`StagedStep`; its rows are valid after :meth:`StagedStep.wait`.
+        """
+        spans: dict[str, tuple[int, int]] = {}
+        off = 0
+        for rid in req_ids:
+            n = sum(int(p[keys[0]].shape[0]) for p in parts[rid]) if keys else 0
+            spans[rid] = (off, off + n)
+            off += n
+        if not keys:
+            return StagedStep({}, spans, None)
+        # off the forward's (possibly CUDA-graph static) buffers, on the current stream
+        dev = {k: torch.cat([p[k] for rid in req_ids for p in parts[rid]]) for k in keys}
+        if self.stream is None:
+            return StagedStep(dev, spans, None)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        host: dict[str, torch.Tensor] = {}
+        with torch.cuda.stream(self.stream):
+            for k, t in dev.items():
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(self.stream)  # not reused by the allocator before the copy ran
+                host[k] = h
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return StagedStep(host, spans, event)
+
+
+class KeptIds:
+    """A step's input ids ``[n]`` kept for reading on the host later without a sync: on CUDA
+    one non-blocking copy to pinned memory plus an event; elsewhere a clone."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        if ids.device.type == "cuda":
+            self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self.host.copy_(ids, non_blocking=True)
+            self.event: torch.cuda.Event | None = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = ids.clone()
+            self.event = None
+
+    def values(self, start: int, end: int) -> list[int]:
+        """The ids ``[start, end)`` as Python ints (waits for this copy only: normally long
+        complete, the caller reads them when a block fills)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host[start:end].tolist()

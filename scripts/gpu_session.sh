@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One GPU session's work on a lent, air-gapped host (docs/gpu.md, "Zero overhead"): install the
+# offline bundle once, build the models, then run the named steps in order, each writing under OUT.
+#   bash scripts/gpu_session.sh STAGE_DIR OUT_DIR COMMIT STEP...
+# STAGE_DIR: the bundle's parts + manifest.json (scripts/offline_bundle.sh); the tree (this
+# checkout) goes first on PYTHONPATH, the bundle is installed with --target /tmp/site.
+# Steps:
+#   A  bench prefill, profiling shape (6 of 48 thinker layers, full widths) on one card, production
+#      mode, off / built-in / omni-cache up at once: floor, text, chat; c = 1 and 16
+#   B  the same workloads, off / omni-cache with the hand-off as device tensors
+#      (OMNI_CACHE_HANDOFF_STAGING=device: the path before this change), to measure it against A
+#   C  the GPU lane's equality-compiled and unit groups (Qwen3-Omni thinker on CUDA graphs)
+#   F  bench prefill at full size (one H200: the one-GPU config), off / built-in / omni-cache,
+#      one pipeline at a time
+# Long steps are meant to be started detached (setsid nohup ... &) and polled.
+set -u
+STAGE="$1"; OUT="$2"; COMMIT="$3"; shift 3
+TREE="$(pwd)"
+mkdir -p "$OUT"
+export PYTHONPATH="/tmp/site:$TREE" OMNI_CACHE_CUDA_PLATFORM=1 OMNI_CACHE_PARALLEL_STAGE_INIT=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+PY=python3
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/session.log"; }
+if [ ! -f /tmp/site/.omni_cache_installed ]; then
+  log "install"
+  bash scripts/install_offline.sh "$STAGE" --target /tmp/site > "$OUT/install.log" 2>&1 || { log "install FAILED"; exit 1; }
+  $PY -m compileall -q -j 0 /tmp/site > /dev/null 2>&1
+  touch /tmp/site/.omni_cache_installed
+fi
+log "models"
+$PY -m omni_cache.cli make-model --size full --thinker-layers 6 > "$OUT/models.log" 2>&1
+$PY -m omni_cache.cli make-model >> "$OUT/models.log" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
+L6=(--stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml
+    --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l6" --modalities floor,text,chat --requests 6
+    --concurrency 1,16 --max-num-seqs 16 --alternation concurrent --out "$OUT")
+for step in "$@"; do
+  log "step $step start"
+  case "$step" in
+    A) $PY -m benchmarks.prefill "${L6[@]}" --repeats 2 --name A > "$OUT/A.log" 2>&1 ;;
+    B) OMNI_CACHE_HANDOFF_STAGING=device $PY -m benchmarks.prefill "${L6[@]}" --repeats 1 --variants off,omni_cache \
+         --name B > "$OUT/B.log" 2>&1 ;;
+    C) $PY -m benchmarks.gpu_check --groups equality-compiled,unit --jobs 2 --timeout 900 --out "$OUT/C" \
+         --commit "$COMMIT" > "$OUT/C.log" 2>&1 ;;
+    F) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat --requests 6 \
+         --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart --out "$OUT" --name F > "$OUT/F.log" 2>&1 ;;
+    *) log "unknown step $step" ;;
+  esac
+  log "step $step rc=$?"
+done
+log "done"

@@ -1,0 +1,168 @@
+"""The hand-off staged at save time (:mod:`omni_cache.core.staging`), as the stage manager
+uses it on CUDA — here with the stager's CPU mode (same contract, no stream).
+
+What it must hold, oracle: the rows a full recompute gives (:func:`expected`, as in
+``test_stage_manager``), bitwise, also when
+
+- vLLM-Omni's payload builder materializes a step one step late (async omni output, its GPU
+  default) and the forward wrote into a buffer the next step reuses (a CUDA graph's static
+  output): the staged rows were copied off the buffer at save time;
+- decode tokens are placeholders on the host (async scheduling): the step's input ids are kept
+  once per step (:class:`~omni_cache.core.staging.KeptIds`) and resolve the block hashes.
+
+The CUDA half (pinned memory, the side stream, the event) is ``test_staging_cuda_*`` below,
+skipped without a GPU (the GPU lane's unit group runs it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_cache.core.staging import HostStager, KeptIds
+from omni_cache.engine.stage_manager import HIDDEN_KEY
+
+from .test_stage_manager import FakeEngine, assert_rows, expected, prefix_rows
+
+
+class StaticBufferEngine(FakeEngine):
+    """A fake forward that writes every step's outputs into the same buffers (as a CUDA-graph
+    replay does) and materializes each step only after the next step's forward (as vLLM-Omni's
+    async omni output does)."""
+
+    def __init__(self, staged: bool):
+        super().__init__()
+        if staged:
+            self.manager._stager = HostStager(torch.device("cpu"))
+        self.buf = {k: torch.zeros(64, 6) for k in self.keys}
+        self.pending = None
+
+    def save(self, *, new=(), cached=()):
+        """Schedule and save a step; materialize the previous one (returns its hand-off)."""
+        from types import SimpleNamespace as NS
+
+        sched = NS(finished_req_ids=set(),
+                   scheduled_new_reqs=[NS(req_id=r, block_ids=(list(b),), num_computed_tokens=c)
+                                       for r, b, c, _ in new],
+                   scheduled_cached_reqs=NS(req_ids=[r for r, *_ in cached],
+                                            new_block_ids=[None if b is None else (list(b),) for _, b, _, _ in cached],
+                                            num_computed_tokens=[c for _, _, c, _ in cached],
+                                            resumed_req_ids=set()),
+                   num_scheduled_tokens={r: n for r, _, _, n in (*new, *cached)})
+        self.manager.new_step_starts(sched)
+        order = [r for r, *_ in (*new, *cached)]
+        self.runner.input_batch.req_ids = order
+        spans = {r: (c, c + n) for r, _, c, n in (*new, *cached)}
+        self.runner.input_ids = NS(gpu=torch.tensor([t for r in order for t in self.tokens(r)[slice(*spans[r])]]))
+        rows = torch.cat([prefix_rows(self.tokens(r), *spans[r]) for r in order])
+        n = rows.shape[0]
+        self.buf[HIDDEN_KEY][:n] = rows  # the forward writes into the static buffers
+        for k in self.keys:
+            if k != HIDDEN_KEY:
+                self.buf[k][:n] = rows * 2 + 1
+        mm = {k: self.buf[k][:n] for k in self.keys if k != HIDDEN_KEY}
+        step_id = self.manager.save_outputs(self.buf[HIDDEN_KEY][:n], mm, num_tokens_unpadded=n,
+                                            num_tokens_padded=n)
+        previous, self.pending = self.pending, (step_id, order)
+        return None if previous is None else self.flush(previous)
+
+    def flush(self, pending=None):
+        step_id, order = pending or self.pending
+        out = self.manager.materialize(step_id, order)
+        return {r: {HIDDEN_KEY: out.hidden_states[r], **{k: v[r] for k, v in out.mm_outputs.items()}}
+                for r in order}
+
+
+def _one_step_late(eng: StaticBufferEngine):
+    a, b = list(range(100, 111)), list(range(100, 108)) + [7, 8, 9]
+    eng.add("A", a)
+    eng.add("B", b)
+    eng.save(new=[("A", [3, 7, 9], 0, 11)])           # A's prefill; its hand-off is built later
+    got_a = eng.save(new=[("B", [3, 7, 11], 8, 3)])["A"]  # B hits A's two blocks; the buffer is reused
+    got_b = eng.flush()["B"]
+    return (got_a, expected(a, 0, 11)), (got_b, expected(b, 0, 11))
+
+
+def test_staged_hand_off_survives_the_next_forward_reusing_the_buffer():
+    for got, want in _one_step_late(StaticBufferEngine(staged=True)):
+        assert_rows(got, want)
+
+
+def test_views_of_the_forward_buffer_would_hand_off_the_next_steps_rows():
+    """The fault the staging removes, shown by the same scenario on the merge path (views of
+    the live buffer): the one-step-late hand-off of A carries B's rows."""
+    (got_a, want_a), _ = _one_step_late(StaticBufferEngine(staged=False))
+    assert not torch.equal(got_a[HIDDEN_KEY], want_a[HIDDEN_KEY])
+
+
+def test_staged_path_hands_off_what_the_merge_path_does_with_hits_and_decode():
+    outs = []
+    for staged in (False, True):
+        eng = FakeEngine()
+        if staged:
+            eng.manager._stager = HostStager(torch.device("cpu"))
+        a = list(range(100, 110))
+        eng.add("A", a)
+        steps = [eng.step(new=[("A", [3, 7, 9], 0, 10)])]
+        eng.sample("A", 55)
+        steps.append(eng.step(cached=[("A", None, 10, 1)]))
+        b = a[:8] + [1, 2]
+        eng.add("B", b)
+        steps.append(eng.step(new=[("B", [3, 7, 11], 8, 2)]))
+        assert_rows(steps[-1]["B"], expected(b, 0, 10))
+        outs.append(steps)
+    for merged, staged in zip(*outs):
+        for rid in merged:
+            assert_rows(staged[rid], merged[rid])
+
+
+def test_async_placeholders_resolve_from_one_kept_copy_per_step():
+    eng = FakeEngine(async_tokens=True)
+    a = list(range(100, 106))  # 6 tokens: decode fills block 1 at position 7
+    eng.add("A", a)
+    eng.add("C", list(range(200, 206)))
+    eng.step(new=[("A", [3, 7], 0, 6), ("C", [4, 8], 0, 6)])
+    for i, (ta, tc) in enumerate([(55, 65), (56, 66)]):
+        eng.sample("A", ta)
+        eng.sample("C", tc)
+        eng.step(cached=[("A", None, 6 + i, 1), ("C", None, 6 + i, 1)])
+        if i == 0:  # one kept copy of the step's ids serves both requests
+            (_, ka, sa, _), (_, kc, sc, _) = (eng.manager.reqs[r].device_inputs[0] for r in ("A", "C"))
+            assert ka is kc and (sa, sc) == (0, 1) and ka.values(0, 2) == [55, 65]
+    # block 1 (positions 4..7) is full after the second decode step: hashed from the real tokens
+    hashes = eng.manager.block_hashes("A", 8)
+    eng2 = FakeEngine()
+    eng2.add("A", a)
+    eng2.step(new=[("A", [3, 7], 0, 6)])
+    for i, t in enumerate([55, 56]):
+        eng2.sample("A", t)
+        eng2.step(cached=[("A", None, 6 + i, 1)])
+    assert hashes == eng2.manager.block_hashes("A", 8)
+
+
+def test_kept_ids_read_back_the_slice():
+    k = KeptIds(torch.tensor([5, 6, 7, 8]))
+    assert k.values(1, 3) == [6, 7]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU lane's unit group)")
+
+
+@cuda
+def test_staging_cuda_rows_survive_overwrite_and_land_pinned():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16)
+    want = buf[:3000].cpu()
+    st = HostStager(dev).stage(["h"], ["a", "b"], {"a": [{"h": buf[:1000]}], "b": [{"h": buf[1000:3000]}]})
+    buf.fill_(0)  # the next replay overwrites the static buffer before the builder reads
+    st.wait()
+    assert st.host["h"].is_pinned()
+    assert torch.equal(torch.cat([st.rows("a")["h"], st.rows("b")["h"]]), want)
+
+
+@cuda
+def test_kept_ids_cuda_copy_without_sync():
+    ids = torch.arange(10, device="cuda")
+    k = KeptIds(ids)
+    ids.fill_(-1)
+    assert k.values(2, 5) == [2, 3, 4]
