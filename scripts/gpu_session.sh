@@ -9,7 +9,8 @@
 #      mode, off / built-in / omni-cache up at once: floor, text, chat; c = 1 and 16
 #   B  the same workloads, off / omni-cache with the hand-off as device tensors
 #      (OMNI_CACHE_HANDOFF_STAGING=device: the path before this change), to measure it against A
-#   C  the GPU lane's equality-compiled and unit groups (Qwen3-Omni thinker on CUDA graphs)
+#   C  the GPU lane's equality-compiled group (Qwen3-Omni thinker on CUDA graphs)
+#   U  the GPU lane's unit group
 #   F  bench prefill at full size (one H200: the one-GPU config), off / built-in / omni-cache,
 #      one pipeline at a time
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -40,8 +41,10 @@ for step in "$@"; do
     A) $PY -m benchmarks.prefill "${L6[@]}" --repeats 2 --name A > "$OUT/A.log" 2>&1 ;;
     B) OMNI_CACHE_HANDOFF_STAGING=device $PY -m benchmarks.prefill "${L6[@]}" --repeats 1 --variants off,omni_cache \
          --name B > "$OUT/B.log" 2>&1 ;;
-    C) $PY -m benchmarks.gpu_check --groups equality-compiled,unit --jobs 2 --timeout 900 --out "$OUT/C" \
+    C) $PY -m benchmarks.gpu_check --groups equality-compiled --jobs 1 --timeout 900 --out "$OUT/C" \
          --commit "$COMMIT" > "$OUT/C.log" 2>&1 ;;
+    U) $PY -m benchmarks.gpu_check --groups unit --jobs 1 --timeout 900 --out "$OUT/U" \
+         --commit "$COMMIT" > "$OUT/U.log" 2>&1 ;;
     F) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
        $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat --requests 6 \

@@ -70,7 +70,8 @@ def device_stage_config(cfg: str | os.PathLike, out_path: str | os.PathLike | No
     ``out_path`` (default: beside ``cfg`` when ``cfg`` is a derived file under a temporary
     folder, else a new temporary file) — every stage ``devices: "0"`` with
     ``gpu_memory_utilization`` :data:`GPU_STAGE_SHARE`, CPU-only ``env`` keys removed, and
-    with :data:`TEST_COMPILED` the thinker's ``enforce_eager: false``.
+    with :data:`TEST_COMPILED` the thinker's ``enforce_eager: false`` (a Qwen3-Omni thinker
+    also gets the deploy's ``custom_ops: ["+rotary_embedding"]``).
 
     Returns the path to start the pipeline with.
     """
@@ -96,6 +97,12 @@ def device_stage_config(cfg: str | os.PathLike, out_path: str | os.PathLike | No
             st["async_scheduling"] = False
         if TEST_COMPILED and st["stage_id"] == 0:
             st["enforce_eager"] = False
+            if str(raw.get("pipeline", "")).startswith("qwen3_omni"):
+                # as vLLM-Omni's deploy (qwen3_omni_moe.yaml, platforms.cuda): the rotary custom op;
+                # vLLM's native rotary assigns its cos_sin_cache buffer inside the forward, which
+                # torch.compile refuses under CUDA graphs (seen on an H100: every compiled engine
+                # failed to start)
+                st.setdefault("compilation_config", {})["custom_ops"] = ["+rotary_embedding"]
     if out_path is None:
         tmp = Path(tempfile.gettempdir())
         if tmp in cfg.resolve().parents:

@@ -40,7 +40,14 @@ from typing import Any
 
 from benchmarks.prefill import summary as S
 from benchmarks.prefill.worker import RESULT_PREFIX
-from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, check_media, specs, warmup_specs
+from benchmarks.prefill.workloads import (
+    WORKLOADS,
+    WorkloadOptions,
+    check_media,
+    load_warmup_specs,
+    specs,
+    warmup_specs,
+)
 from omni_cache.driver.variants import VARIANTS, YOCO_VARIANTS, MemorySettings, variant_stage_config
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -413,6 +420,10 @@ def run(args: argparse.Namespace) -> int:
         starts[var.name].append(var.ready["start_s"])
         bar.set_postfix_str(f"warming {var.name}")
         warm[var.name].extend(var.run(warmup_specs(workloads, opts)))
+        for c in loads:  # batch shapes of every c compiled / autotuned before timing (see load_warmup_specs)
+            bar.set_postfix_str(f"warming {var.name} c={c}")
+            ans = var.run_concurrent(load_warmup_specs(workloads, opts, c), c)
+            warm[var.name].extend({**row, "concurrency": c} for row in ans.pop("results"))
         sample_mem(var, "after warm-up")
 
     rewarm_specs = {s["workload"]: s for s in warmup_specs(workloads, opts)}

@@ -157,6 +157,21 @@ def warmup_specs(workloads: list[str], opts: WorkloadOptions) -> list[dict]:
     return out
 
 
+def load_warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int) -> list[dict]:
+    """One untimed batch per workload at ``concurrency`` c (chat: the first turn of c
+    conversations), its prompts unlike every timed one (round -2). Why: the first batch of a
+    new size compiles Triton kernels and autotunes (vLLM's fused MoE, the talker's and
+    code2wav's kernels) inside the timed requests — on an H100 the variant that met c = 16
+    first lost 1/2 to 3/4 of its throughput in that batch alone (docs/benchmarks.md), which
+    the rotation of variant order then pinned on one variant per round."""
+    one = WorkloadOptions(**{**opts.__dict__, "requests": 1})
+    out = []
+    for w in workloads:
+        for s in specs(w, -2, one, concurrency=concurrency):
+            out.append({**s, "measure": False})
+    return out
+
+
 def image_copy(image, k: int):
     """Copy ``k`` of a PIL image: k = 0 the image itself, 1..7 its mirrors / rotations,
     k ≥ 8 the same with inverted colours (so copies differ in content and hash)."""

@@ -24,6 +24,7 @@ from omni_cache.core.request_write import (
 )
 from omni_cache.core.row_index import RowIndex
 from omni_cache.core.slots import BlockIds
+from omni_cache.core.step_write import StepRequest, write_step_rows
 
 
 class HiddenStateCache:
@@ -189,6 +190,16 @@ class HiddenStateCache:
         self._store_rows(write)
         self._update_ledger(write)
         self.metrics.seconds_write += time.perf_counter() - t0
+
+    def write_step_rows(self, requests: Sequence[StepRequest], rows: Mapping[str, torch.Tensor]) -> None:
+        """Store one engine step's rows of every request at once
+        (:func:`omni_cache.core.step_write.write_step_rows`: one index and one write per key
+        for the whole step; the same result as one :meth:`write_request_rows` per request).
+
+        Raises:
+            ValueError: as :meth:`write_request_rows`; rows not ``[sum of num_tokens, width]``.
+        """
+        write_step_rows(self, requests, rows)
 
     def _normalise(self, req_id: str, block_ids: BlockIds, start: int, tensors: Mapping[str, torch.Tensor],
                    block_hashes: BlockHashes, num_tokens: int | None) -> RequestWrite:

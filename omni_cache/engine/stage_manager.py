@@ -41,6 +41,7 @@ import torch
 
 from omni_cache import settings
 from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashes
+from omni_cache.core.cache import StepRequest
 from omni_cache.core.staging import HostStager, KeptIds, StagedStep
 from omni_cache.engine.metrics import HitAudit, MetricsFile
 
@@ -400,20 +401,30 @@ class OmniCacheStageManager:
     # ---- 4. write --------------------------------------------------------------------------
     def write_rows(self, plan: StepPlan, outputs: StepOutputs) -> dict[str, dict[str, torch.Tensor]]:
         """Write every scheduled request's rows at its KV slot ids, caching each block that
-        became full with its block hash. Returns request → key → this step's rows (fresh)."""
+        became full with its block hash: the whole step at once
+        (:meth:`~omni_cache.core.HiddenStateCache.write_step_rows`: one index, one write per
+        key), or per request in a step where fast prefill truncated some request's final
+        hidden rows. Returns request → key → this step's rows (fresh)."""
         fresh: dict[str, dict[str, torch.Tensor]] = {}
+        step: list[StepRequest] = []
         for rid in plan.req_ids:
             s, e = plan.spans[rid]
-            rows = {k: outputs.rows[k][s:e] for k in plan.write_keys}
-            fresh[rid] = rows
-            if rid in plan.truncated:
-                # KV-sharing fast prefill: the final hidden rows of a prefill chunk are the
-                # self-decoder output, not the final layer's; they are never marked valid.
-                rows = {k: v for k, v in rows.items() if k != HIDDEN_KEY}
+            fresh[rid] = {k: outputs.rows[k][s:e] for k in plan.write_keys}
             start = self.reqs[rid].num_computed_tokens
             hashes = self.block_hashes(rid, start + (e - s))
             new_full = {b: hashes[b] for b in range(start // self.block_size, len(hashes))}
-            self.cache.write_request_rows(rid, self.reqs[rid].block_ids, start, rows, new_full, num_tokens=e - s)
+            step.append(StepRequest(rid, self.reqs[rid].block_ids, start, e - s, new_full))
+        if not plan.truncated:
+            self.cache.write_step_rows(step, {k: outputs.rows[k][:outputs.num_tokens] for k in plan.write_keys})
+            return fresh
+        for r in step:
+            rows = fresh[r.req_id]
+            if r.req_id in plan.truncated:
+                # KV-sharing fast prefill: the final hidden rows of a prefill chunk are the
+                # self-decoder output, not the final layer's; they are never marked valid.
+                rows = {k: v for k, v in rows.items() if k != HIDDEN_KEY}
+            self.cache.write_request_rows(r.req_id, r.block_ids, r.start, rows, r.block_hashes,
+                                          num_tokens=r.num_tokens)
         return fresh
 
     # ---- 5. read hits ----------------------------------------------------------------------
