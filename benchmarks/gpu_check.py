@@ -58,10 +58,12 @@ GROUPS: dict[str, tuple[list[str], dict[str, str]]] = {
     "yoco-eager": (["tests/pipeline/test_yoco_pipeline.py"], INVARIANT),
     "yoco-compiled": (["tests/pipeline/test_yoco_pipeline.py"], {"OMNI_TEST_COMPILED": "1", **INVARIANT}),
     # production mode for Qwen3-Omni: the thinker compiled with CUDA graphs (its capture and the hand-off
-    # staged off the graph's buffers), streaming under async scheduling: served rows = their writer's,
-    # omni-cache = the built-in cache bitwise
+    # staged off the graph's buffers), streaming under async scheduling, the default kernels: served rows =
+    # their writer's, omni-cache = the built-in cache bitwise, cache off to oracle (c)'s precision. With
+    # batch-invariant kernels the tiny thinker did not compile on the H100 (torch.compile: "Assigning /
+    # modifying buffers of nn.Module during forward pass", rotary_emb.cos_sin_cache; docs/gpu.md)
     "equality-compiled": (["tests/pipeline/test_cache_equality.py", "tests/pipeline/test_streaming_equality.py"],
-                          {"OMNI_TEST_COMPILED": "1", **INVARIANT}),
+                          {"OMNI_TEST_COMPILED": "1", "OMNI_TEST_BATCH_INVARIANT": "0"}),
 }
 #: longest first, so ``--jobs`` slots fill well
 ORDER = ("streaming", "main-job", "equality-compiled", "serve", "stress", "yoco-compiled", "yoco-eager", "equality",

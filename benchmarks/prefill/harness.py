@@ -445,9 +445,12 @@ def run(args: argparse.Namespace) -> int:
         bar.update(len(rows))
 
     def rewarm(var: Variant, w: str) -> None:
-        """Untimed request that puts ``w``'s shared prefix back in the cache before its timed
-        requests (another workload, e.g. ``miss``, may have evicted it from the thinker's KV)."""
-        if w in ("text", "image", "audio"):
+        """Untimed request of ``w`` before its timed requests: it puts ``w``'s shared prefix back
+        in the cache (another workload, e.g. ``miss``, may have evicted it from the thinker's KV)
+        and takes the first request after a pipeline was frozen or idle — on an H100 the first
+        timed request of a run took 1,056 ms TTFT (p50 31 ms), in whichever variant came first
+        (docs/benchmarks.md, "Zero overhead on an H100")."""
+        if w in ("text", "image", "audio", "floor", "miss"):
             frozen = var.frozen
             if frozen:
                 var.thaw()
