@@ -22,8 +22,11 @@ One concept per module:
   typed at the cache's boundary.
 - :mod:`.interface`     -- :class:`KeySpec`, :class:`CacheMetrics`, :class:`StaleRowsError`.
 - :mod:`.cache`         -- :class:`HiddenStateCache`, pools + ledger + metrics.
-- :mod:`.fused`         -- one kernel launch for all keys' rows of a step (Triton, imported
-  lazily and only for CUDA writes; optional: without it the pools' torch path runs).
+- :mod:`.step_write`    -- a whole engine step's rows of every request written at once.
+- :mod:`.staging`       -- a step's hand-off rows (and async decode ids) staged device ->
+  pinned host without a host sync.
+- :mod:`.fused`         -- one kernel launch for all keys' rows of a request's write (Triton,
+  imported lazily and only for CUDA writes; optional: without it the pools' torch path runs).
 - :mod:`.coverage`, :mod:`.talker_keys` -- the scheduler's record of written blocks, the
   talker's block keys.
 """
