@@ -22,7 +22,7 @@ import torch
 from omni_cache.core.staging import HostStager, KeptIds
 from omni_cache.engine.stage_manager import HIDDEN_KEY
 
-from .test_stage_manager import FakeEngine, assert_rows, expected, prefix_rows
+from .test_stage_manager import FakeEngine, assert_rows, expected, prefix_rows, scheduler_output
 
 
 class StaticBufferEngine(FakeEngine):
@@ -41,15 +41,7 @@ class StaticBufferEngine(FakeEngine):
         """Schedule and save a step; materialize the previous one (returns its hand-off)."""
         from types import SimpleNamespace as NS
 
-        sched = NS(finished_req_ids=set(),
-                   scheduled_new_reqs=[NS(req_id=r, block_ids=(list(b),), num_computed_tokens=c)
-                                       for r, b, c, _ in new],
-                   scheduled_cached_reqs=NS(req_ids=[r for r, *_ in cached],
-                                            new_block_ids=[None if b is None else (list(b),) for _, b, _, _ in cached],
-                                            num_computed_tokens=[c for _, _, c, _ in cached],
-                                            resumed_req_ids=set()),
-                   num_scheduled_tokens={r: n for r, _, _, n in (*new, *cached)})
-        self.manager.new_step_starts(sched)
+        self.manager.new_step_starts(scheduler_output(new, cached))
         order = [r for r, *_ in (*new, *cached)]
         self.runner.input_batch.req_ids = order
         spans = {r: (c, c + n) for r, _, c, n in (*new, *cached)}

@@ -31,6 +31,21 @@ def prefix_rows(tokens: list[int], start: int, end: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+def scheduler_output(new=(), cached=(), resumed=(), finished=()):
+    """A scheduler output as vLLM's scheduler makes it. ``new``: ``(rid, block_ids,
+    num_computed, num_scheduled)``; ``cached``: ``(rid, new_block_ids | None, num_computed,
+    num_scheduled)``."""
+    return NS(
+        finished_req_ids=set(finished),
+        scheduled_new_reqs=[NS(req_id=r, block_ids=(list(b),), num_computed_tokens=c) for r, b, c, _ in new],
+        scheduled_cached_reqs=NS(req_ids=[r for r, *_ in cached],
+                                 new_block_ids=[None if b is None else (list(b),) for _, b, _, _ in cached],
+                                 num_computed_tokens=[c for _, _, c, _ in cached],
+                                 resumed_req_ids=set(resumed)),
+        num_scheduled_tokens={r: n for r, _, _, n in (*new, *cached)},
+    )
+
+
 class FakeEngine:
     """The runner-side state the manager reads, and a forward that computes
     :func:`prefix_rows` for the hidden states and (optionally) a captured layer."""
@@ -60,16 +75,7 @@ class FakeEngine:
         ``cached``: ``(rid, new_block_ids | None, num_computed, num_scheduled)``.
         Returns the step's hand-off (``materialize`` of every scheduled request)."""
         keys = self.keys if keys is None else keys
-        sched = NS(
-            finished_req_ids=set(finished),
-            scheduled_new_reqs=[NS(req_id=r, block_ids=(list(b),), num_computed_tokens=c) for r, b, c, _ in new],
-            scheduled_cached_reqs=NS(req_ids=[r for r, *_ in cached],
-                                     new_block_ids=[None if b is None else (list(b),) for _, b, _, _ in cached],
-                                     num_computed_tokens=[c for _, _, c, _ in cached],
-                                     resumed_req_ids=set(resumed)),
-            num_scheduled_tokens={r: n for r, _, _, n in (*new, *cached)},
-        )
-        self.manager.new_step_starts(sched)
+        self.manager.new_step_starts(scheduler_output(new, cached, resumed, finished))
         order = [r for r, *_ in (*new, *cached)]
         self.runner.input_batch.req_ids = order
         spans = {r: (c, c + n) for r, _, c, n in (*new, *cached)}
