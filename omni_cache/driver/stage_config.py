@@ -6,7 +6,10 @@ as ``enable_prefix_cache`` is lost without a word; :func:`load_stage_config` ref
 It checks the whole file and raises one :class:`StageConfigError` listing **every** problem
 (:class:`StageConfigProblem`: file, line where the YAML loader gives it, stage, key, reason),
 so a user fixes them in one pass. Only a file that cannot be read as a YAML mapping with a
-``stages:`` list stops the checks early.
+``stages:`` list stops the checks early. A stage's ``default_sampling_params`` are checked
+against vLLM's ``SamplingParams`` (names, declared types, the ranges it enforces:
+:func:`omni_cache.driver.schema.sampling_problems`), so a value vLLM would refuse only while
+the orchestrator starts is reported here, with its stage and key.
 
 omni-cache's own per-stage settings live in the stage's ``env:`` mapping (the schema's
 channel into the stage process, so the same YAML works with ``vllm-omni serve``); which
@@ -259,6 +262,32 @@ def _check_env(problems: _Problems, env: Any, stage_id: int, at: tuple) -> None:
                          + f", got {value!r}", stage_id=stage_id, key=f"env.{name}", at=(*at, name))
 
 
+def _check_sampling(problems: _Problems, raw: dict, stage: dict, stage_id: int, at: tuple,
+                    base: Any = None) -> None:
+    """A stage's ``default_sampling_params`` against vLLM's ``SamplingParams``
+    (:func:`omni_cache.driver.schema.sampling_problems`: names, declared types, the ranges
+    ``SamplingParams._verify_args`` enforces), reported as ``default_sampling_params.<key>``.
+    Under ``platforms:`` (``base``: the stage's own mapping) the overlay is checked merged
+    onto the stage's, as vLLM-Omni merges it, and only problems of the overlay's keys are
+    reported here (with those the merge makes). Skipped for pooling stages (``runner: pooling``) and diffusion stages of
+    a registered pipeline, whose defaults are other classes."""
+    from omni_cache.driver.schema import diffusion_stages, sampling_problems
+
+    params = stage.get("default_sampling_params")
+    if not isinstance(params, dict):
+        return  # absent, or not a mapping (the key's type check reports that)
+    if str(stage.get("runner", "")).lower() == "pooling" or stage_id in diffusion_stages(raw.get("pipeline")):
+        return
+    merged, seen = params, set()
+    if isinstance(base, dict):
+        merged, seen = {**base, **params}, set(sampling_problems(base))
+    for key, reason in sampling_problems(merged):
+        if key not in params and (key, reason) in seen:
+            continue  # the stage's own problem: reported with the stage
+        problems.add(reason, stage_id=stage_id, key=f"default_sampling_params.{key}",
+                     at=(*at, "default_sampling_params", key if key in params else None))
+
+
 def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) -> StageConfig:
     """Load and validate a vLLM-Omni deploy YAML, reporting every problem at once.
 
@@ -272,7 +301,9 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
     Raises:
         StageConfigError: with every problem found (``.problems``, one line each in the
             message: file, line, stage, key, reason): unknown top-level or stage keys (with a
-            suggestion), wrong value types, duplicate or missing ``stage_id``, bad omni-cache
+            suggestion), wrong value types, a stage's ``default_sampling_params`` that vLLM's
+            ``SamplingParams`` would refuse (unknown names, types, ranges:
+            :func:`omni_cache.driver.schema.sampling_problems`), duplicate or missing ``stage_id``, bad omni-cache
             settings, cross-stage rules (capped scheduler, talker identity, routing, KV-shared
             layers), a missing model directory. A missing or unreadable file, a YAML syntax
             error, or a document that is not a mapping with a ``stages:`` list is reported
@@ -318,6 +349,7 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
         problems.stage_index[sid] = i
         _check_keys(problems, s, schema, sid, at=("stages", i))
         _check_env(problems, s.get("env"), sid, at=("stages", i, "env"))
+        _check_sampling(problems, raw, s, sid, at=("stages", i))
     platforms = raw.get("platforms") or {}
     if not isinstance(platforms, dict):
         problems.add("expected a mapping", key="platforms", at=("platforms",))
@@ -331,6 +363,8 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
                              at=(*at, "stage_id"))
                 continue
             _check_keys(problems, dict(s), schema, sid, at=at)
+            base = next(g for g in good if g["stage_id"] == sid)
+            _check_sampling(problems, raw, s, sid, at=at, base=base.get("default_sampling_params"))
     cfg = StageConfig(path=p, raw={**raw, "stages": good}, stage_ids=seen)
     _check_capped_scheduler(cfg, problems)
     _check_talker_identity(cfg, problems)
