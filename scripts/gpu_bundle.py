@@ -5,7 +5,9 @@ Three subcommands, each run by a shell wrapper:
 ``build`` (``scripts/offline_bundle.sh``, on any machine with a package registry)
     Downloads the wheels of ``requirements/gpu.lock.txt`` for a target Python / platform
     (``pip download --only-binary=:all: --no-deps``; a package with no wheel for the target,
-    e.g. ``openai-whisper``, is built with ``pip wheel --no-deps``), adds omni-cache's own wheel,
+    e.g. ``openai-whisper``, is built with ``pip wheel --no-deps``), adds omni-cache's own wheel
+    (:func:`build_own_wheel`: with this Python's setuptools when it can build wheels, else in
+    pip's isolated build environment with setuptools from the registry),
     optionally drops what the target already has at a compatible version (``--skip-freeze``:
     a ``pip freeze`` of the target; *compatible* = the target's version satisfies every
     ``Requires-Dist`` specifier that a bundled wheel places on that package), packs the rest as
@@ -166,6 +168,45 @@ def download(pins: dict[str, str], cache: Path, python: str) -> None:
     req.unlink(missing_ok=True)
 
 
+def own_wheel_backend_ready() -> bool:
+    """This Python can build omni-cache's wheel without build isolation: setuptools >= 68
+    (``pyproject.toml``'s ``build-system``) with a ``bdist_wheel`` command (its own from
+    setuptools 70.1 on, before that the ``wheel`` package's). A fresh ``python3`` or venv often
+    has neither (Python 3.11's venv: setuptools 65.5 and no ``wheel``; 3.12's: no setuptools)."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        setuptools = Version(importlib.metadata.version("setuptools"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    if setuptools < Version("68"):
+        return False
+    return setuptools >= Version("70.1") or importlib.util.find_spec("wheel") is not None
+
+
+def build_own_wheel(into: Path) -> Path:
+    """omni-cache's wheel into ``into``. Built with this Python's setuptools
+    (``--no-build-isolation``: offline, as before) when :func:`own_wheel_backend_ready`;
+    otherwise, or if that fails, in pip's isolated build environment, which installs
+    ``build-system.requires`` from the registry the downloads use."""
+    into.mkdir(parents=True, exist_ok=True)
+    for old in into.glob("omni_cache-*.whl"):
+        old.unlink()
+    pip = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", "wheel", "--no-deps", "-q",
+           "-w", str(into)]
+    if own_wheel_backend_ready():
+        r = subprocess.run(pip + ["--no-build-isolation", str(REPO)])
+        if r.returncode == 0:
+            return next(into.glob("omni_cache-*.whl"))
+        log("building without build isolation failed; retrying in an isolated build environment")
+    else:
+        log("this Python has no setuptools>=68 with bdist_wheel (e.g. no `wheel` package): building in an "
+            "isolated build environment (setuptools from the registry)")
+    subprocess.run(pip + [str(REPO)], check=True)
+    return next(into.glob("omni_cache-*.whl"))
+
+
 def build(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,8 +215,7 @@ def build(args) -> int:
     download(pins, cache, args.python)
     log("building omni-cache's wheel")
     proj = out / "_project"
-    subprocess.run([sys.executable, "-m", "pip", "--isolated", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(proj), str(REPO)], check=True)
+    build_own_wheel(proj)
     wheels: dict[str, tuple[str, list[str]]] = {}
     files: dict[str, Path] = {}
     for p in list(cache.glob("*.whl")) + list(proj.glob("*.whl")):

@@ -45,12 +45,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _tail(path: Path, n_bytes: int = 4000) -> str:
+def _tail(path: Path, n_bytes: int = 4000, start: int = 0) -> str:
+    """The log's last ``n_bytes``, none before byte ``start`` (where this start's lines begin)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - n_bytes))
+            f.seek(max(start, size - n_bytes) if start <= size else 0)
             return f.read().decode("utf-8", "replace")
     except OSError:
         return ""
@@ -59,9 +60,10 @@ def _tail(path: Path, n_bytes: int = 4000) -> str:
 _LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?([A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]*\]\s*)?")
 
 
-def _last_log_line(path: Path) -> str:
-    """The server log's last line without vLLM's ``(Proc pid=N) LEVEL date [file:line]`` prefix."""
-    lines = [ln.strip() for ln in _tail(path, 2000).splitlines() if ln.strip()]
+def _last_log_line(path: Path, start: int = 0) -> str:
+    """The server log's last line from byte ``start`` on, without vLLM's
+    ``(Proc pid=N) LEVEL date [file:line]`` prefix."""
+    lines = [ln.strip() for ln in _tail(path, 2000, start).splitlines() if ln.strip()]
     if not lines:
         return ""
     msg = _LOG_PREFIX.sub("", lines[-1])
@@ -71,10 +73,15 @@ def _last_log_line(path: Path) -> str:
 _STAGE_UP = re.compile(rb"stage-(\d+) \[rep-\d+\] EngineCore running")
 
 
-def _stages_up(path: Path) -> set[int]:
-    """Stage ids whose engine core vLLM-Omni's API server reported running (progress only)."""
+def _stages_up(path: Path, start: int = 0) -> set[int]:
+    """Stage ids whose engine core vLLM-Omni's API server reported running (progress only),
+    counting only the log's lines from byte ``start`` on: a log appended to by several starts
+    holds earlier runs' "running" lines, which say nothing about this start's stages."""
     try:
-        return {int(m.group(1)) for m in _STAGE_UP.finditer(path.read_bytes())}
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(start if start <= f.tell() else 0)  # truncated since: all of it is this start's
+            return {int(m.group(1)) for m in _STAGE_UP.finditer(f.read())}
     except OSError:
         return set()
 
@@ -124,6 +131,7 @@ class OmniServer:
         self.stage_init_timeout = stage_init_timeout
         self.proc: subprocess.Popen | None = None
         self.ready_s: float | None = None
+        self.log_start = 0  # the log's size when start() opened it: this start's lines follow
 
     # -- addresses -------------------------------------------------------------------------
     @property
@@ -165,6 +173,8 @@ class OmniServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "VLLM_LOGGING_COLOR": "0", "PYTHONUNBUFFERED": "1", **self.env}
         self._log = open(self.log_path, "ab")
+        self._log.seek(0, os.SEEK_END)
+        self.log_start = self._log.tell()  # earlier runs' lines (an appended log) end here
         self._t0 = time.perf_counter()
         self.proc = subprocess.Popen(
             self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -204,7 +214,7 @@ class OmniServer:
             elapsed = time.perf_counter() - self._t0
             if self.proc.poll() is not None:
                 raise ServeError(f"server exited with code {self.proc.returncode} after {elapsed:.0f} s; "
-                                 f"log {self.log_path}:\n{_tail(self.log_path)}")
+                                 f"log {self.log_path}:\n{_tail(self.log_path, start=self.log_start)}")
             status, _ = self.get("/health", timeout=3.0)
             if status == 200:
                 self.ready_s = elapsed
@@ -212,12 +222,12 @@ class OmniServer:
             if elapsed > timeout:
                 self.stop()
                 raise ServeError(f"server not ready after {timeout:.0f} s; log {self.log_path}:\n"
-                                 f"{_tail(self.log_path)}")
+                                 f"{_tail(self.log_path, start=self.log_start)}")
             if progress is not None and elapsed - last_report >= every_s:
                 last_report = elapsed
-                up = len(_stages_up(self.log_path))
+                up = len(_stages_up(self.log_path, self.log_start))
                 progress(f"[{elapsed:4.0f} s] starting: {up}/{len(self.stage_config.stage_ids)} stages up"
-                         f" | {_last_log_line(self.log_path)}")
+                         f" | {_last_log_line(self.log_path, self.log_start)}")
             time.sleep(1.0)
 
     def warm_up_realtime(self, seconds: float = 1.0, timeout: float = 300.0) -> dict | None:
@@ -248,7 +258,7 @@ class OmniServer:
             t = asyncio.run(turn())
         except Exception as exc:  # noqa: BLE001 - reported with the server's log
             raise ServeError(f"realtime warm-up turn failed: {exc!r}; "
-                             f"log {self.log_path}:\n{_tail(self.log_path)}") from exc
+                             f"log {self.log_path}:\n{_tail(self.log_path, start=self.log_start)}") from exc
         return {"first_text_s": t.first_text_s, "first_audio_s": t.first_audio_s, "wall_s": time.perf_counter() - t0}
 
     def model_name(self) -> str:

@@ -3,6 +3,8 @@ any process starts. The running server is tested in tests/pipeline/test_serve.py
 
 from __future__ import annotations
 
+import sys
+
 from omni_cache.cli import main
 from omni_cache.driver.server import DEFAULT_SERVE_ARGS, OmniServer
 from tests.util import CPU_STAGE_CONFIG
@@ -99,3 +101,50 @@ def test_parallel_stage_init_reaches_the_servers_engine(monkeypatch):
     assert pass_start_kwargs() == {"parallel_stage_init": True}  # installed once
     build(TrackingNamespace(argparse.Namespace(model="m"), frozenset({"model"})))
     assert len(seen) == 2
+
+
+_EARLIER_RUN = "".join(
+    f"(APIServer pid=1) INFO 11-26 10:00:0{i} [launcher.py:1] stage-{i} [rep-0] EngineCore running\n" for i in range(3)
+) + "(APIServer pid=1) INFO 11-26 10:00:09 [launcher.py:2] earlier run's last line\n"
+
+
+def test_startup_progress_counts_only_this_starts_lines(tiny_model_dir, tmp_path):
+    """Issue 45 item 4: ``omni-cache serve`` appends to its log, so the log of a second start
+    holds the first run's "EngineCore running" lines; the progress counter (and the log tail
+    of an error) read only what this start wrote. The server is a stand-in that writes one
+    stage's line, then waits for the test before exiting."""
+    import pytest
+
+    from omni_cache.driver.server import ServeError, _stages_up
+
+    log, go = tmp_path / "serve.log", tmp_path / "go"
+    log.write_text(_EARLIER_RUN)
+    assert _stages_up(log) == {0, 1, 2} and _stages_up(log, log.stat().st_size) == set()
+    script = ("import os, sys, time\n"
+              "print('loading this start', flush=True)\n"
+              "time.sleep(2.5)\n"
+              "print('(APIServer pid=2) INFO 11-26 11:00:00 [launcher.py:1] stage-1 [rep-0] EngineCore running',"
+              " flush=True)\n"
+              f"t = time.time()\nwhile not os.path.exists({str(go)!r}) and time.time() - t < 60: time.sleep(0.1)\n"
+              "sys.exit(3)\n")
+    srv = OmniServer(tiny_model_dir, CPU_STAGE_CONFIG, log_path=log)
+    srv.command = lambda: [sys.executable, "-c", script]
+    seen: list[str] = []
+
+    def progress(msg: str) -> None:
+        seen.append(msg)
+        if " 1/3 stages up" in msg:
+            go.touch()
+
+    srv.start()
+    try:
+        assert srv.log_start == len(_EARLIER_RUN)
+        with pytest.raises(ServeError, match="exited with code 3") as err:
+            srv.wait_ready(timeout=120, progress=progress, every_s=0.0)
+    finally:
+        go.touch()
+        srv.stop()
+    assert seen and " 0/3 stages up" in seen[0], seen
+    assert any(" 1/3 stages up" in m for m in seen), seen
+    assert not any(" 2/3 " in m or " 3/3 " in m or "earlier run" in m for m in seen), seen
+    assert "loading this start" in str(err.value) and "earlier run" not in str(err.value)
