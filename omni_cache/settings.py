@@ -133,6 +133,11 @@ CPU_PLATFORM = Setting(
     "OMNI_CACHE_CPU_PLATFORM", Kind.CHOICE, None, ReadBy.EVERY, True,
     "force the CPU OmniPlatform on (`1`) or off (`0`); unset: on when vLLM resolved to its CPU "
     "platform", choices=("0", "1"))
+CPU_ATTENTION = Setting(
+    "OMNI_CACHE_CPU_ATTENTION", Kind.CHOICE, "auto", ReadBy.ENGINE, True,
+    "CPU platform: vLLM's CPU attention kernels as vLLM picks them (`auto`: AMX where the CPU has "
+    "it) or never AMX (`vec`: a hit's suffix bitwise a whole prefill's; the test suite's setting; "
+    "omni_cache/engine/cpu_attention.py)", choices=("auto", "vec"))
 CPU_IDLE_BACKOFF_MS = Setting(
     "OMNI_CACHE_CPU_IDLE_BACKOFF_MS", Kind.INT, "8", ReadBy.ENGINE, True,
     "CPU platform: a stage whose engine steps schedule no token (a streaming talker or code2wav "
@@ -194,7 +199,8 @@ VENV = Setting(
 #: name → setting, in documentation order.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, HIT_AUDIT, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
-    FUSED, HANDOFF_STAGING, CPU_PLATFORM, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, PARALLEL_STAGE_INIT, ROUTING,
+    FUSED, HANDOFF_STAGING, CPU_PLATFORM, CPU_ATTENTION, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, PARALLEL_STAGE_INIT,
+    ROUTING,
     ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, REALTIME_WINDOW, REALTIME_PINNED_TURNS, REALTIME_KEEP_ON_SLIDE,
     TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}
 

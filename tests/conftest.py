@@ -3,11 +3,18 @@ the whole session (tests/pipeline/conftest.py); a start costs ~1 min on 2 CPU co
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+# vLLM's CPU attention without AMX kernels in every engine the suite starts (inherited by the
+# stage processes): the CPU oracles compare a hit's suffix with a whole-prompt prefill bitwise,
+# which AMX's kernels do not give (omni_cache/engine/cpu_attention.py; measured on an AMX CI
+# machine, 2026-11-26). A no-op on GPUs and on CPUs without AMX.
+os.environ.setdefault("OMNI_CACHE_CPU_ATTENTION", "vec")
 
 #: per test module: [wall seconds, tests run]; full pipeline starts per module
 _module_time: dict[str, list] = defaultdict(lambda: [0.0, 0])

@@ -137,7 +137,10 @@ def register_models() -> None:
     plugin loads in every vLLM process: engine cores and workers)."""
     from vllm import ModelRegistry
 
+    from omni_cache.engine import cpu_attention
+
     freeze_gc_at_exit()
+    cpu_attention.apply()
 
     registries = [ModelRegistry]
     try:
