@@ -53,6 +53,12 @@ def http_url(ws_url: str) -> str:
     return ws_url.replace("wss://", "https://").replace("ws://", "http://").split("/v1/")[0]
 
 
+#: error codes of a ``response.cancel`` that arrived after the answer had ended: a race of a
+#: barge-in with a short answer, not a failure (seen in CI: "response_not_active: Response is
+#: already complete")
+LATE_CANCEL = frozenset({"response_not_active"})
+
+
 class RealtimeError(RuntimeError):
     """The server answered an ``error`` event (``.error``: its ``error`` object) where the
     client expected something else."""
@@ -195,8 +201,11 @@ class RealtimeSession:
         ``response.cancel``, then ``conversation.item.truncate`` at the audio received — and
         return the cut answer (``status`` as the server reports it).
 
+        A ``response_not_active`` error (a cancel that arrived after the answer ended) is kept
+        in ``Turn.errors`` instead.
+
         Raises:
-            RealtimeError: an ``error`` event before ``response.done``.
+            RealtimeError: any other ``error`` event before ``response.done``.
         """
         await self.append(audio)
         t0 = time.perf_counter()
@@ -205,7 +214,15 @@ class RealtimeSession:
         turn = Turn()
         cancelled = False
         while True:
-            event = await self.recv()
+            try:
+                event = await self.recv()
+            except RealtimeError as exc:
+                if (exc.error or {}).get("code") not in LATE_CANCEL:
+                    raise
+                # a cancel that reached the server after the answer had ended (this turn's or,
+                # arriving now, the previous turn's): benign, kept on the turn
+                turn.errors.append(exc.error)
+                continue
             kind, now = event.get("type", ""), time.perf_counter() - t0
             turn.response_id = event.get("response_id") or turn.response_id
             turn.item_id = event.get("item_id") or turn.item_id

@@ -151,6 +151,11 @@ def test_barge_in_truncates_the_answer_and_the_next_turn_hits_up_to_it(server, l
 
     sid, first, cut, truncated, after = asyncio.run(run())
     assert first.status == "completed" and after.status == "completed" and after.audio
+    late = [e for e in cut.errors + after.errors if e.get("code") == "response_not_active"]
+    if cut.status == "completed" and late:  # the server said so; a cancel ignored silently still fails
+        # the tiny model's answer ended before the cancel reached the server (a race seen in CI):
+        # nothing was cut, so there is nothing to check about truncation
+        pytest.skip("the answer completed before the barge-in's cancel arrived (response_not_active)")
     assert cut.status == "cancelled", cut.status
     assert truncated and truncated[-1]["item_id"] == cut.item_id, truncated
     assert cut.audio_ms < first.audio_ms
