@@ -86,12 +86,16 @@ class StagedStep:
         a, b = self.spans[req_id]
         p = self.prefix[req_id]
         out = {}
-        for k, t in self.host.items():
-            rows = fresh[k]
-            if rows.shape[0] != b - a - p:
-                raise ValueError(f"request {req_id!r}, key {k!r}: {rows.shape[0]} fresh rows for a room of {b - a - p}")
-            t[a + p:b].copy_(rows)
-            out[k] = t[a:b]
+        # the buffers were made at save time, under vLLM's inference mode; the payload builder
+        # calls this on its own thread, outside it (an in-place update there is refused)
+        with torch.inference_mode():
+            for k, t in self.host.items():
+                rows = fresh[k]
+                if rows.shape[0] != b - a - p:
+                    raise ValueError(f"request {req_id!r}, key {k!r}: {rows.shape[0]} fresh rows for a room of "
+                                     f"{b - a - p}")
+                t[a + p:b].copy_(rows)
+                out[k] = t[a:b]
         return out
 
 

@@ -535,7 +535,10 @@ class OmniCacheStageManager:
                     f"omni-cache: vLLM-Omni's output snapshot of step {step_id} has no {n} rows of {k!r} "
                     f"(got {type(t).__name__}{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}); "
                     f"set {settings.HANDOFF_STAGING.name}=host")
-            snap[k] = t
+            # without async omni output the "snapshot" is the forward's live device tensors: one
+            # copy to the host per key, as vLLM-Omni's own path does (every hand-off row on the
+            # host: its payload accumulation concatenates them across steps)
+            snap[k] = t if t.device.type == "cpu" else t[:n].to("cpu")
         step.snapshot = snap
 
     # ---- 7. hand off -----------------------------------------------------------------------

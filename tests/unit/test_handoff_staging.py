@@ -173,12 +173,18 @@ class SnapshotEngine(StaticBufferEngine):
         self.snapshots = {}
 
     def save(self, *, new=(), cached=()):
-        out = super().save(new=new, cached=cached)
-        step_id, _ = self.pending
-        n = sum(c for *_, c in (*new, *cached))
-        layers = {int(k.rsplit("_", 1)[1]): self.buf[k][:n].clone() for k in self.keys if k != HIDDEN_KEY}
-        self.snapshots[step_id] = (self.buf[HIDDEN_KEY].clone(), {"hidden_states": {"layers": layers}})
-        return out
+        """As vLLM's worker: the step (forward, save, vLLM-Omni's snapshot) under
+        ``torch.inference_mode``; the previous step's hand-off built outside it, as vLLM-Omni's
+        async-output thread does (found on an H100: an in-place copy into a pinned buffer made
+        at save time raised "Inplace update to inference tensor outside InferenceMode")."""
+        previous, self.pending = self.pending, None
+        with torch.inference_mode():
+            super().save(new=new, cached=cached)
+            step_id, _ = self.pending
+            n = sum(c for *_, c in (*new, *cached))
+            layers = {int(k.rsplit("_", 1)[1]): self.buf[k][:n].clone() for k in self.keys if k != HIDDEN_KEY}
+            self.snapshots[step_id] = (self.buf[HIDDEN_KEY].clone(), {"hidden_states": {"layers": layers}})
+        return None if previous is None else self.flush(previous)
 
     def flush(self, pending=None):
         step_id, order = pending or self.pending
@@ -239,3 +245,22 @@ def test_stage_prefixes_cuda_lands_pinned_with_room_for_fresh_rows():
     st = HostStager(dev).stage_prefixes(["h"], [("a", {"h": pool_read}, 5)])
     assert st.host["h"].is_pinned()
     assert torch.equal(st.complete("a", {"h": fresh})["h"], want)
+
+
+@cuda
+def test_snapshot_of_live_device_tensors_hands_off_host_rows():
+    """Without async omni output vLLM-Omni's "snapshot" is the forward's live device tensors;
+    the hand-off must still be host rows for every request, hit or not (found on an H100:
+    vLLM-Omni's payload accumulation concatenated a hit step's host rows with a hit-free step's
+    device rows: "Expected all tensors to be on the same device")."""
+    eng = SnapshotEngine()
+    a = list(range(100, 111))
+    eng.add("A", a)
+    eng.save(new=[("A", [3, 7, 9], 0, 11)])
+    step_id = eng.pending[0]
+    hidden, mm = eng.snapshots[step_id]
+    layers = {i: t.cuda() for i, t in mm["hidden_states"]["layers"].items()}
+    eng.snapshots[step_id] = (hidden.cuda(), {"hidden_states": {"layers": layers}})
+    got = eng.flush()["A"]
+    assert all(t.device.type == "cpu" for t in got.values())
+    assert_rows(got, expected(a, 0, 11))
