@@ -493,7 +493,7 @@ class OmniCacheStageManager:
         return self._stager.stage(plan.handoff_keys, plan.req_ids, parts)
 
     def stage_prefixes(self, plan: StepPlan, prefixes: Mapping[str, Mapping[str, torch.Tensor]]) -> StagedStep:
-        """The merge on CUDA with ``OMNI_CACHE_HANDOFF_STAGING=snapshot`` (default): only the
+        """The merge on CUDA with ``OMNI_CACHE_HANDOFF_STAGING=snapshot``: only the
         hits' cached prefix rows are copied to pinned host memory now
         (:meth:`~omni_cache.core.staging.HostStager.stage_prefixes`), each with room for the
         request's fresh rows, which :meth:`materialize` copies in from vLLM-Omni's own output
