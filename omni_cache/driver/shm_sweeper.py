@@ -31,10 +31,11 @@ behaviour above stands.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import os
 import re
+import threading
 import time
 from collections import deque
 from multiprocessing import shared_memory
@@ -104,44 +105,46 @@ def sweep_requests(request_ids: list[str], shm_dir: Path = SHM_DIR) -> tuple[int
 
 
 class ShmSweeper:
-    """Unlinks a request's hand-offs ``after_s`` seconds after :meth:`request_ended` (on the
-    running asyncio loop; one directory listing per batch of due requests).
+    """Unlinks a request's hand-offs ``after_s`` seconds after :meth:`request_ended`, from a
+    daemon thread that wakes every ``every_s`` seconds while requests are due (one directory
+    listing per batch). Thread-safe; does not depend on the caller's event loop — a request's
+    stream may be finalized late, outside any loop (a generator the client abandoned).
 
     Attributes:
-        swept_segments / swept_lockfiles: totals removed so far (segments a stage left unread).
+        swept_segments / swept_lockfiles: totals removed so far (hand-offs a stage left unread).
     """
 
-    def __init__(self, after_s: float = SWEEP_AFTER_S, shm_dir: Path = SHM_DIR):
+    def __init__(self, after_s: float = SWEEP_AFTER_S, shm_dir: Path = SHM_DIR, every_s: float = 1.0):
         self.after_s = after_s
         self.shm_dir = shm_dir
+        self.every_s = every_s
         self.due: deque[tuple[float, str]] = deque()
         self.swept_segments = 0
         self.swept_lockfiles = 0
-        self._scheduled = False
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def request_ended(self, request_id: str) -> None:
-        """Note that ``request_id``'s output stream ended; its entries go ``after_s`` s later."""
+        """Note that ``request_id``'s output stream ended (or it was aborted); its entries go
+        ``after_s`` seconds later. Calling it twice for one id is harmless."""
         if not request_id:
             return
         self.due.append((time.monotonic() + self.after_s, request_id))
-        self._schedule()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="omni-cache-shm-sweeper", daemon=True)
+                self._thread.start()
+        self._wake.set()
 
-    def _schedule(self) -> None:
-        if self._scheduled or not self.due:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # no loop (tests call sweep_due themselves)
-        self._scheduled = True
-        loop.call_later(max(0.0, self.due[0][0] - time.monotonic()), self._run)
-
-    def _run(self) -> None:
-        self._scheduled = False
-        try:
-            self.sweep_due()
-        finally:
-            self._schedule()
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self.every_s)
+            self._wake.clear()
+            try:
+                self.sweep_due()
+            except Exception:  # noqa: BLE001 - never take the server down; say so once per batch
+                logger.exception("omni-cache: shared-memory sweep failed")
 
     def sweep_due(self, now: float | None = None) -> list[str]:
         """Sweep the requests whose time has come; returns their ids."""
@@ -150,19 +153,20 @@ class ShmSweeper:
         while self.due and self.due[0][0] <= now:
             ready.append(self.due.popleft()[1])
         if ready:
-            segments, locks = sweep_requests(ready, self.shm_dir)
+            segments, locks = sweep_requests(sorted(set(ready)), self.shm_dir)
             self.swept_segments += segments
             self.swept_lockfiles += locks
             if segments:
-                logger.debug("omni-cache: unlinked %d unread shared-memory hand-offs of %d finished requests",
-                             segments, len(ready))
+                logger.info("omni-cache: unlinked %d shared-memory hand-offs that no stage read (%d finished "
+                            "requests; %d in all)", segments, len(ready), self.swept_segments)
         return ready
 
 
 def install_shm_sweeper(engine: Any, sweeper: ShmSweeper | None = None) -> ShmSweeper:
     """Wrap ``engine.generate`` (vLLM-Omni's ``AsyncOmni.generate(prompt, sampling_params,
-    request_id, ...)``, an async generator) on the instance so that :class:`ShmSweeper` is told
-    when each request's stream ends. Returns the sweeper.
+    request_id, ...)``, an async generator) and ``engine.abort(request_id)`` (a coroutine; the
+    server calls it when a client goes away) on the instance so that :class:`ShmSweeper` is
+    told when each request's stream ends or is aborted. Returns the sweeper.
 
     Raises:
         TypeError: ``engine`` has no ``generate``.
@@ -184,4 +188,17 @@ def install_shm_sweeper(engine: Any, sweeper: ShmSweeper | None = None) -> ShmSw
 
     generate._omni_cache_shm_sweeper = sweeper
     engine.generate = generate
+    abort = getattr(engine, "abort", None)
+    if abort is not None:
+        @functools.wraps(abort)
+        async def abort_and_sweep(request_id, *args, **kwargs):
+            try:
+                return await abort(request_id, *args, **kwargs)
+            finally:
+                for rid in ([request_id] if isinstance(request_id, str) else list(request_id or ())):
+                    sweeper.request_ended(str(rid))
+
+        engine.abort = abort_and_sweep
+    logger.info("omni-cache: shared-memory sweeper installed (unread hand-offs unlinked %.0f s after their "
+                "request ends)", sweeper.after_s)
     return sweeper

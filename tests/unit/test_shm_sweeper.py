@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -63,8 +64,11 @@ def test_generate_wrapper_sweeps_after_the_stream_ends_finished_or_closed():
             for k in range(3):
                 yield k
 
+        async def abort(self, request_id):
+            pass
+
     engine = Engine()
-    sweeper = install_shm_sweeper(engine, ShmSweeper(after_s=0.2))
+    sweeper = install_shm_sweeper(engine, ShmSweeper(after_s=0.2, every_s=0.05))
     assert install_shm_sweeper(engine) is sweeper  # once
 
     async def main():
@@ -81,3 +85,26 @@ def test_generate_wrapper_sweeps_after_the_stream_ends_finished_or_closed():
         assert (sweeper.swept_segments, sweeper.swept_lockfiles) == (2, 2)
     finally:
         sweep_requests([rid_done, rid_closed])
+
+
+def test_abort_sweeps_without_the_stream_ending():
+    """The server aborts a request whose client went away; its stream (a generator the client
+    abandoned) may be finalized much later, outside any event loop: the abort alone sweeps."""
+    rid = f"chatcmpl-test-{uuid.uuid4().hex[:8]}"
+
+    class Engine:
+        async def generate(self, prompt, sampling_params=None, request_id="", **kwargs):
+            yield 0
+
+        async def abort(self, request_id):
+            return "aborted"
+
+    engine = Engine()
+    install_shm_sweeper(engine, ShmSweeper(after_s=0.1, every_s=0.05))
+    _segment(f"{rid}_0_6")
+    try:
+        assert asyncio.run(engine.abort([rid])) == "aborted"
+        time.sleep(0.6)  # no loop runs now: the sweeper's own thread does it
+        assert _left(rid) == []
+    finally:
+        sweep_requests([rid])
