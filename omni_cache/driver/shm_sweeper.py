@@ -31,6 +31,7 @@ behaviour above stands.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -42,7 +43,7 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("omni_cache.server")  # the server-side logger (vLLM's handlers: http_errors)
 
 #: seconds between a request's output stream ending and the unlinking of its hand-offs
 SWEEP_AFTER_S = 5.0
@@ -162,43 +163,71 @@ class ShmSweeper:
         return ready
 
 
+#: the internal request ids one ``generate`` call got (set by the wrapper around it)
+_CALL_IDS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("omni_cache_call_ids", default=None)
+
+
 def install_shm_sweeper(engine: Any, sweeper: ShmSweeper | None = None) -> ShmSweeper:
-    """Wrap ``engine.generate`` (vLLM-Omni's ``AsyncOmni.generate(prompt, sampling_params,
-    request_id, ...)``, an async generator) and ``engine.abort(request_id)`` (a coroutine; the
-    server calls it when a client goes away) on the instance so that :class:`ShmSweeper` is
-    told when each request's stream ends or is aborted. Returns the sweeper.
+    """Tell :class:`ShmSweeper` the *internal* request id of every request the server's engine
+    runs, when its stream ends or it is aborted. Wraps, on the instance (vLLM-Omni 0.30's
+    ``AsyncOmni``):
+
+    - ``_get_unique_request_id(external_id)`` — ``generate`` calls it first to make the id the
+      stages and the hand-off segments carry (``<client id>-<8 hex>``); the wrapper notes it for
+      the ``generate`` call it runs in (a context variable);
+    - ``generate(prompt, sampling_params, request_id, ...)`` (an async generator): when the
+      stream ends — finished, failed or closed — its internal ids are swept;
+    - ``abort(request_id)`` (a coroutine, internal ids; the server calls it when a client goes
+      away): those ids are swept too (an abandoned stream may be finalized much later).
+
+    Returns the sweeper.
 
     Raises:
-        TypeError: ``engine`` has no ``generate``.
+        TypeError: ``engine`` lacks one of the three (vLLM-Omni moved the seam).
     """
     sweeper = sweeper or ShmSweeper()
-    original = getattr(engine, "generate", None)
-    if original is None:
-        raise TypeError(f"{type(engine).__name__} has no generate(); cannot sweep its hand-offs")
+    missing = [n for n in ("generate", "abort", "_get_unique_request_id") if not hasattr(engine, n)]
+    if missing:
+        raise TypeError(f"{type(engine).__name__} has no {', '.join(missing)}: omni-cache cannot sweep its "
+                        "shared-memory hand-offs (omni_cache/driver/shm_sweeper.py)")
+    original = engine.generate
     if getattr(original, "_omni_cache_shm_sweeper", None) is not None:
         return original._omni_cache_shm_sweeper
+    unique_id, abort = engine._get_unique_request_id, engine.abort
+
+    def get_unique_request_id(external_request_id):
+        internal = unique_id(external_request_id)
+        ids = _CALL_IDS.get()
+        if ids is not None:
+            ids.append(str(internal))
+        return internal
 
     async def generate(*args, **kwargs):
-        request_id = kwargs.get("request_id", args[2] if len(args) > 2 else "")
+        ids: list[str] = []
+        token = _CALL_IDS.set(ids)
         try:
             async for out in original(*args, **kwargs):
                 yield out
         finally:
-            sweeper.request_ended(str(request_id or ""))
+            try:
+                _CALL_IDS.reset(token)
+            except ValueError:  # finalized in another context: nothing to restore there
+                pass
+            for rid in ids:
+                sweeper.request_ended(rid)
+
+    @functools.wraps(abort)
+    async def abort_and_sweep(request_id, *args, **kwargs):
+        try:
+            return await abort(request_id, *args, **kwargs)
+        finally:
+            for rid in ([request_id] if isinstance(request_id, str) else list(request_id or ())):
+                sweeper.request_ended(str(rid))
 
     generate._omni_cache_shm_sweeper = sweeper
+    engine._get_unique_request_id = get_unique_request_id
     engine.generate = generate
-    abort = getattr(engine, "abort", None)
-    if abort is not None:
-        @functools.wraps(abort)
-        async def abort_and_sweep(request_id, *args, **kwargs):
-            try:
-                return await abort(request_id, *args, **kwargs)
-            finally:
-                for rid in ([request_id] if isinstance(request_id, str) else list(request_id or ())):
-                    sweeper.request_ended(str(rid))
-
-        engine.abort = abort_and_sweep
+    engine.abort = abort_and_sweep
     logger.info("omni-cache: shared-memory sweeper installed (unread hand-offs unlinked %.0f s after their "
                 "request ends)", sweeper.after_s)
     return sweeper

@@ -57,10 +57,17 @@ def test_sweep_unlinks_the_requests_segments_and_lockfiles_only():
 
 def test_generate_wrapper_sweeps_after_the_stream_ends_finished_or_closed():
     rid_done, rid_closed = (f"chatcmpl-test-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    internal: list[str] = []
 
-    class Engine:
+    class Engine:  # as vLLM-Omni's AsyncOmni: the stages see <client id>-<8 hex>
+        @staticmethod
+        def _get_unique_request_id(external_request_id):
+            return f"{external_request_id}-{uuid.uuid4().hex[:8]}"
+
         async def generate(self, prompt, sampling_params=None, request_id="", **kwargs):
-            _segment(f"{request_id}_0_0")  # a hand-off the next stage never reads
+            rid = self._get_unique_request_id(request_id)
+            internal.append(rid)
+            _segment(f"{rid}_0_0")  # a hand-off the next stage never reads
             for k in range(3):
                 yield k
 
@@ -70,21 +77,24 @@ def test_generate_wrapper_sweeps_after_the_stream_ends_finished_or_closed():
     engine = Engine()
     sweeper = install_shm_sweeper(engine, ShmSweeper(after_s=0.2, every_s=0.05))
     assert install_shm_sweeper(engine) is sweeper  # once
+    twin = f"{rid_done}-0000abcd"  # another request with the same client id, still running
+    _segment(f"{twin}_0_0")
 
     async def main():
         assert [x async for x in engine.generate("p", request_id=rid_done)] == [0, 1, 2]
         gen = engine.generate("p", None, rid_closed)  # the client goes away after one output
         assert await gen.__anext__() == 0
         await gen.aclose()
-        assert _left(rid_done) and _left(rid_closed)  # not before the grace
+        assert _left(rid_closed)  # not before the grace
         await asyncio.sleep(0.5)
 
     try:
         asyncio.run(main())
-        assert _left(rid_done) == [] and _left(rid_closed) == []
+        assert _left(rid_closed) == []
+        assert sorted(_left(rid_done)) == [f"{twin}_0_0", f"shm_{twin}_0_0_lockfile.lock"]  # the twin's only
         assert (sweeper.swept_segments, sweeper.swept_lockfiles) == (2, 2)
     finally:
-        sweep_requests([rid_done, rid_closed])
+        sweep_requests([*internal, twin])
 
 
 def test_abort_sweeps_without_the_stream_ending():
@@ -93,6 +103,10 @@ def test_abort_sweeps_without_the_stream_ending():
     rid = f"chatcmpl-test-{uuid.uuid4().hex[:8]}"
 
     class Engine:
+        @staticmethod
+        def _get_unique_request_id(external_request_id):
+            return external_request_id
+
         async def generate(self, prompt, sampling_params=None, request_id="", **kwargs):
             yield 0
 
