@@ -224,6 +224,9 @@ def install_shm_sweeper(engine: Any, sweeper: ShmSweeper | None = None) -> ShmSw
             for rid in ([request_id] if isinstance(request_id, str) else list(request_id or ())):
                 sweeper.request_ended(str(rid))
 
+    from omni_cache.driver.http_errors import install_log_filter
+
+    install_log_filter()  # this module's lines go through vLLM's handlers, as the rejected-request lines
     generate._omni_cache_shm_sweeper = sweeper
     engine._get_unique_request_id = get_unique_request_id
     engine.generate = generate
