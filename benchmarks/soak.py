@@ -39,7 +39,8 @@ Results: ``benchmarks/results/soak-<timestamp>/result.json`` (every sample, ever
 kind / status / seconds, the bars) and ``soak.png``.
 
     .venv/bin/python -m benchmarks.soak --requests 2000            # the issue's bar
-    .venv/bin/python -m benchmarks.soak --requests 120 --warmup 20 # the CI slice (tests/pipeline/test_soak.py)
+    .venv/bin/python -m benchmarks.soak --requests 120 --warmup 20 # a short run
+    (the CI slice, 100 requests on the serve test's server: tests/pipeline/test_serve.py, :func:`drive`)
 """
 
 from __future__ import annotations
@@ -270,8 +271,7 @@ async def _stream(base_url: str, model: str, kinds: list[str], concurrency: int,
 
 
 # ----------------------------------------------------------------------------- summary
-def _bars(samples: list[dict], drained: dict, left_after_exit: list[str], records: list[dict], warmup: int,
-          slack: int) -> dict:
+def _bars(samples: list[dict], drained: dict, records: list[dict], warmup: int, slack: int) -> dict:
     after = [s for s in samples if s["requests_done"] >= warmup] or samples
     base = after[0]
     seg = [s["tagged_segments"] for s in after]
@@ -291,7 +291,6 @@ def _bars(samples: list[dict], drained: dict, left_after_exit: list[str], record
         "rss_growth_lt_2pct": {"first_tenth_median": rss_first, "last_tenth_median": rss_last,
                                "growth": rss_growth, "pass": rss_growth < 0.02},
         "no_lost_requests": {"lost": len(lost), "examples": lost[:5], "pass": not lost},
-        "shm_empty_after_exit": {"left": left_after_exit, "pass": not left_after_exit},
     }
     return bars
 
@@ -336,7 +335,63 @@ def _stop_timed(srv) -> dict:
             "server_exit_s": round(exit_s, 2), "exit_code": rc}
 
 
+def drive(srv, *, requests: int, concurrency: int = 4, warmup: int = 100, max_tokens: int = 8,
+          sample_s: float = 2.0, drain_s: float = 5.0, shm_slack: int = 8, report_every: int = 50, seed: int = 0,
+          tag: str | None = None, baseline: set[str] | None = None) -> dict:
+    """Drive a running :class:`~omni_cache.driver.server.OmniServer` with the mixed stream and
+    sample it (see the module docstring).
+
+    Args:
+        srv: the server (ready); it keeps running.
+        requests: how many requests; ``concurrency`` at a time; ``warmup``: the first requests,
+            before the flatness bars start.
+        tag: names this run's request ids (``X-Request-Id: <tag>-<i>-<kind>``) and thereby its
+            ``/dev/shm`` entries; default ``soak<timestamp>``.
+        baseline: ``/dev/shm`` entries that are not this run's (default: those present now).
+
+    Returns:
+        ``{"tag", "baseline", "records", "samples", "drained", "counts", "statuses", "wall_s",
+        "bars"}``; ``bars`` holds every bar but ``shm_empty_after_exit`` (see :func:`after_exit`).
+    """
+    tag = tag or f"soak{dt.datetime.now().strftime('%Y%m%d%H%M%S')}"
+    baseline = set(os.listdir(SHM)) if baseline is None else baseline
+    media = _media()
+    kinds_available = [k for k in KIND_WEIGHTS if k != "realtime" or srv.realtime_url]
+    rng = random.Random(seed)
+    kinds = rng.choices(kinds_available, weights=[KIND_WEIGHTS[k] for k in kinds_available], k=requests)
+    done: list[dict] = []
+    sampler = Sampler(srv.proc.pid, tag, baseline, sample_s, lambda: len(done))
+    sampler.sample()
+    sampler.start()
+    t0 = time.perf_counter()
+    try:
+        records = asyncio.run(_stream(srv.base_url, srv.model_name(), kinds, concurrency, tag, media,
+                                      max_tokens, srv.realtime_url, done, report_every))
+    finally:
+        sampler.stop()
+    wall = time.perf_counter() - t0
+    time.sleep(drain_s)
+    drained = sampler.sample()
+    counts = {k: {"n": sum(1 for r in records if r["kind"] == k),
+                  "ok": sum(1 for r in records if r["kind"] == k and r["ok"])} for k in KIND_WEIGHTS}
+    bars = _bars(sampler.samples, drained, records, warmup, shm_slack)
+    bars["server_alive_after_stream"] = {"pass": srv.alive()}
+    return {"tag": tag, "baseline": baseline, "records": records, "samples": sampler.samples, "drained": drained,
+            "counts": counts, "wall_s": wall,
+            "statuses": {str(s): sum(1 for r in records if r["status"] == s) for s in {r["status"] for r in records}},
+            "bars": bars}
+
+
+def after_exit(tag: str, baseline: set[str]) -> dict:
+    """This run's ``/dev/shm`` entries left after the server exited, as a bar:
+    ``{"left": [names], "pass": not left}``."""
+    left = sorted(n for n in os.listdir(SHM) if n not in baseline and tag in n)
+    return {"left": left[:50], "n_left": len(left), "pass": not left}
+
+
 def run(args) -> dict:
+    """Start a server, :func:`drive` it, stop it (timed), check :func:`after_exit`, write the
+    result JSON and the plot. Returns the result dict (with ``out_dir``)."""
     from omni_cache.driver.server import OmniServer
     from omni_cache.models import build_qwen3_omni, default_model_dir
 
@@ -345,38 +400,21 @@ def run(args) -> dict:
     out_dir = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"soak-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"soak{stamp.replace('-', '')}"
-    media = _media()
     baseline = set(os.listdir(SHM))
     srv = OmniServer(model_dir, args.stage_config, log_path=out_dir / "server.log").start()
     print(f"starting the server (log {out_dir / 'server.log'}) ...", flush=True)
     try:
         ready_s = srv.wait_ready(timeout=1500, progress=lambda m: print(m, flush=True))
         print(f"ready in {ready_s:.0f} s", flush=True)
-        kinds_available = [k for k in KIND_WEIGHTS if k != "realtime" or srv.realtime_url]
-        rng = random.Random(args.seed)
-        kinds = rng.choices(kinds_available, weights=[KIND_WEIGHTS[k] for k in kinds_available], k=args.requests)
-        done: list[dict] = []
-        sampler = Sampler(srv.proc.pid, tag, baseline, args.sample_s, lambda: len(done))
-        sampler.sample()
-        sampler.start()
-        t0 = time.perf_counter()
-        records = asyncio.run(_stream(srv.base_url, srv.model_name(), kinds, args.concurrency, tag, media,
-                                      args.max_tokens, srv.realtime_url, done, args.report_every))
-        wall = time.perf_counter() - t0
-        sampler.stop()
-        time.sleep(args.drain_s)
-        drained = sampler.sample()
-        alive = srv.alive()
+        d = drive(srv, requests=args.requests, concurrency=args.concurrency, warmup=args.warmup,
+                  max_tokens=args.max_tokens, sample_s=args.sample_s, drain_s=args.drain_s,
+                  shm_slack=args.shm_slack, report_every=args.report_every, seed=args.seed, tag=tag,
+                  baseline=baseline)
         stop = _stop_timed(srv)
     finally:
         srv.stop()
     time.sleep(1.0)
-    left = shm_entries(tag, baseline)
-    left_names = sorted(n for n in os.listdir(SHM) if n not in baseline and tag in n)
-    counts = {k: {"n": sum(1 for r in records if r["kind"] == k),
-                  "ok": sum(1 for r in records if r["kind"] == k and r["ok"])} for k in KIND_WEIGHTS}
-    bars = _bars(sampler.samples, drained, left_names, records, args.warmup, args.shm_slack)
-    bars["server_alive_after_stream"] = {"pass": alive}
+    bars = {**d["bars"], "shm_empty_after_exit": after_exit(tag, baseline)}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -389,17 +427,16 @@ def run(args) -> dict:
         "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.soak", *(args.argv or [])]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "versions": {"vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__},
-        "model": str(model_dir), "stage_config": str(args.stage_config), "args": {k: v for k, v in vars(args).items()
-                                                                                 if k != "argv"},
-        "ready_s": round(ready_s, 1), "stream_wall_s": round(wall, 1),
-        "requests_per_s": round(len(records) / wall, 3), "counts": counts,
-        "statuses": {str(s): sum(1 for r in records if r["status"] == s) for s in {r["status"] for r in records}},
-        "stop": stop, "shm_after_exit": {**left, "names": left_names[:50]},
+        "model": str(model_dir), "stage_config": str(args.stage_config),
+        "args": {k: v for k, v in vars(args).items() if k != "argv"},
+        "ready_s": round(ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
+        "requests_per_s": round(len(d["records"]) / d["wall_s"], 3), "counts": d["counts"],
+        "statuses": d["statuses"], "stop": stop, "shm_after_exit": {**shm_entries(tag, baseline)},
         "summary": {"pass": all(b["pass"] for b in bars.values()), "bars": bars},
-        "samples": sampler.samples, "requests": records,
+        "samples": d["samples"], "requests": d["records"],
     }
     (out_dir / "result.json").write_text(json.dumps(result, indent=1))
-    _plot(sampler.samples, out_dir / "soak.png", args.warmup)
+    _plot(d["samples"], out_dir / "soak.png", args.warmup)
     print(json.dumps({k: result[k] for k in ("counts", "statuses", "stop", "stream_wall_s")}, indent=1))
     for name, bar in bars.items():
         print(f"{'PASS' if bar['pass'] else 'FAIL'}  {name}: "

@@ -29,6 +29,9 @@ streaming path in ``test_streaming_equality.py``). Checked:
   2 s 224×224 clip with speech) and without it: each reply is bitwise equal to its cache-off
   reference; two same-size clips with other pixels (same token ids) share hits only up to the
   last whole block before the clip, the same clip again hits through it;
+- a 100-request slice of the soak (``benchmarks/soak.py``: text only, text + audio, photo and
+  speech in, bad media, streams closed after the first chunk), after everything else: no request
+  lost, ``/dev/shm`` flat and drained, nothing of it left in ``/dev/shm`` after exit (issue 45);
 - the server stops cleanly (exit code 0, port closed).
 
 Two properties of the setup the checks depend on:
@@ -586,6 +589,32 @@ def test_streamed_two_turn_chat_hit_and_equal_to_cache_off(streamed_on, chat_off
             assert a.shape == b.shape and np.array_equal(a, b), (turn, k)
 
 
+@pytest.fixture(scope="module")
+def soak_slice(server_on, chat_off):
+    """100 requests of the soak's mixed stream (``benchmarks/soak.py``: text only, text + audio
+    streamed and not, photo in, speech in, bad media, streams the client closes after the first
+    chunk), 4 at a time, after every other request of this module; ``/dev/shm`` and the process
+    tree sampled every second."""
+    from benchmarks.soak import drive
+
+    return drive(server_on, requests=100, concurrency=4, warmup=20, max_tokens=8, sample_s=1.0, drain_s=8.0,
+                 shm_slack=8, report_every=50)
+
+
+def test_soak_slice_keeps_dev_shm_flat(soak_slice):
+    """Issue 45: every good request answered, every bad one a 400; this run's ``/dev/shm``
+    segments stay within a few in flight after warm-up and are back to their post-warm-up count
+    after the drain. Before the fixes every text-only request and most closed streams left a
+    segment (and a lock file) until the server exited."""
+    bars, counts = soak_slice["bars"], soak_slice["counts"]
+    assert counts["text"]["n"] >= 15 and counts["abort"]["n"] >= 5 and counts["bad"]["n"] >= 5, counts
+    assert bars["no_lost_requests"]["pass"], bars["no_lost_requests"]
+    assert bars["server_alive_after_stream"]["pass"]
+    assert bars["shm_segments_flat"]["pass"], bars["shm_segments_flat"]
+    assert bars["shm_bytes_after_drain"]["pass"], bars["shm_bytes_after_drain"]
+    assert soak_slice["drained"]["tagged_segments"] == 0, soak_slice["drained"]
+
+
 def test_server_stopped_cleanly(server_on, stopped):
     assert stopped == 0, f"the server exited with {stopped}"
     assert not server_on.alive()
@@ -593,3 +622,12 @@ def test_server_stopped_cleanly(server_on, stopped):
     # every stage exited within vLLM's grace: none was force-killed
     killed = [ln for ln in server_on.log_path.read_text(errors="replace").splitlines() if "force killing" in ln]
     assert not killed, killed
+
+
+def test_no_shared_memory_left_after_exit(soak_slice, stopped):
+    """Nothing of the soak slice's requests (segments or the connector's lock files) stays in
+    ``/dev/shm`` after the server exited (issue 45: an empty lock file per leaked segment did)."""
+    from benchmarks.soak import after_exit
+
+    left = after_exit(soak_slice["tag"], soak_slice["baseline"])
+    assert left["pass"], left

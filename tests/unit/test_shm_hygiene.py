@@ -4,7 +4,7 @@
 Engine-free: a stand-in adapter records what reaches ``save_async``; the requests'
 ``additional_information`` is serialized by vLLM-Omni's own ``serialize_additional_information``
 and the seam is checked against the installed ``OmniChunkTransferAdapter``. The server-level
-check (``/dev/shm`` flat, nothing left after exit) is ``tests/pipeline/test_soak.py``.
+check (``/dev/shm`` flat, nothing left after exit) is the soak slice in ``tests/pipeline/test_serve.py``.
 """
 
 from __future__ import annotations

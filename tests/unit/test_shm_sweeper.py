@@ -2,7 +2,7 @@
 
 Engine-free: real POSIX segments in ``/dev/shm`` named as vLLM-Omni's ``SharedMemoryConnector``
 names them, and an async generator standing in for ``AsyncOmni.generate``. The server-level
-check is ``tests/pipeline/test_soak.py``.
+check is the soak slice in ``tests/pipeline/test_serve.py``.
 """
 
 from __future__ import annotations
