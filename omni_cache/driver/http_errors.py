@@ -28,11 +28,14 @@ it already holds ("image file is truncated (...) image file is truncated (...)")
 server's log handlers) holds back the log records with a traceback that the request's own
 task emits (a context variable marks the task); when the response starts:
 
-- **4xx** (the client's fault): the held records are dropped and one ``WARNING`` line says
-  ``rejected request <id>: <METHOD> <path>: HTTP <status>: <field>: <reason>`` (the id is
-  the client's ``X-Request-Id`` or one made up and sent back in that header; the field is
-  the error's ``param``, else the request's media parts the message names); a message that
-  repeats its own tail is sent once (:func:`dedupe_message`);
+- **4xx** (the client's fault): the answer's message becomes one line a person reads
+  (:func:`rejection_message`: ``<field>: <reason>``, cause first, at most
+  :data:`MAX_MESSAGE_CHARS` characters, no array or tensor printed, a repeated tail said once;
+  the field is the error's ``param``, else the parts whose base64 does not decode, else the
+  request's media parts of the modality the reason names — and becomes ``param``), the held
+  records are dropped, and one ``WARNING`` line says ``rejected request <id>: <METHOD> <path>:
+  HTTP <status>: <the same line>`` (the id is the client's ``X-Request-Id`` or one made up and
+  sent back in that header);
 - **anything else** (the server's own errors, 5xx): the held records are logged as they were,
   tracebacks included.
 """
