@@ -110,14 +110,17 @@ class TalkerIdentitySchedulerMixin:
         counters, records, started = self._talker_state()
         if started:
             now = time.perf_counter()
+            added = False
             for rid in list(getattr(model_runner_output, "req_ids", None) or ()):
                 s = started.pop(rid, None)
                 if s is not None:
+                    added = True
                     records[rid] = {"prompt_tokens": s[1], "cached_tokens": s[2], "prefill_s": now - s[0]}
                     while len(records) > _KEEP_REQUESTS:
                         records.popitem(last=False)
-            mf = self.__dict__.setdefault("_talker_metrics_file", MetricsFile("talker"))
-            mf.publish(lambda: {**counters, "requests": dict(records)}, force=True)
+            if added:  # a request's first token came: its record is written (not every step before it)
+                mf = self.__dict__.setdefault("_talker_metrics_file", MetricsFile("talker"))
+                mf.publish(lambda: {**counters, "requests": dict(records)}, force=True)
         return result
 
     def _talker_identity_hasher(self, request: Any) -> Callable | None:
