@@ -84,21 +84,28 @@ def hook_the_servers_engine(argv: Sequence[str]) -> bool:
                        "their own, which route the thinker with vLLM-Omni's policy, not "
                        "omni-cache's prefix routing or talker identity (its talker then "
                        "shares no block)", count)
+    _on_engine_built("_omni_cache_routing", lambda engine_client: install_engine_hooks(engine_client, cfg))
+    return True
+
+
+def _on_engine_built(marker: str, install) -> None:
+    """Wrap vLLM-Omni's ``api_server.build_async_omni`` so ``install(engine_client)`` runs on
+    the engine client it builds, before the server uses it; ``marker`` (an attribute set on the
+    wrapper) keeps a second call from wrapping twice."""
     from vllm_omni.entrypoints.openai import api_server
 
     original = api_server.build_async_omni
-    if getattr(original, "_omni_cache_routing", False):
-        return True
+    if getattr(original, marker, False):
+        return
 
     @contextlib.asynccontextmanager
     async def build_async_omni(*args, **kwargs):
         async with original(*args, **kwargs) as engine_client:
-            install_engine_hooks(engine_client, cfg)
+            install(engine_client)
             yield engine_client
 
-    build_async_omni._omni_cache_routing = True
+    setattr(build_async_omni, marker, True)
     api_server.build_async_omni = build_async_omni
-    return True
 
 
 def pass_start_kwargs() -> dict:
@@ -144,22 +151,9 @@ def sweep_request_segments() -> bool:
     (:func:`omni_cache.driver.shm_sweeper.install_shm_sweeper`: a request's unread hand-off
     segments and lock files are unlinked a few seconds after its stream ends), through the same
     ``api_server.build_async_omni`` wrapper as the other hooks. Returns True once installed."""
-    from vllm_omni.entrypoints.openai import api_server
+    from omni_cache.driver.shm_sweeper import install_shm_sweeper
 
-    original = api_server.build_async_omni
-    if getattr(original, "_omni_cache_shm_sweeper", False):
-        return True
-
-    @contextlib.asynccontextmanager
-    async def build_async_omni(*args, **kwargs):
-        from omni_cache.driver.shm_sweeper import install_shm_sweeper
-
-        async with original(*args, **kwargs) as engine_client:
-            install_shm_sweeper(engine_client)
-            yield engine_client
-
-    build_async_omni._omni_cache_shm_sweeper = True
-    api_server.build_async_omni = build_async_omni
+    _on_engine_built("_omni_cache_shm_sweeper", install_shm_sweeper)
     return True
 
 
