@@ -49,3 +49,20 @@ def test_read_keeps_the_worst_phase_and_skips_a_cut_line(tmp_path):
     outcomes.append(log, {"test": "t::x", "outcome": "error", "seconds": 0.5, "message": "teardown"})
     log.write_text(log.read_text() + '{"test": "t::y", "outc')  # the line the kill cut
     assert outcomes.read(log) == [{"test": "t::x", "outcome": "error", "seconds": 1.5, "message": "teardown"}]
+
+
+def test_lane_group_killed_at_its_timeout_keeps_the_tests_that_ended(tmp_path, monkeypatch):
+    """The GPU lane's runner (``gpu_check.run_group``) on a group that overruns its timeout:
+    the group is ``timeout`` and still reports the tests that ended before it (was 0/0)."""
+    from benchmarks import gpu_check
+
+    mod = tmp_path / "test_slow_group.py"
+    mod.write_text("import time\ndef test_quick():\n    pass\ndef test_hangs():\n    time.sleep(120)\n")
+    monkeypatch.setitem(gpu_check.GROUPS, "slow", (["-p", "tests.conftest", str(mod)], {}))
+    monkeypatch.setattr(gpu_check, "lane_env", lambda extra=None: {**os.environ, "PYTHONPATH": str(REPO)})
+    res = gpu_check.run_group("slow", tmp_path, timeout=20)
+    assert res["rc"] == "timeout"
+    assert [(t["test"].split("::")[-1], t["outcome"]) for t in res["tests"]] == [("test_quick", "passed")]
+    assert gpu_check.group_timeout("streaming") == 2 * gpu_check.MEASURED_S["streaming"]
+    assert gpu_check.group_timeout("unit") == gpu_check.MIN_TIMEOUT_S
+    assert gpu_check.group_timeout("unit", 30) == 30
