@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model_dir = build_qwen3_omni(default_model_dir("tiny"), "tiny")
     if any(g.startswith("yoco") for g in groups):  # built once here, not by two groups at once
-        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+        from omni_cache.models.gemma import build_gemma_omni, default_gemma_dir
 
         build_gemma_omni(default_gemma_dir("tiny", family="gemma4"), "tiny", family="gemma4")
         build_gemma_omni(default_gemma_dir("tiny"), "tiny")

@@ -117,7 +117,7 @@ def main() -> int:
     if model is None:
         family = load_stage_config(args.stage_config).thinker_family
         if family == "gemma4":
-            from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+            from omni_cache.models.gemma import build_gemma_omni, default_gemma_dir
 
             model = str(build_gemma_omni(default_gemma_dir(args.model_size, family="gemma4"), args.model_size,
                                          family="gemma4"))

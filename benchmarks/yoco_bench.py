@@ -120,7 +120,7 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.prefill import harness
-    from omni_cache.models_gemma import default_gemma_dir
+    from omni_cache.models.gemma import default_gemma_dir
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pair = "--paired" in argv

@@ -39,7 +39,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
     family = getattr(args, "family", "qwen3-omni")
     if family in ("gemma4", "gemma3n"):
-        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+        from omni_cache.models.gemma import build_gemma_omni, default_gemma_dir
 
         if args.size not in ("tiny", "bench") and (family, args.size) != ("gemma4", "full"):
             print(f"error: --family {family} has sizes tiny and bench{' and full' if family == 'gemma4' else ''}, "
@@ -47,7 +47,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
             return 2
         out = Path(args.out) if args.out else default_gemma_dir(args.size, family=family)
         if args.size == "full":
-            from omni_cache.models_full import build_gemma4_full
+            from omni_cache.models.full import build_gemma4_full
 
             return _build("Gemma-4-E4B's text shape as the YOCO thinker + Qwen3-Omni-30B-A3B's talker and code2wav "
                           "(configs + tokenizers, no weights: load_format dummy)",
@@ -66,7 +66,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out) if args.out else default_model_dir(args.size)
     if args.size == "full":
-        from omni_cache.models_full import build_full
+        from omni_cache.models.full import build_full
 
         if layers is not None and layers != 48 and not args.out:
             out = out.with_name(f"{out.name}-l{layers}")
@@ -137,7 +137,7 @@ def _default_model(cfg) -> Path:
 
     family = {GEMMA4_PIPELINE: "gemma4", GEMMA_PIPELINE: "gemma3n"}.get(cfg.raw.get("pipeline"))
     if family:
-        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+        from omni_cache.models.gemma import build_gemma_omni, default_gemma_dir
 
         return build_gemma_omni(default_gemma_dir("tiny", family=family), "tiny", family=family)
     from omni_cache.models import build_qwen3_omni, default_model_dir

@@ -237,7 +237,7 @@ def _rotate(xs: list, k: int) -> list:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from omni_cache.models import SIZES
+    from omni_cache.models.qwen3 import SIZES
 
     ap.add_argument("--modalities", default="text,image,audio,chat,miss,floor",
                     help=f"comma-separated workloads among {','.join(WORKLOADS)}")
