@@ -8,6 +8,8 @@
 - no import cycle between omni-cache's modules (function-level imports included);
 - ``OMNI_CACHE_*`` names appear in library code only through :mod:`omni_cache.settings`, and
   every name mentioned anywhere in the repository is a registered setting;
+- the yard's arrows: ``benchmarks`` imports nothing from ``tests`` (the test lanes live under
+  ``tests/lanes``);
 - ``pyproject.toml`` lists every package;
 - the core stays readable: no function in ``omni_cache/core`` over 60 lines, no module there
   over 400 lines; no module imports another's ``_private`` name.
@@ -90,6 +92,19 @@ def test_engine_free_modules_import_no_engine_and_no_adapter(package):
                         ("omni_cache.engine", "omni_cache.driver", "omni_cache.cli")):
                     bad.add(f"{m} imports {imp}")
     assert not bad, sorted(bad)
+
+
+def _tree_imports(folder: str) -> dict[str, set[str]]:
+    """Every module imported by each ``.py`` file under ``REPO/folder`` (by module name)."""
+    return {_module_name(p): _imports(p, _module_name(p)) for p in (REPO / folder).rglob("*.py")}
+
+
+def test_benchmarks_import_nothing_from_tests():
+    """Benchmarks are measurements, not test runners: the runners (GPU lane, mutation run) live
+    in ``tests/lanes`` and a benchmark imports no test code."""
+    bad = sorted(f"{m} imports {imp}" for m, imps in _tree_imports("benchmarks").items()
+                 for imp in imps if imp.split(".")[0] == "tests")
+    assert not bad, bad
 
 
 def test_no_import_cycle():
