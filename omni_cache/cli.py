@@ -350,42 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- followed by more `vllm serve` arguments")
     sv.set_defaults(func=_cmd_serve)
 
-    be = sub.add_parser("bench", help="benchmarks on the real pipeline (see docs/benchmarks.md)")
-    be_sub = be.add_subparsers(dest="bench_cmd", required=True)
-    bp = be_sub.add_parser("prefill", help="thinker prefill per modality: cache off vs built-in vs omni-cache")
-    harness = _prefill_harness()
-    if harness is None:
-        bp.add_argument("rest", nargs=argparse.REMAINDER)
-        bp.set_defaults(func=_no_benchmarks)
-    else:
-        harness.add_arguments(bp)
-        bp.set_defaults(func=harness.run)
     return ap
-
-
-def _checkout() -> Path | None:
-    """The source checkout this package runs from (it has ``benchmarks/``), or None for an
-    installed wheel."""
-    root = Path(__file__).resolve().parent.parent
-    return root if (root / "benchmarks" / "prefill" / "harness.py").is_file() else None
-
-
-def _prefill_harness():
-    """``benchmarks.prefill.harness`` of the checkout (benchmarks are not part of the wheel)."""
-    root = _checkout()
-    if root is None:
-        return None
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks.prefill import harness
-
-    return harness
-
-
-def _no_benchmarks(args: argparse.Namespace) -> int:
-    print("omni-cache bench: the benchmarks live in the source checkout (benchmarks/), not in an "
-          "installed wheel; run it from a clone of the repository (bash scripts/setup.sh)", file=sys.stderr)
-    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

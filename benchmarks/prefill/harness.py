@@ -1,4 +1,4 @@
-"""``omni-cache bench prefill``: thinker prefill time per modality, cache off vs vLLM-Omni's
+"""``python -m benchmarks.prefill``: thinker prefill time per modality, cache off vs vLLM-Omni's
 built-in cache vs omni-cache, on the real three-stage pipeline.
 
 Each variant's pipeline runs in its own process (:mod:`benchmarks.prefill.worker`); the stage

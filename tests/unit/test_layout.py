@@ -8,7 +8,9 @@
 - no import cycle between omni-cache's modules (function-level imports included);
 - ``OMNI_CACHE_*`` names appear in library code only through :mod:`omni_cache.settings`, and
   every name mentioned anywhere in the repository is a registered setting;
-- the yard's arrows: ``benchmarks`` imports nothing from ``tests`` (the test lanes live under
+- the yard's arrows: ``omni_cache`` imports nothing from ``benchmarks``, ``scripts`` or ``tests``
+  (none of them ships in the wheel) and never edits ``sys.path``; ``benchmarks`` imports nothing
+  from ``tests`` (the test lanes live under
   ``tests/lanes``);
 - ``pyproject.toml`` lists every package;
 - the core stays readable: no function in ``omni_cache/core`` over 60 lines, no module there
@@ -97,6 +99,16 @@ def test_engine_free_modules_import_no_engine_and_no_adapter(package):
 def _tree_imports(folder: str) -> dict[str, set[str]]:
     """Every module imported by each ``.py`` file under ``REPO/folder`` (by module name)."""
     return {_module_name(p): _imports(p, _module_name(p)) for p in (REPO / folder).rglob("*.py")}
+
+
+def test_the_package_imports_nothing_from_the_yard():
+    """The wheel ships ``omni_cache`` only: an import of ``benchmarks`` / ``scripts`` / ``tests``
+    (or a ``sys.path`` edit to reach a checkout) works from a clone and breaks an install."""
+    bad = sorted(f"{m} imports {imp}" for m, p in _modules().items() for imp in _imports(p, m)
+                 if imp.split(".")[0] in ("benchmarks", "scripts", "tests"))
+    bad += sorted(f"{m} edits sys.path" for m, p in _modules().items()
+                  if re.search(r"sys\.path\.(insert|append)|sys\.path\s*=", p.read_text()))
+    assert not bad, bad
 
 
 def test_benchmarks_import_nothing_from_tests():
