@@ -519,12 +519,14 @@ class _FakeAsyncOmni:
 
 def _fake_worker():
     import asyncio
+    from types import SimpleNamespace as NS
 
     from benchmarks.prefill.worker import VariantWorker
 
     w = object.__new__(VariantWorker)
     w.stream, w.hooks, w._seq, w.sessions = True, None, 0, {}
-    w._loop, w.omni = asyncio.new_event_loop(), _FakeAsyncOmni()
+    loop = asyncio.new_event_loop()
+    w.pipe = NS(omni=_FakeAsyncOmni(), run_async=loop.run_until_complete, loop=loop)
     w.engine_prompt = lambda spec: {"key": (spec.get("chat") or {}).get("session", spec["index"])}
     w.sampling_params = lambda spec: []
     w._im_end = lambda: -1
@@ -545,7 +547,7 @@ def test_run_concurrent_is_a_closed_loop_with_ordered_turns():
         assert row["hit_ratio"] == pytest.approx(0.8) and row["audio_samples"] == 480
         assert len({r["request_id"] for r in ans["results"]}) == 10
         # chat: 3 conversations at once, never two turns of one conversation in flight
-        w.omni = _FakeAsyncOmni()
+        w.pipe.omni = _FakeAsyncOmni()
         chat = specs("chat", 0, WorkloadOptions(requests=3, prefix_words=5), 3)
         ans = w.run_concurrent(chat, 3)
         assert w.omni.max_in_flight == 3 and ans["n_errors"] == 0
@@ -554,7 +556,7 @@ def test_run_concurrent_is_a_closed_loop_with_ordered_turns():
             assert ev == ["start", "end"] * 3, ev
             assert [r["turn"] for r in ans["results"] if r["session"] == sess] == [0, 1, 2]
     finally:
-        w._loop.close()
+        w.pipe.loop.close()
     w.stream = False
     with pytest.raises(ValueError, match="streaming"):
         w.run_concurrent(chat, 3)
