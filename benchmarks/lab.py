@@ -202,7 +202,8 @@ def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
         kind: ``pipeline`` → :class:`~omni_cache.driver.pipeline.OmniPipeline`;
             ``streaming`` → :class:`~omni_cache.driver.streaming.StreamingPipeline`;
             ``server`` → :class:`~omni_cache.driver.server.OmniServer`, yielded once ``/health``
-            answers (``ready_s``: seconds to ready).
+            answers (``ready_s``: seconds to ready; after the block ``exit_code``: the
+            server's exit status).
         model: model directory.
         config: stage config (validated by the driver before anything starts).
         engine_args: pipelines: more vLLM-Omni engine arguments (e.g. ``{"log_stats": True}``).
@@ -230,7 +231,7 @@ def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
             print(f"[{label or 'server'}] ready in {srv.ready_s:.0f} s", flush=True)
             yield srv
         finally:
-            srv.stop()
+            srv.exit_code = srv.stop()
         return
     if env or log is not None:
         raise ValueError("env and log are a server's; a pipeline's stages inherit this process's environment")

@@ -712,3 +712,13 @@ METRIC_DEFINITIONS = {
                           "costs a prefill of the uncached suffix alone",
     "fraction_of_attainable": "speedup_vs_off / attainable_speedup",
 }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="prefill_bench", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,6 +12,9 @@
   (none of them ships in the wheel) and never edits ``sys.path``; ``benchmarks`` imports nothing
   from ``tests`` (the test lanes live under
   ``tests/lanes``);
+- only the driver starts engines: nothing outside ``omni_cache/driver`` constructs vLLM-Omni's
+  ``Omni`` / ``AsyncOmni`` or launches its server itself, and in ``benchmarks/`` only
+  ``benchmarks/lab.py`` constructs the driver's pipelines and server (:func:`benchmarks.lab.start`);
 - ``pyproject.toml`` lists every package;
 - the core stays readable: no function in ``omni_cache/core`` over 60 lines, no module there
   over 400 lines; no module imports another's ``_private`` name.
@@ -116,6 +119,56 @@ def test_benchmarks_import_nothing_from_tests():
     in ``tests/lanes`` and a benchmark imports no test code."""
     bad = sorted(f"{m} imports {imp}" for m, imps in _tree_imports("benchmarks").items()
                  for imp in imps if imp.split(".")[0] == "tests")
+    assert not bad, bad
+
+
+#: vLLM-Omni's engines; the driver's pipelines and server (which start them the product's way)
+ENGINES = {"Omni", "AsyncOmni"}
+DRIVER_STARTS = {"OmniPipeline", "StreamingPipeline", "OmniServer"}
+#: the module a server process runs (``OmniServer.command``)
+SERVER_MODULE = "omni_cache.driver.vllm_serve"
+
+
+def _python_files() -> dict[str, Path]:
+    """Every ``.py`` file of the package, the benchmarks, the scripts and the tests, by name."""
+    return {_module_name(p): p for folder in ("omni_cache", "benchmarks", "scripts", "tests")
+            for p in (REPO / folder).rglob("*.py")}
+
+
+def _constructs(path: Path, names: set[str]) -> set[str]:
+    """The names among ``names`` that ``path`` calls (``X(...)`` or ``mod.X(...)``) or imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in names:
+                found.add(name)
+        elif isinstance(node, ast.ImportFrom):
+            found |= {a.name for a in node.names if a.name in names}
+    return found
+
+
+def test_only_the_driver_starts_engines():
+    """One way to start a pipeline or a server: ``omni_cache/driver`` (start environment,
+    ``start_kwargs``, engine hooks). No other module constructs ``Omni`` / ``AsyncOmni`` or
+    names the server's module (tests may read the driver's command line)."""
+    bad = []
+    for m, p in _python_files().items():
+        if m.startswith("omni_cache.driver"):
+            continue
+        if hit := _constructs(p, ENGINES):
+            bad.append(f"{m} constructs {sorted(hit)}")
+        if not m.startswith("tests.") and SERVER_MODULE in p.read_text():
+            bad.append(f"{m} launches {SERVER_MODULE}")
+    assert not bad, bad
+
+
+def test_benchmarks_start_engines_only_through_the_lab():
+    """``benchmarks.lab.start`` is the only way a benchmark starts anything: no other benchmark
+    module constructs the driver's pipelines or server."""
+    bad = sorted(f"{m} constructs {sorted(hit)}" for m, p in _python_files().items()
+                 if m.startswith("benchmarks.") and m != "benchmarks.lab" and (hit := _constructs(p, DRIVER_STARTS)))
     assert not bad, bad
 
 
