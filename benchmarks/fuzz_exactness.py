@@ -135,34 +135,27 @@ def _count_by(report: dict) -> dict:
 def plot(report: dict, path: Path) -> None:
     """Histogram of each hit request's largest row difference from cache off (row-scale ulps),
     the tolerance, and per kind of foreign row the least distance and the share beyond it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summ = report["summary"]
     ulps = [max((d["max_ulps"] for d in r["vs_off"]), default=0.0)
             for g in report["groups"] for r in g["requests"] if r["hit"] > 0]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bins = [0.005, 0.02, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-    ax.hist([u if u > 0 else 0.01 for u in ulps], bins=bins, color="tab:blue",
-            label=f"omni-cache vs cache off, {len(ulps)} requests with a hit")
-    tol = summ["tolerance_ulps"]
-    ax.axvline(tol, color="tab:red", ls="--", label=f"oracle (c) tolerance {tol:g}")
-    for i, (kind, v) in enumerate(sorted(summ["foreign_rows"].items())):
-        share = v["beyond"] / max(v["rows"], 1)
-        ax.axvline(max(v["min"], 0.01), color=f"C{i + 2}", ls=":",
-                   label=f"{kind}: least {v['min']:.1f}, {share:.0%} of {v['rows']} rows beyond tolerance")
-    ax.set_xscale("log")
-    ax.set_xticks([0.01, 0.1, 1, 10, 100, 1000], ["bitwise\nequal", "0.1", "1", "10", "100", "1000"])
-    ax.set_xlabel("largest prompt-row difference from cache off (row-scale bf16 ulps)")
-    ax.set_ylabel("requests")
-    ax.set_title(f"exactness fuzz: {summ['conversations']} conversations, {summ['requests']} requests; "
-                 f"violations a={summ['violations']['a']} b={summ['violations']['b']} c={summ['violations']['c']}",
-                 fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with lab.figure(path, figsize=(8, 4)) as (fig, ax):
+        bins = [0.005, 0.02, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+        ax.hist([u if u > 0 else 0.01 for u in ulps], bins=bins, color="tab:blue",
+                label=f"omni-cache vs cache off, {len(ulps)} requests with a hit")
+        tol = summ["tolerance_ulps"]
+        ax.axvline(tol, color="tab:red", ls="--", label=f"oracle (c) tolerance {tol:g}")
+        for i, (kind, v) in enumerate(sorted(summ["foreign_rows"].items())):
+            share = v["beyond"] / max(v["rows"], 1)
+            ax.axvline(max(v["min"], 0.01), color=f"C{i + 2}", ls=":",
+                       label=f"{kind}: least {v['min']:.1f}, {share:.0%} of {v['rows']} rows beyond tolerance")
+        ax.set_xscale("log")
+        ax.set_xticks([0.01, 0.1, 1, 10, 100, 1000], ["bitwise\nequal", "0.1", "1", "10", "100", "1000"])
+        ax.set_xlabel("largest prompt-row difference from cache off (row-scale bf16 ulps)")
+        ax.set_ylabel("requests")
+        ax.set_title(f"exactness fuzz: {summ['conversations']} conversations, {summ['requests']} requests; "
+                     f"violations a={summ['violations']['a']} b={summ['violations']['b']} c={summ['violations']['c']}",
+                     fontsize=9)
+        ax.legend(fontsize=7)
 
 
 def rejudge_concurrent_b(report: dict, out: Path) -> int:

@@ -81,19 +81,12 @@ def main(argv: list[str] | None = None) -> int:
               "wall_s": time.perf_counter() - t_start, "summary": summary, "requests": records}
     path = lab.write_result(out, result)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-    for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP (s)")):
-        ax.boxplot([[r[metric] for r in records if r["variant"] == n] for n in names], tick_labels=names)
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-    fig.suptitle(f"Idle back-off off vs on, streaming, {args.prompt_tokens}-token misses ({args.size} model)")
-    fig.tight_layout()
-    fig.savefig(out / "idle_backoff.png", dpi=120)
+    title = f"Idle back-off off vs on, streaming, {args.prompt_tokens}-token misses ({args.size} model)"
+    with lab.figure(out / "idle_backoff.png", 1, 2, figsize=(9, 4), title=title) as (fig, axes):
+        for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP (s)")):
+            ax.boxplot([[r[metric] for r in records if r["variant"] == n] for n in names], tick_labels=names)
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
     print(json.dumps(summary, indent=2))
     print(f"wrote {path}")
     return 0

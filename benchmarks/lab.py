@@ -243,6 +243,45 @@ def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
         yield pipe
 
 
+# ---- plots and statistics ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def figure(path: Path, *grid: int, title: str | None = None, title_size: float | None = None, dpi: int = 120,
+           **subplots: Any) -> Iterator[tuple]:
+    """``(fig, axes)`` of ``matplotlib.pyplot.subplots(*grid, **subplots)`` (Agg backend); on
+    leaving the block without an error: ``title`` as the suptitle (font size ``title_size``
+    points, default matplotlib's), tight layout, saved as PNG to ``path`` at ``dpi``; closed
+    either way."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*grid, **subplots)
+    try:
+        yield fig, axes
+        if title:
+            fig.suptitle(title, **({"fontsize": title_size} if title_size else {}))
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
+def spread(xs: Sequence[float | None]) -> dict:
+    """Statistics of the non-None ``xs`` (units of ``xs``): ``n``, ``mean``, ``min``, ``max``,
+    ``median`` (= ``p50``), ``q1``, ``q3``, ``p90``, ``p95``, ``p99`` (numpy's linear
+    interpolation); ``{"n": 0}`` when there are none."""
+    import numpy as np
+
+    a = np.asarray([x for x in xs if x is not None], dtype=float)
+    if not a.size:
+        return {"n": 0}
+    q = {p: float(np.percentile(a, p)) for p in (25, 50, 75, 90, 95, 99)}
+    return {"n": int(a.size), "mean": float(a.mean()), "min": float(a.min()), "max": float(a.max()),
+            "median": q[50], "p50": q[50], "q1": q[25], "q3": q[75], "p90": q[90], "p95": q[95], "p99": q[99]}
+
+
 # ---- prompts --------------------------------------------------------------------------------
 
 WORDS = ("river harbour bridge lantern garden meadow castle forest market window silver copper "

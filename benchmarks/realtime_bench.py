@@ -494,32 +494,25 @@ def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int) ->
 def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str) -> None:
     """First audio and first text p50 per turn (seconds) per variant and window, the floor as a
     black line; one column per N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(sessions), figsize=(6.5 * len(sessions), 8), squeeze=False)
-    ts = list(range(1, turns + 1))
-    styles = {"off": ("o", "C3"), "builtin": ("s", "C0"), "omni_cache": ("D", "C2"), FLOOR: ("", "k")}
-    for col, n in enumerate(sessions):
-        for row, m in enumerate(("first_audio_s", "first_text_s")):
-            ax = axes[row][col]
-            for w, ls in zip(WINDOWS, ("--", "-")):
-                for v in (*VARIANTS, FLOOR):
-                    ys = [c["p50"] if (c := summary[f"{v}/{w}/{n}/{t}"][m]) else float("nan") for t in ts]
-                    ax.plot(ts, ys, ls, marker=styles[v][0], color=styles[v][1],
-                            lw=2.2 if v == FLOOR else 1.4,
-                            label=f"floor (no history), {w} instructions" if v == FLOOR else f"{v}, {w} window")
-            ax.set_title(f"N = {n} session{'s' if n > 1 else ''} at once")
-            ax.set_xlabel("turn")
-            ax.set_ylabel(f"commit → first {'audio' if m == 'first_audio_s' else 'text'} delta (s), p50")
-            ax.set_ylim(bottom=0)
-            ax.set_xticks(ts)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with lab.figure(path, 2, len(sessions), figsize=(6.5 * len(sessions), 8), squeeze=False,
+                    title=title, dpi=110) as (fig, axes):
+        ts = list(range(1, turns + 1))
+        styles = {"off": ("o", "C3"), "builtin": ("s", "C0"), "omni_cache": ("D", "C2"), FLOOR: ("", "k")}
+        for col, n in enumerate(sessions):
+            for row, m in enumerate(("first_audio_s", "first_text_s")):
+                ax = axes[row][col]
+                for w, ls in zip(WINDOWS, ("--", "-")):
+                    for v in (*VARIANTS, FLOOR):
+                        ys = [c["p50"] if (c := summary[f"{v}/{w}/{n}/{t}"][m]) else float("nan") for t in ts]
+                        ax.plot(ts, ys, ls, marker=styles[v][0], color=styles[v][1],
+                                lw=2.2 if v == FLOOR else 1.4,
+                                label=f"floor (no history), {w} instructions" if v == FLOOR else f"{v}, {w} window")
+                ax.set_title(f"N = {n} session{'s' if n > 1 else ''} at once")
+                ax.set_xlabel("turn")
+                ax.set_ylabel(f"commit → first {'audio' if m == 'first_audio_s' else 'text'} delta (s), p50")
+                ax.set_ylim(bottom=0)
+                ax.set_xticks(ts)
+        axes[0][0].legend(fontsize=7)
 
 
 # -- main --------------------------------------------------------------------------------------------

@@ -85,26 +85,19 @@ def summarize(records: list[dict]) -> dict:
 
 
 def plot(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP, first audio packet (s)")):
-        data = [[r[metric] for r in records if r["policy"] == p and r[metric] is not None] for p in POLICIES]
-        ax.boxplot(data, tick_labels=["prefix routing", "vLLM-Omni round-robin"], showfliers=True)
-        for i, p in enumerate(POLICIES, 1):
-            later = [r[metric] for r in records if r["policy"] == p and r["turn"] >= 1 and r[metric] is not None]
-            first = [r[metric] for r in records if r["policy"] == p and r["turn"] == 0 and r[metric] is not None]
-            ax.scatter([i - 0.15] * len(first), first, s=10, c="tab:gray", label="turn 1" if i == 1 else None)
-            ax.scatter([i + 0.15] * len(later), later, s=10, c="tab:blue", label="turn >= 2" if i == 1 else None)
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
-    fig.suptitle("Two thinker replicas, interleaved conversations: prefix routing vs round-robin")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    title = "Two thinker replicas, interleaved conversations: prefix routing vs round-robin"
+    with lab.figure(path, 1, 2, figsize=(10, 4), title=title) as (fig, axes):
+        for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP, first audio packet (s)")):
+            data = [[r[metric] for r in records if r["policy"] == p and r[metric] is not None] for p in POLICIES]
+            ax.boxplot(data, tick_labels=["prefix routing", "vLLM-Omni round-robin"], showfliers=True)
+            for i, p in enumerate(POLICIES, 1):
+                later = [r[metric] for r in records if r["policy"] == p and r["turn"] >= 1 and r[metric] is not None]
+                first = [r[metric] for r in records if r["policy"] == p and r["turn"] == 0 and r[metric] is not None]
+                ax.scatter([i - 0.15] * len(first), first, s=10, c="tab:gray", label="turn 1" if i == 1 else None)
+                ax.scatter([i + 0.15] * len(later), later, s=10, c="tab:blue", label="turn >= 2" if i == 1 else None)
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,28 +100,19 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def plot(summary: dict, path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for ax, metric in zip(axes, ("ttft", "audio_ttfp")):
-        keys = [f"median_{metric}_ms", f"p90_{metric}_ms", f"p99_{metric}_ms"]
-        for j, v in enumerate(("off", "on")):
-            vals = [(summary.get(v) or {}).get(k) or 0.0 for k in keys]
-            bars = ax.bar([i + 0.38 * j for i in range(3)], vals, width=0.38, label=v,
-                          color="#888888" if v == "off" else "#dd8452")
-            for b, x in zip(bars, vals):
-                ax.text(b.get_x() + b.get_width() / 2, x, f"{x:.0f}", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks([i + 0.19 for i in range(3)])
-        ax.set_xticklabels(["p50", "p90", "p99"])
-        ax.set_title({"ttft": "TTFT (text), ms", "audio_ttfp": "TTFP (first audio packet), ms"}[metric], fontsize=9)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with lab.figure(path, 1, 2, figsize=(9, 3.6), title=title, title_size=9) as (fig, axes):
+        for ax, metric in zip(axes, ("ttft", "audio_ttfp")):
+            keys = [f"median_{metric}_ms", f"p90_{metric}_ms", f"p99_{metric}_ms"]
+            for j, v in enumerate(("off", "on")):
+                vals = [(summary.get(v) or {}).get(k) or 0.0 for k in keys]
+                bars = ax.bar([i + 0.38 * j for i in range(3)], vals, width=0.38, label=v,
+                              color="#888888" if v == "off" else "#dd8452")
+                for b, x in zip(bars, vals):
+                    ax.text(b.get_x() + b.get_width() / 2, x, f"{x:.0f}", ha="center", va="bottom", fontsize=7)
+            ax.set_xticks([i + 0.19 for i in range(3)])
+            ax.set_xticklabels(["p50", "p90", "p99"])
+            ax.set_title({"ttft": "TTFT (text), ms", "audio_ttfp": "TTFP (first audio packet), ms"}[metric], fontsize=9)
+            ax.legend(fontsize=7)
     return path
 
 

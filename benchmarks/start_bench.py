@@ -95,21 +95,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(samples: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for i, v in enumerate(VARIANTS):
-        ys = [s["start_s"] for s in samples[v]]
-        ax.scatter([i] * len(ys), ys, label=v)
-        ax.hlines(statistics.median(ys), i - 0.2, i + 0.2)
-    ax.set_xticks(range(len(VARIANTS)), [f"{v} executor" for v in VARIANTS])
-    ax.set_ylabel("pipeline start (s)")
-    ax.set_title("Qwen3-Omni, 3 stages, this machine")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with lab.figure(path, figsize=(5, 3.5)) as (fig, ax):
+        for i, v in enumerate(VARIANTS):
+            ys = [s["start_s"] for s in samples[v]]
+            ax.scatter([i] * len(ys), ys, label=v)
+            ax.hlines(statistics.median(ys), i - 0.2, i + 0.2)
+        ax.set_xticks(range(len(VARIANTS)), [f"{v} executor" for v in VARIANTS])
+        ax.set_ylabel("pipeline start (s)")
+        ax.set_title("Qwen3-Omni, 3 stages, this machine")
 
 
 if __name__ == "__main__":

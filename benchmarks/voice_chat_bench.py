@@ -148,29 +148,22 @@ def main(argv: list[str] | None = None) -> int:
               "requests": records}
     path = lab.write_result(out, result)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, label, scale in ((axes[0], "talker_prefill_s", "talker prefill (ms)", 1e3),
-                                     (axes[1], "ttfp_s", "TTFP (s)", 1.0)):
-        for v, marker in zip(VARIANTS, "osD"):
-            ys = [med(v, t, metric) * scale for t in turns]
-            lo = [ys[i] - summary[v][t][metric]["min"] * scale if summary[v][t][metric] else 0
-                  for i, t in enumerate(turns)]
-            hi = [summary[v][t][metric]["max"] * scale - ys[i] if summary[v][t][metric] else 0
-                  for i, t in enumerate(turns)]
-            ax.errorbar(turns, ys, yerr=[lo, hi], marker=marker, capsize=3, label=v)
-        ax.set_xlabel("turn")
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-        ax.legend()
-    fig.suptitle(f"Voice chat ({args.turns} speech turns, {args.rounds} rounds, {args.size} model): "
-                 "median, min-max")
-    fig.tight_layout()
-    fig.savefig(out / "voice_chat.png", dpi=120)
+    with lab.figure(out / "voice_chat.png", 1, 2, figsize=(11, 4),
+                    title=f"Voice chat ({args.turns} speech turns, {args.rounds} rounds, {args.size} model): "
+                          "median, min-max") as (fig, axes):
+        for ax, metric, label, scale in ((axes[0], "talker_prefill_s", "talker prefill (ms)", 1e3),
+                                         (axes[1], "ttfp_s", "TTFP (s)", 1.0)):
+            for v, marker in zip(VARIANTS, "osD"):
+                ys = [med(v, t, metric) * scale for t in turns]
+                lo = [ys[i] - summary[v][t][metric]["min"] * scale if summary[v][t][metric] else 0
+                      for i, t in enumerate(turns)]
+                hi = [summary[v][t][metric]["max"] * scale - ys[i] if summary[v][t][metric] else 0
+                      for i, t in enumerate(turns)]
+                ax.errorbar(turns, ys, yerr=[lo, hi], marker=marker, capsize=3, label=v)
+            ax.set_xlabel("turn")
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
+            ax.legend()
     print(json.dumps({"ratios": ratios, "bars": bars}, indent=2))
     print(f"wrote {path}")
     return 0
