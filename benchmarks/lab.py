@@ -268,20 +268,6 @@ def figure(path: Path, *grid: int, title: str | None = None, title_size: float |
         plt.close(fig)
 
 
-def spread(xs: Sequence[float | None]) -> dict:
-    """Statistics of the non-None ``xs`` (units of ``xs``): ``n``, ``mean``, ``min``, ``max``,
-    ``median`` (= ``p50``), ``q1``, ``q3``, ``p90``, ``p95``, ``p99`` (numpy's linear
-    interpolation); ``{"n": 0}`` when there are none."""
-    import numpy as np
-
-    a = np.asarray([x for x in xs if x is not None], dtype=float)
-    if not a.size:
-        return {"n": 0}
-    q = {p: float(np.percentile(a, p)) for p in (25, 50, 75, 90, 95, 99)}
-    return {"n": int(a.size), "mean": float(a.mean()), "min": float(a.min()), "max": float(a.max()),
-            "median": q[50], "p50": q[50], "q1": q[25], "q3": q[75], "p90": q[90], "p95": q[95], "p99": q[99]}
-
-
 # ---- prompts --------------------------------------------------------------------------------
 
 WORDS = ("river harbour bridge lantern garden meadow castle forest market window silver copper "
