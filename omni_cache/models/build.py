@@ -1,10 +1,11 @@
 """The one build step every embedded-model builder shares, and what a model directory is.
 
 A builder (:func:`omni_cache.models.qwen3.build_qwen3_omni`, the Gemma and full-size ones)
-names its sizes, a fingerprint of everything that determines its output and a ``write``
-function; :func:`build_once` does the rest the same way for all of them: refuse an unknown
-size, skip the build when the directory's stamp records the same fingerprint, else write the
-files and then the stamp (last, so an interrupted build is rebuilt next time).
+names its sizes (:func:`check_size`), a fingerprint of everything that determines its output
+and a ``write`` function; :func:`build_once` does the rest the same way for all of them: skip
+the build when the directory's stamp records the same fingerprint, else write the files and
+then the stamp (last, so an interrupted build is rebuilt next time). Seeded weights are made
+one way (:func:`save_seeded`).
 
 Also here: where models go by default (:func:`models_home`), the notice a user of an embedded
 model is shown, and :func:`model_kind` (embedded or a checkpoint), which reads the stamps.
@@ -18,6 +19,7 @@ import json
 import os
 from collections.abc import Callable, Container
 from pathlib import Path
+from typing import Any
 
 from omni_cache import settings
 
@@ -93,6 +95,24 @@ def build_once(out_dir: str | os.PathLike, fp: str, write: Callable[[Path], dict
     fields = write(out)
     path.write_text(json.dumps({**fields, "fingerprint": fp}, indent=2))
     return out
+
+
+def save_seeded(out: Path, model_cls: Any, config: Any, *, init: Callable[[Any], object] | None = None) -> None:
+    """Construct ``model_cls(config)`` on the CPU with transformers' init under seed
+    :data:`SEED`, apply ``init(model)`` (weights transformers leaves unset), and save it as
+    safetensors into ``out``.
+
+    Raises:
+        Whatever transformers raises for a malformed ``config``.
+    """
+    import torch
+
+    torch.manual_seed(SEED)
+    with torch.device("cpu"):
+        model = model_cls(config)
+    if init is not None:
+        init(model)
+    model.save_pretrained(out, safe_serialization=True)
 
 
 def models_home() -> Path:

@@ -67,7 +67,15 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from omni_cache.models.build import PIPELINE_STAMP, SEED, build_once, check_size, fingerprint, models_home
+from omni_cache.models.build import (
+    PIPELINE_STAMP,
+    SEED,
+    build_once,
+    check_size,
+    fingerprint,
+    models_home,
+    save_seeded,
+)
 from omni_cache.models.qwen3 import (
     CHAT_TEMPLATE,
     SIZES,
@@ -300,17 +308,6 @@ def save_gemma4_processor(out: Path, qwen_tokenizer, soft_tokens: int) -> None:
                     chat_template=CHAT_TEMPLATE, image_seq_length=soft_tokens).save_pretrained(out)
 
 
-def _save_seeded(out: Path, model_cls, cfg) -> None:
-    """Instantiate ``model_cls(cfg)`` with transformers' init under seed :data:`SEED` and save
-    it (safetensors) into ``out``."""
-    import torch
-
-    torch.manual_seed(SEED)
-    with torch.device("cpu"):
-        model = model_cls(cfg)
-    model.save_pretrained(out, safe_serialization=True)
-
-
 def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
     """Build the Gemma-4-style multimodal thinker directory: ``config.json``, seeded weights
     (``model.safetensors``), tokenizer and Gemma 4's processor (``processor_config.json``).
@@ -326,7 +323,7 @@ def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, forc
     def write(out: Path) -> dict:
         from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-        _save_seeded(out, Gemma4ForConditionalGeneration, Gemma4Config(**gemma4_config_dict(size)))
+        save_seeded(out, Gemma4ForConditionalGeneration, Gemma4Config(**gemma4_config_dict(size)))
         save_gemma4_processor(out, build_tokenizer(out), GEMMA4_TOWERS[size].image_soft_tokens)
         return {"family": "gemma4", "size": size, "seed": SEED, "widths": asdict(GEMMA4_SIZES[size]),
                 "towers": asdict(GEMMA4_TOWERS[size])}
@@ -348,7 +345,7 @@ def build_gemma3n_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, for
     def write(out: Path) -> dict:
         from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
 
-        _save_seeded(out, Gemma3nForCausalLM, Gemma3nTextConfig(**gemma3n_config_dict(GEMMA_SIZES[size])))
+        save_seeded(out, Gemma3nForCausalLM, Gemma3nTextConfig(**gemma3n_config_dict(GEMMA_SIZES[size])))
         build_tokenizer(out).save_pretrained(out)
         return {"family": "gemma3n", "size": size, "seed": SEED, "widths": asdict(GEMMA_SIZES[size])}
 

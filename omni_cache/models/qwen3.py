@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_cache.models.build import SEED, build_once, check_size, fingerprint, models_home
+from omni_cache.models.build import SEED, build_once, check_size, fingerprint, models_home, save_seeded
 
 MODEL_FORMAT_VERSION = 3  # bump when the built model changes; part of the cache key
 # (3: the talker's expert weights initialised, see init_talker_experts)
@@ -447,16 +447,10 @@ def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
     check_size(size, SIZES, "model")
 
     def write(out: Path) -> dict:
-        import torch
         from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
         cfg = Qwen3OmniMoeConfig(**qwen3_omni_config_dict(SIZES[size]))
-        torch.manual_seed(SEED)
-        with torch.device("cpu"):
-            model = Qwen3OmniMoeForConditionalGeneration(cfg)
-        init_talker_experts(model, SEED)
-        model.save_pretrained(out, safe_serialization=True)
-        del model
+        save_seeded(out, Qwen3OmniMoeForConditionalGeneration, cfg, init=lambda model: init_talker_experts(model, SEED))
         tokenizer = build_tokenizer(out)
         build_processor(tokenizer).save_pretrained(out)
         tokenizer.save_pretrained(out)
