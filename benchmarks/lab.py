@@ -5,6 +5,7 @@ pipeline or a server).
 - :func:`add_options` / :func:`model_dir`: the shared options ``--model``, ``--size`` (alias
   ``--model-size``), ``--stage-config``, ``--out``, and the model they name (the embedded
   Qwen3-Omni of ``--size``, built on first use, unless ``--model`` is given);
+  :func:`positive_int_list` for options like ``--concurrency 1,4,16``;
 - :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder
   (``benchmarks/results/<name>-<YYYYmmdd-HHMMSS>/``) and what every result records of where
   it ran — the commit (and whether the tree was dirty), the machine, the package versions;
@@ -62,6 +63,28 @@ def add_options(ap: argparse.ArgumentParser, name: str, *, size: str | None = "b
         ap.add_argument("--stage-config", type=Path, default=stage_config, help="base stage config (deploy YAML)")
     ap.add_argument("--out", type=Path, default=None,
                     help=f"result directory (default: benchmarks/results/{name}-<time>)")
+
+
+def positive_int_list(text: str, flag: str, example: str = "1,8") -> list[int]:
+    """``flag``'s comma list of positive integers (``"1, 8,1"`` → ``[1, 8]``; duplicates dropped,
+    order kept).
+
+    Raises:
+        ValueError: an empty list, or an item that is no integer or is < 1 (names ``flag``, the
+            whole value and the item).
+    """
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            n = int(item)
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: {item!r} is not an integer (expected e.g. {example})") from None
+        if n < 1:
+            raise ValueError(f"{flag} {text!r}: {n} < 1; each value must be >= 1")
+        if n not in out:
+            out.append(n)
+    return out
 
 
 def model_dir(size: str, model: str | os.PathLike | None = None, *, family: str = "qwen3-omni") -> Path:

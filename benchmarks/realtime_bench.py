@@ -104,9 +104,7 @@ def parse_sessions(text: str) -> list[int]:
     Raises:
         ValueError: an empty list, or an item that is not a positive integer.
     """
-    from benchmarks.args import positive_int_list
-
-    return positive_int_list(text, "--sessions", "1,8")
+    return lab.positive_int_list(text, "--sessions", "1,8")
 
 
 def resolve_stage_config(text: str) -> Path:

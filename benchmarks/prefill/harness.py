@@ -226,9 +226,7 @@ def parse_concurrency(text: str) -> list[int]:
     Raises:
         ValueError: an empty list, a value that is no integer, or one < 1.
     """
-    from benchmarks.args import positive_int_list
-
-    return positive_int_list(text, "--concurrency", "1,4,16,64")
+    return lab.positive_int_list(text, "--concurrency", "1,4,16,64")
 
 
 def _rotate(xs: list, k: int) -> list:
