@@ -119,3 +119,35 @@ def test_random_text_has_about_the_tokens_asked_for():
     text = lab.random_text(random.Random(0), 25, Tok())
     assert 25 <= len(text.split()) < 35 and set(text.replace(".", "").lower().split()) <= set(lab.WORDS)
     assert text == lab.random_text(random.Random(0), 25, Tok())  # seeded
+
+
+def test_variant_worker_wraps_the_drivers_pipeline(monkeypatch):
+    """The prefill worker starts its pipeline through the lab (streaming, or the synchronous
+    pipeline with ``stream=False``) with vLLM's stats on — the per-request prefill time is read
+    from vLLM's histograms, which exist only with ``log_stats`` — reports the talker's hit only
+    where its identity hook is wanted, and stops the pipeline on close."""
+    import contextlib
+    from types import SimpleNamespace as NS
+
+    from benchmarks.prefill import worker as W
+
+    calls, closed = [], []
+
+    @contextlib.contextmanager
+    def start(kind, model, config, **kw):
+        calls.append((kind, model, config, kw))
+        try:
+            yield NS(stage_config=NS(thinker_family="gemma4", raw={}), hooks="HOOKS", start_s=2.5, omni="ENGINE")
+        finally:
+            closed.append(kind)
+
+    monkeypatch.setattr(lab, "start", start)
+    for stream, wanted in ((True, True), (False, False)):
+        monkeypatch.setattr("omni_cache.driver.engine_hooks.hooks_wanted", lambda cfg, w=wanted: w)
+        w = W.VariantWorker("model-dir", "cfg.yaml", stream=stream)
+        assert calls[-1] == ("streaming" if stream else "pipeline", "model-dir", "cfg.yaml",
+                             {"engine_args": {"log_stats": True}})
+        assert (w.family, w.start_s, w.omni, w.hooks) == ("gemma4", 2.5, "ENGINE", "HOOKS" if wanted else None)
+        assert len(closed) == len(calls) - 1  # running until closed
+        w.close()
+        assert len(closed) == len(calls)
