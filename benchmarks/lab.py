@@ -247,6 +247,7 @@ def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
         from omni_cache.driver.server import OmniServer
 
         srv = OmniServer(model, config, log_path=log, env=dict(env or {}))
+        srv.exit_code = None
         print(f"[{label or 'server'}] starting the server ...", flush=True)
         srv.start()
         try:
@@ -254,7 +255,8 @@ def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
             print(f"[{label or 'server'}] ready in {srv.ready_s:.0f} s", flush=True)
             yield srv
         finally:
-            srv.exit_code = srv.stop()
+            if srv.proc is not None:  # not stopped inside the block (a benchmark may time its own stop)
+                srv.exit_code = srv.stop()
         return
     if env or log is not None:
         raise ValueError("env and log are a server's; a pipeline's stages inherit this process's environment")

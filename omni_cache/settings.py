@@ -125,10 +125,13 @@ FUSED = Setting(
     "torch's per-key `index_copy_` (`0`); same results", choices=("0", "1"))
 HANDOFF_STAGING = Setting(
     "OMNI_CACHE_HANDOFF_STAGING", Kind.CHOICE, "host", ReadBy.ENGINE, True,
-    "CUDA: the thinker's hand-off rows reach vLLM-Omni's payload builder as pinned host tensors "
-    "copied asynchronously at save time (`host`, default) or as device tensors it copies itself "
-    "(`device`: the path before 2026-11-26, kept to measure it against; docs/gpu.md)",
-    choices=("host", "device"))
+    "CUDA: how the thinker's hand-off rows reach vLLM-Omni's payload builder. `host` (default): "
+    "every hand-off row copied to pinned host memory at save time; `snapshot`: fresh rows taken "
+    "from the host snapshot vLLM-Omni copies of every step anyway (no copy of ours), only a hit's "
+    "cached prefix copied at save time — not yet the default: its first GPU run found two defects "
+    "(fixed, CPU-tested, not re-run on a GPU; docs/gpu.md); `device`: device tensors the builder "
+    "copies itself (the path before 2026-11-26). Same rows in all three",
+    choices=("host", "snapshot", "device"))
 CPU_PLATFORM = Setting(
     "OMNI_CACHE_CPU_PLATFORM", Kind.CHOICE, None, ReadBy.EVERY, True,
     "force the CPU OmniPlatform on (`1`) or off (`0`); unset: on when vLLM resolved to its CPU "

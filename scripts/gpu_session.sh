@@ -7,9 +7,10 @@
 # Steps:
 #   A  bench prefill, profiling shape (6 of 48 thinker layers, full widths) on one card, production
 #      mode, off / built-in / omni-cache up at once: floor, text, chat; c = 1 and 16
-#   B  the same workloads, off / omni-cache with the hand-off as device tensors
-#      (OMNI_CACHE_HANDOFF_STAGING=device: the path before this change), to measure it against A
+#   B  the same workloads, off / omni-cache with the hand-off from vLLM-Omni's own snapshot
+#      (OMNI_CACHE_HANDOFF_STAGING=snapshot, opt-in), to measure it against A (default: host)
 #   C  the GPU lane's equality-compiled group (Qwen3-Omni thinker on CUDA graphs)
+#   S  the same group with OMNI_CACHE_HANDOFF_STAGING=snapshot (run it before B: its exactness)
 #   U  the GPU lane's unit group
 #   F  bench prefill at full size (one H200: the one-GPU config), off / built-in / omni-cache,
 #      one pipeline at a time
@@ -39,16 +40,19 @@ for step in "$@"; do
   log "step $step start"
   case "$step" in
     A) $PY -m benchmarks.prefill "${L6[@]}" --repeats 2 --name A > "$OUT/A.log" 2>&1 ;;
-    B) OMNI_CACHE_HANDOFF_STAGING=device $PY -m benchmarks.prefill "${L6[@]}" --repeats 1 --variants off,omni_cache \
+    B) OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m benchmarks.prefill "${L6[@]}" --repeats 1 --variants off,omni_cache \
          --name B > "$OUT/B.log" 2>&1 ;;
     C) $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 --timeout 900 --out "$OUT/C" \
          --commit "$COMMIT" > "$OUT/C.log" 2>&1 ;;
+    S) OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 \
+         --timeout 900 --out "$OUT/S" --commit "$COMMIT" > "$OUT/S.log" 2>&1 ;;
     U) $PY -m tests.lanes.gpu_check --groups unit --jobs 1 --timeout 900 --out "$OUT/U" \
          --commit "$COMMIT" > "$OUT/U.log" 2>&1 ;;
     F) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
        $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat --requests 6 \
-         --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart --out "$OUT" --name F > "$OUT/F.log" 2>&1 ;;
+         --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart --variants omni_cache,off,builtin \
+         --out "$OUT" --name F > "$OUT/F.log" 2>&1 ;;
     *) log "unknown step $step" ;;
   esac
   log "step $step rc=$?"

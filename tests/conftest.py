@@ -58,6 +58,18 @@ def pytest_runtest_protocol(item, nextitem):
     _module_time[name][1] += 1
 
 
+def pytest_runtest_logreport(report):
+    """With ``OMNI_TEST_OUTCOMES`` set: each test's outcome appended as it is decided
+    (tests/outcomes.py), so a run killed at a timeout keeps its per-test results."""
+    path = os.environ.get("OMNI_TEST_OUTCOMES")
+    if path:
+        from tests import outcomes
+
+        record = outcomes.outcome_of(report)
+        if record is not None:
+            outcomes.append(path, record)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _module_time:
         return

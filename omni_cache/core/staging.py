@@ -15,6 +15,13 @@ reason ("The engine thread never waits on this thread's device→host copy",
   replay of the next step cannot overwrite them), then device → pinned host on a side stream
   (non-blocking), and records one event. :meth:`StagedStep.wait` waits for that event only
   (normally long complete when the builder runs), never for later work on the stream.
+- :meth:`HostStager.stage_prefixes` (``OMNI_CACHE_HANDOFF_STAGING=snapshot``, opt-in until it runs green on a GPU):
+  vLLM-Omni's runner copies every step's outputs to pinned host memory for its payload
+  builder whatever the prefix cache does (``_snapshot_omni_output_tensors_for_async_output``),
+  so a second copy of the fresh rows is waste: only a hit's cached prefix rows (read from the
+  device pool) are copied, into a pinned buffer with room for the request's fresh rows, which
+  :meth:`StagedStep.complete` copies in from vLLM-Omni's snapshot when the builder runs. A step
+  without a hit copies nothing.
 - :class:`KeptIds` keeps a step's input ids (async scheduling: the decode tokens' values exist
   only on the device) with one non-blocking copy to pinned memory, read back on the host when
   a block fills, without synchronising with the stream.
@@ -27,7 +34,7 @@ Engine-free (torch only).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,15 +44,19 @@ class StagedStep:
     """One step's hand-off rows in pinned host memory.
 
     Attributes:
-        host: key → ``[rows, width]`` pinned CPU tensor (the key's dtype): every request's
-            rows, in batch order (a hit's prefix rows then its fresh rows).
+        host: key → ``[rows, width]`` pinned CPU tensor (the key's dtype): every staged
+            request's rows, in batch order (a hit's prefix rows then its fresh rows).
         spans: request → its rows ``[start, end)`` in ``host``.
         event: recorded after the device → host copies (``None``: nothing was copied).
+        prefix: request → rows of its span that were copied at save time, for a step staged
+            by :meth:`HostStager.stage_prefixes` (its fresh rows ``[start + prefix, end)``
+            are copied in by :meth:`complete`); empty for :meth:`HostStager.stage`.
     """
 
     host: dict[str, torch.Tensor]
     spans: dict[str, tuple[int, int]]
     event: torch.cuda.Event | None
+    prefix: dict[str, int] = field(default_factory=dict)
 
     def wait(self) -> None:
         """Wait until the copies of this step are complete (only those)."""
@@ -62,6 +73,30 @@ class StagedStep:
         """
         a, b = self.spans[req_id]
         return {k: t[a:b] for k, t in self.host.items()}
+
+    def complete(self, req_id: str, fresh: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Key → the request's rows ``[prefix + n, width]``: its staged prefix rows followed by
+        ``fresh`` (key → ``[n, width]``, host or device; copied in after its prefix).
+
+        Raises:
+            KeyError: a request whose prefix the step did not stage.
+            ValueError: ``fresh`` does not fill the room left for it.
+        """
+        self.wait()
+        a, b = self.spans[req_id]
+        p = self.prefix[req_id]
+        out = {}
+        # the buffers were made at save time, under vLLM's inference mode; the payload builder
+        # calls this on its own thread, outside it (an in-place update there is refused)
+        with torch.inference_mode():
+            for k, t in self.host.items():
+                rows = fresh[k]
+                if rows.shape[0] != b - a - p:
+                    raise ValueError(f"request {req_id!r}, key {k!r}: {rows.shape[0]} fresh rows for a room of "
+                                     f"{b - a - p}")
+                t[a + p:b].copy_(rows)
+                out[k] = t[a:b]
+        return out
 
 
 class HostStager:
@@ -112,6 +147,53 @@ class HostStager:
             event = torch.cuda.Event()
             event.record(self.stream)
         return StagedStep(host, spans, event)
+
+
+    def stage_prefixes(self, keys: Sequence[str],
+                       hits: Sequence[tuple[str, Mapping[str, torch.Tensor], int]]) -> StagedStep:
+        """Copy the step's hits' cached prefix rows to the host, asynchronously, each into a
+        pinned buffer with room for the request's fresh rows (:meth:`StagedStep.complete`).
+
+        Args:
+            keys: the hand-off keys (each prefix carries all of them).
+            hits: ``(request, prefix, fresh rows)`` in batch order: ``prefix`` key →
+                ``[hit_tokens, width]`` rows on :attr:`device` (the pool's read: not a buffer a
+                later forward reuses), ``fresh rows`` the request's rows this step (tokens).
+
+        Returns:
+            The :class:`StagedStep` (``prefix``: request → its hit tokens).
+        """
+        spans: dict[str, tuple[int, int]] = {}
+        prefix: dict[str, int] = {}
+        off = 0
+        for rid, rows, n_fresh in hits:
+            p = int(rows[keys[0]].shape[0]) if keys else 0
+            spans[rid], prefix[rid] = (off, off + p + n_fresh), p
+            off += p + n_fresh
+        if not keys or not hits:
+            return StagedStep({}, spans, None, prefix)
+        host: dict[str, torch.Tensor] = {}
+        pin = self.stream is not None
+        for k in keys:
+            t0 = hits[0][1][k]
+            host[k] = torch.empty((off, t0.shape[1]), dtype=t0.dtype, pin_memory=pin)
+        if self.stream is None:
+            for rid, rows, _ in hits:
+                a = spans[rid][0]
+                for k in keys:
+                    host[k][a:a + prefix[rid]].copy_(rows[k])
+            return StagedStep(host, spans, None, prefix)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for rid, rows, _ in hits:
+                a = spans[rid][0]
+                for k in keys:
+                    t = rows[k]
+                    host[k][a:a + prefix[rid]].copy_(t, non_blocking=True)
+                    t.record_stream(self.stream)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return StagedStep(host, spans, event, prefix)
 
 
 class KeptIds:

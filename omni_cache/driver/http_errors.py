@@ -28,17 +28,22 @@ it already holds ("image file is truncated (...) image file is truncated (...)")
 server's log handlers) holds back the log records with a traceback that the request's own
 task emits (a context variable marks the task); when the response starts:
 
-- **4xx** (the client's fault): the held records are dropped and one ``WARNING`` line says
-  ``rejected request <id>: <METHOD> <path>: HTTP <status>: <field>: <reason>`` (the id is
-  the client's ``X-Request-Id`` or one made up and sent back in that header; the field is
-  the error's ``param``, else the request's media parts the message names); a message that
-  repeats its own tail is sent once (:func:`dedupe_message`);
+- **4xx** (the client's fault): the answer's message becomes one line a person reads
+  (:func:`rejection_message`: ``<field>: <reason>``, cause first, at most
+  :data:`MAX_MESSAGE_CHARS` characters, no array or tensor printed, a repeated tail said once;
+  the field is the error's ``param``, else the parts whose base64 does not decode, else the
+  request's media parts of the modality the reason names — and becomes ``param``), the held
+  records are dropped, and one ``WARNING`` line says ``rejected request <id>: <METHOD> <path>:
+  HTTP <status>: <the same line>`` (the id is the client's ``X-Request-Id`` or one made up and
+  sent back in that header);
 - **anything else** (the server's own errors, 5xx): the held records are logged as they were,
   tracebacks included.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextvars
 import json
 import logging
@@ -95,19 +100,183 @@ def media_fields(body: bytes, message: str) -> list[str]:
     """The request's media parts (``messages[i].content[j].<type>``) of each modality (image,
     audio, video) that ``message`` names (e.g. "wav" names audio); [] when the body is not a
     chat request or the message names none."""
+    msg = message.lower()
+    kinds = {t for words, types in _MEDIA_PARTS.items() if any(w in msg for w in words) for t in types}
+    return [f"messages[{i}].content[{j}].{part['type']}" for i, j, part in _content_parts(body)
+            if part["type"] in kinds]
+
+
+#: The longest message a rejected request gets (and its log line after the request id).
+MAX_MESSAGE_CHARS = 300
+
+#: vLLM's wrapper around a failing Hugging Face processor (``vllm/multimodal/processing/context.py``):
+#: ``Failed to apply <Processor> on data={...} with kwargs={...}``; vLLM-Omni's chat route appends
+#: the cause after a space (``f"{e} {e.__cause__}"``).
+_PROCESSOR_CALL = re.compile(r"Failed to apply (?P<proc>\w+) on data=")
+#: torch's reflect-pad error for a clip shorter than the STFT's padding (Whisper-style features).
+_PAD_TOO_LONG = re.compile(r"padding \((?P<left>\d+), (?P<right>\d+)\) at dimension \d+ "
+                           r"of input \[(?:\d+, )*(?P<n>\d+)\]")
+#: An array or tensor repr: the name and its balanced parentheses are replaced.
+_ARRAY_START = re.compile(r"\b(?P<kind>array|tensor|ndarray)\(")
+#: Messages of a base64 decoder (pybase64 / binascii) that name no field.
+_BASE64_WORDS = ("base64", "incorrect padding", "invalid character", "excess data after padding")
+_PROCESSOR_DATA_MODALITIES = {"audio": "audio", "audios": "audio", "images": "image", "image": "image",
+                              "videos": "video", "video": "video"}
+
+
+def _balanced_end(text: str, start: int) -> int:
+    """Index just past the bracket group opening at ``text[start]`` (``(``, ``[`` or ``{``),
+    skipping quoted strings; ``len(text)`` when it never closes."""
+    depth, quote, i = 0, "", start
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return len(text)
+
+
+def drop_arrays(text: str) -> str:
+    """``text`` with every ``array(...)`` / ``tensor(...)`` repr replaced by ``<array>`` /
+    ``<tensor>`` (balanced parentheses; quoted strings inside are skipped)."""
+    out, pos = [], 0
+    for m in _ARRAY_START.finditer(text):
+        if m.start() < pos:
+            continue
+        out.append(text[pos:m.start()])
+        out.append("<tensor>" if m.group("kind") == "tensor" else "<array>")
+        pos = _balanced_end(text, m.end() - 1)
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def processor_failure(message: str) -> tuple[str, set[str], str] | None:
+    """Split vLLM's "Failed to apply <Processor> on data={...} with kwargs={...} <cause>" into
+    (processor name, the modalities in ``data`` — ``{"audio", "image", "video"}`` — and the
+    cause text); None when ``message`` is not one. The data (sample arrays, pixels) is dropped."""
+    m = _PROCESSOR_CALL.search(message)
+    if m is None or m.end() >= len(message) or message[m.end()] != "{":
+        return None
+    data_end = _balanced_end(message, m.end())
+    data = message[m.end():data_end]
+    rest = message[data_end:]
+    if rest.startswith(" with kwargs={"):
+        rest = rest[_balanced_end(rest, len(" with kwargs=")):]
+    keys = set(re.findall(r"'(\w+)':", drop_arrays(data)))
+    modalities = {_PROCESSOR_DATA_MODALITIES[k] for k in keys if k in _PROCESSOR_DATA_MODALITIES}
+    return m.group("proc"), modalities, rest.strip()
+
+
+def _short_audio_hint(cause: str) -> str | None:
+    """"audio too short (N samples; the processor needs ≥ M)" when ``cause`` is torch's
+    reflect-padding error of a clip shorter than the feature extractor's STFT padding."""
+    m = _PAD_TOO_LONG.search(cause)
+    if m is None:
+        return None
+    need = max(int(m.group("left")), int(m.group("right"))) + 1
+    return f"audio too short ({m.group('n')} samples at the processor's rate; it needs ≥ {need})"
+
+
+def _data_url_payload(url: str) -> str | None:
+    """The base64 payload of a ``data:...;base64,...`` URL, else None."""
+    head, sep, payload = url.partition(",")
+    return payload if sep and head.startswith("data:") and head.endswith(";base64") else None
+
+
+def _media_payload(part: dict) -> str | None:
+    """The base64 text a chat content part carries (``input_audio.data``, or the payload of a
+    ``data:`` URL in ``image_url`` / ``audio_url`` / ``video_url``), else None."""
+    kind = part.get("type")
+    inner = part.get(kind) if isinstance(kind, str) else None
+    if kind == "input_audio" and isinstance(inner, dict):
+        data = inner.get("data")
+        return data if isinstance(data, str) else None
+    url = inner.get("url") if isinstance(inner, dict) else inner
+    return _data_url_payload(url) if isinstance(url, str) else None
+
+
+def _content_parts(body: bytes):
+    """``(i, j, part)`` for every dict content part of a chat request body."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        return []
-    msg = message.lower()
-    kinds = {t for words, types in _MEDIA_PARTS.items() if any(w in msg for w in words) for t in types}
-    out = []
+        return
     for i, m in enumerate((data.get("messages") or []) if isinstance(data, dict) else []):
         content = m.get("content") if isinstance(m, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
-            if isinstance(part, dict) and part.get("type") in kinds:
-                out.append(f"messages[{i}].content[{j}].{part['type']}")
+            if isinstance(part, dict) and isinstance(part.get("type"), str):
+                yield i, j, part
+
+
+def undecodable_base64_fields(body: bytes) -> list[str]:
+    """The request's media parts (``messages[i].content[j].<type>``) whose base64 payload does
+    not decode (strict alphabet and padding, as vLLM's ``pybase64.b64decode(validate=True)``)."""
+    out = []
+    for i, j, part in _content_parts(body):
+        payload = _media_payload(part)
+        if payload is None:
+            continue
+        try:
+            base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            out.append(f"messages[{i}].content[{j}].{part['type']}")
     return out
+
+
+def rejection_message(message: str, param: str | None, request_body: bytes) -> tuple[str, str | None]:
+    """A rejected request's message as one line a person reads, and the field it names.
+
+    The line is ``<field>: <reason>`` (just ``<reason>`` when no field is known), at most
+    :data:`MAX_MESSAGE_CHARS` characters, cause first: vLLM's "Failed to apply <Processor> on
+    data={...} with kwargs={...}" wrapper is replaced by the processor's name and its cause (a
+    clip shorter than the STFT padding gets "audio too short (N samples ...; it needs ≥ M)"
+    in front), array / tensor reprs become ``<array>`` / ``<tensor>``, a repeated tail is said
+    once (:func:`dedupe_message`), ``VLLMValidationError``'s ``(parameter=...)`` suffix is
+    dropped (the field says it), whitespace is collapsed; only then is it cut, at the end.
+
+    Args:
+        message: the error message the server answered with.
+        param: the error's ``param`` (e.g. ``input_tokens``), if any.
+        request_body: the request's JSON body (to name the media part at fault).
+
+    Returns:
+        ``(line, field)``; ``field`` is None when neither ``param``, a part whose base64 does
+        not decode, nor a media part of the modality the reason names was found.
+    """
+    reason = " ".join(message.split())
+    modalities: set[str] = set()
+    failure = processor_failure(reason)
+    if failure is not None:
+        proc, modalities, cause = failure
+        hint = _short_audio_hint(cause) if "audio" in modalities else None
+        what = "/".join(sorted(modalities)) or "input"
+        reason = f"{hint}: {proc}: {cause}" if hint else f"{proc} failed on the {what}: {cause}"
+    reason = dedupe_message(_VALIDATION_SUFFIX.sub("", drop_arrays(reason)).strip())
+    field = param
+    if field is None and any(w in reason.lower() for w in _BASE64_WORDS):
+        bad = undecodable_base64_fields(request_body)
+        if bad:
+            field, reason = ", ".join(bad), f"invalid base64 data: {reason}"
+    if field is None:
+        named = media_fields(request_body, reason)
+        if not named and modalities:
+            named = media_fields(request_body, " ".join(modalities))
+        field = ", ".join(named) or None
+    line = f"{field}: {reason}" if field else reason
+    if len(line) > MAX_MESSAGE_CHARS:
+        line = line[:MAX_MESSAGE_CHARS - 1] + "…"
+    return line, field
 
 
 class _RequestLog:
@@ -202,7 +371,7 @@ class ValidationErrorStatusMiddleware:
                 chunks.append(message.get("body", b""))
                 if message.get("more_body", False):
                     return
-                start, body = self._error_answer(held_start, b"".join(chunks))
+                start, body, line = self._error_answer(held_start, b"".join(chunks), b"".join(body_parts))
                 if 400 <= start["status"] < 500:
                     if request_id is None:
                         request_id = f"rejected-{uuid.uuid4().hex[:12]}"
@@ -210,7 +379,8 @@ class ValidationErrorStatusMiddleware:
                                                       (b"x-request-id", request_id.encode())]}
                     ctx.held.clear()
                     ctx.decided = True
-                    self._log_rejected(scope, start["status"], request_id, body, b"".join(body_parts))
+                    _log.warning("rejected request %s: %s %s: HTTP %d: %s", request_id, scope.get("method", ""),
+                                 scope.get("path", ""), start["status"], line)
                 else:
                     ctx.release()
                 await send(start)
@@ -225,35 +395,27 @@ class ValidationErrorStatusMiddleware:
             _CURRENT.reset(token)
 
     @staticmethod
-    def _error_answer(start: dict, body: bytes) -> tuple[dict, bytes]:
-        """The error response to send: a validation 500 as a 400, a 4xx message without its
-        repeated tail; ``content-length`` fixed when the body changed."""
+    def _error_answer(start: dict, body: bytes, request_body: bytes) -> tuple[dict, bytes, str]:
+        """The error response to send, and its one-line message: a validation 500 becomes a
+        400; a 4xx message becomes :func:`rejection_message`'s line (its ``param`` the field
+        it names when the error had none); ``content-length`` fixed when the body changed."""
         new_body = rewrite_validation_500(body) if start.get("status") == 500 else None
         status = 400 if new_body is not None else start["status"]
+        line = " ".join(body.decode("utf-8", "replace").split())[:MAX_MESSAGE_CHARS]
         if 400 <= status < 500:
             try:
                 data = json.loads(new_body or body)
                 err = data["error"]
-                once = dedupe_message(str(err["message"]))
-                if once != err["message"]:
-                    err["message"] = once
+                param = err.get("param") if isinstance(err.get("param"), str) else None
+                line, field = rejection_message(str(err["message"]), param, request_body)
+                if line != err["message"] or (field and field != param):
+                    err["message"] = line
+                    err["param"] = field
                     new_body = json.dumps(data).encode()
-            except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+            except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
                 pass
         if new_body is None:
-            return start, body
+            return start, body, line
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new_body)).encode()))
-        return {**start, "status": status, "headers": headers}, new_body
-
-    @staticmethod
-    def _log_rejected(scope: dict, status: int, request_id: str, body: bytes, request_body: bytes) -> None:
-        try:
-            err = json.loads(body).get("error") or {}
-            reason, param = str(err.get("message", "")), err.get("param")
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            reason, param = body.decode("utf-8", "replace")[:500], None
-        field = param or ", ".join(media_fields(request_body, reason)) or "-"
-        reason = " ".join(reason.split())  # one line
-        _log.warning("rejected request %s: %s %s: HTTP %d: %s: %s", request_id, scope.get("method", ""),
-                     scope.get("path", ""), status, field, reason[:1000])
+        return {**start, "status": status, "headers": headers}, new_body, line

@@ -25,6 +25,10 @@ talker's prefix caching is on. With
 not get it (a warning says so). :func:`pass_start_kwargs` wraps the same function to start the
 engine with omni-cache's start-up settings (``OMNI_CACHE_PARALLEL_STAGE_INIT``).
 
+:func:`sweep_request_segments` wraps the same function to give the engine omni-cache's
+shared-memory sweeper (:mod:`omni_cache.driver.shm_sweeper`: hand-offs a stage never read are
+unlinked when their request ends).
+
 Stage processes are started with ``spawn`` and re-import ``__main__``: the server only starts
 under the ``if __name__ == "__main__"`` guard below.
 """
@@ -135,6 +139,30 @@ def pass_start_kwargs() -> dict:
     return extra
 
 
+def sweep_request_segments() -> bool:
+    """Give the server's engine omni-cache's shared-memory sweeper
+    (:func:`omni_cache.driver.shm_sweeper.install_shm_sweeper`: a request's unread hand-off
+    segments and lock files are unlinked a few seconds after its stream ends), through the same
+    ``api_server.build_async_omni`` wrapper as the other hooks. Returns True once installed."""
+    from vllm_omni.entrypoints.openai import api_server
+
+    original = api_server.build_async_omni
+    if getattr(original, "_omni_cache_shm_sweeper", False):
+        return True
+
+    @contextlib.asynccontextmanager
+    async def build_async_omni(*args, **kwargs):
+        from omni_cache.driver.shm_sweeper import install_shm_sweeper
+
+        async with original(*args, **kwargs) as engine_client:
+            install_shm_sweeper(engine_client)
+            yield engine_client
+
+    build_async_omni._omni_cache_shm_sweeper = True
+    api_server.build_async_omni = build_async_omni
+    return True
+
+
 def run_vllm_omni_serve(argv: list[str]) -> None:
     """Run vLLM-Omni's ``serve`` subcommand with ``argv`` (everything after ``vllm serve``;
     ``--omni`` is added when missing) in this process. Blocks until the server stops.
@@ -153,6 +181,7 @@ def run_vllm_omni_serve(argv: list[str]) -> None:
         args.append("--omni")
     hook_the_servers_engine(args)
     pass_start_kwargs()
+    sweep_request_segments()
     os.environ.setdefault("VLLM_LOGGING_COLOR", "0")  # vLLM-Omni forces colour unless told
 
     from vllm_omni.entrypoints.cli.main import main

@@ -89,6 +89,18 @@ class OmniCacheRunnerMixin:
         self._settle_ledger()
         return out
 
+    def _build_omni_model_runner_output_from_snapshot(self, **kwargs):
+        """vLLM-Omni's payload builder (on its async-output thread under async scheduling,
+        else inline): before it materializes the step, hand the stage manager vLLM-Omni's own
+        snapshot of the step's outputs (``hidden_states``, ``multimodal_outputs``: host copies
+        under async output), from which the fresh hand-off rows are taken instead of a second
+        copy of ours (``OMNI_CACHE_HANDOFF_STAGING=snapshot``, docs/gpu.md "Zero overhead")."""
+        mgr = getattr(self, "omni_prefix_cache", None)
+        step_id = kwargs.get("prefix_cache_step_id")
+        if step_id is not None and isinstance(mgr, OmniCacheStageManager):
+            mgr.attach_snapshot(step_id, kwargs.get("hidden_states"), kwargs.get("multimodal_outputs"))
+        return super()._build_omni_model_runner_output_from_snapshot(**kwargs)
+
     def _settle_ledger(self) -> None:
         """Apply the ledger updates the step's writes deferred (``HiddenStateCache.settle``,
         docs/pool-gpu.md) now that the step's forward and writes are enqueued: on a GPU whose

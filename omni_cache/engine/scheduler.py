@@ -34,6 +34,7 @@ from omni_cache.core.coverage import RowValidity, WrittenBlocks, spans_overlap
 from omni_cache.engine.metrics import MetricsFile
 from omni_cache.engine.runner import full_attention_group
 from omni_cache.engine.sched_stats import PrefixStatsFlushMixin
+from omni_cache.engine.shm_hygiene import FinalStageHandOffMixin
 
 logger = logging.getLogger(__name__)
 
@@ -347,12 +348,15 @@ def _yoco_rules(vllm_config) -> tuple[bool, RowValidity]:
     return plan.truncates, (RowValidity.ALL_KEYS if plan.needs_final else RowValidity.CAPTURED_ONLY)
 
 
-class OmniCacheARScheduler(OmniCacheSchedulerMixin, PrefixStatsFlushMixin, OmniARScheduler):
-    """vLLM-Omni's synchronous AR scheduler with the hidden-tier hit cap."""
+class OmniCacheARScheduler(FinalStageHandOffMixin, OmniCacheSchedulerMixin, PrefixStatsFlushMixin, OmniARScheduler):
+    """vLLM-Omni's synchronous AR scheduler with the hidden-tier hit cap (and no hand-off of a
+    request that ends here: :mod:`omni_cache.engine.shm_hygiene`)."""
 
 
-class OmniCacheARAsyncScheduler(OmniCacheSchedulerMixin, PrefixStatsFlushMixin, OmniARAsyncScheduler):
-    """vLLM-Omni's asynchronous AR scheduler (its default) with the hidden-tier hit cap."""
+class OmniCacheARAsyncScheduler(FinalStageHandOffMixin, OmniCacheSchedulerMixin, PrefixStatsFlushMixin,
+                                OmniARAsyncScheduler):
+    """vLLM-Omni's asynchronous AR scheduler (its default) with the hidden-tier hit cap (and no
+    hand-off of a request that ends here)."""
 
 
 def pick_ar_scheduler(sync_cls: type, async_cls: type, *args, vllm_config, **kwargs):

@@ -57,7 +57,14 @@ HANDOFF_FIELDS = ("hidden_states", "mm_outputs")
 
 #: vLLM-Omni runner methods that :class:`~omni_cache.engine.runner.OmniCacheRunnerMixin`
 #: overrides → the runner class that defines them
-RUNNER_HOOKS = ("_ensure_omni_prefix_cache", "initialize_metadata_builders", "execute_model", "shutdown")
+RUNNER_HOOKS = ("_ensure_omni_prefix_cache", "initialize_metadata_builders", "execute_model", "shutdown",
+                "_build_omni_model_runner_output_from_snapshot")
+
+#: the payload builder's keyword parameters :class:`~omni_cache.engine.runner.OmniCacheRunnerMixin`
+#: reads (vLLM-Omni's ``_build_omni_model_runner_output_from_snapshot``: the step's output
+#: snapshot and its prefix-cache step id), and the method of it that calls ``materialize``
+SNAPSHOT_BUILDER_PARAMS = ("hidden_states", "multimodal_outputs", "prefix_cache_step_id")
+MATERIALIZE_CALLER = "_prepare_prefix_cache_pooler_payload_sources"
 
 _CALL = re.compile(r"\bomni_prefix_cache\.(\w+)\(")
 
@@ -122,7 +129,37 @@ def check_seam() -> list[str]:
     for hook in RUNNER_HOOKS:
         if not callable(getattr(runner_cls, hook, None)):
             problems.append(f"GPUARModelRunner has no {hook}() for OmniCacheRunnerMixin to override")
+    problems += _check_snapshot_builder(runner_cls)
     return problems + check_talker_seam() + check_talker_keys_seam()
+
+
+def _check_snapshot_builder(runner_cls) -> list[str]:
+    """The snapshot hand-off's seam (``OMNI_CACHE_HANDOFF_STAGING=snapshot``): the payload
+    builder takes the step's snapshot and step id as keyword parameters, and it is the only
+    method that reaches ``materialize`` (through :data:`MATERIALIZE_CALLER`), so a step is
+    never materialized before :meth:`~omni_cache.engine.stage_manager.OmniCacheStageManager.attach_snapshot`."""
+    builder = getattr(runner_cls, "_build_omni_model_runner_output_from_snapshot", None)
+    if builder is None:
+        return []  # reported above
+    problems = []
+    _, kw = _params(builder)
+    missing = [p for p in SNAPSHOT_BUILDER_PARAMS if p not in kw]
+    if missing:
+        problems.append(f"GPUARModelRunner._build_omni_model_runner_output_from_snapshot has no keyword "
+                        f"parameters {missing}")
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.getmodule(runner_cls))))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            calls = {c.func.attr for c in ast.walk(node)
+                     if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)}
+            if ({MATERIALIZE_CALLER, "_prefix_cache_materialize"} & calls
+                    and node.name not in ("_build_omni_model_runner_output_from_snapshot", MATERIALIZE_CALLER)):
+                problems.append(f"{node.name}() reaches materialize outside the payload builder "
+                                "(the snapshot hand-off would not see its snapshot)")
+    return problems
 
 
 #: what vLLM-Omni's ``_talker_mtp_forward`` must still say for the talker's generators to arrive

@@ -135,9 +135,20 @@ class _SavedStep:
     staged: StagedStep | None  # the same rows, staged to pinned host memory (CUDA)
     passthrough: dict[str, Any]
     num_tokens: int
+    #: fresh rows come from vLLM-Omni's own output snapshot (:meth:`OmniCacheStageManager.attach_snapshot`);
+    #: ``staged`` then holds only the hits' prefixes
+    from_snapshot: bool = False
+    snapshot: dict[str, torch.Tensor] | None = None  # key -> [>= num_tokens, ...] (attach_snapshot)
 
     def rows(self, req_id: str) -> dict[str, torch.Tensor]:
         """Key → the request's hand-off rows (``cached prefix ++ fresh``)."""
+        if self.from_snapshot:
+            s, e = self.plan.spans[req_id]
+            n = self.num_tokens
+            fresh = {k: self.snapshot[k][:n].reshape(n, -1)[s:e] for k in self.plan.handoff_keys}
+            if self.staged is not None and req_id in self.staged.prefix:
+                return self.staged.complete(req_id, fresh)
+            return fresh
         return self.staged.rows(req_id) if self.staged is not None else self.merged[req_id]
 
 
@@ -184,6 +195,9 @@ class OmniCacheStageManager:
         self._hit_audit = HitAudit()
         self.step_seconds = 0.0  # the last save_outputs, whole (hashes, writes, reads, merge)
         self._stager: HostStager | None = None  # CUDA: hand-off rows to pinned host (ensure_keys)
+        #: CUDA, ``OMNI_CACHE_HANDOFF_STAGING=snapshot``: fresh hand-off rows are taken from
+        #: vLLM-Omni's output snapshot (:meth:`attach_snapshot`), only hits' prefixes are staged
+        self._from_snapshot = False
 
     # ---- 1. step begin ---------------------------------------------------------------
     def new_step_starts(self, scheduler_output) -> None:
@@ -246,14 +260,19 @@ class OmniCacheStageManager:
         self._ensure_keys(outputs.rows)
         plan = self.plan_step(outputs)
         self.keep_async_inputs(plan)
-        fresh = self.write_rows(plan, outputs)
+        snapshot = self._stager is not None and self._from_snapshot
+        fresh = self.write_rows(plan, outputs, keep_fresh=not snapshot)
         prefixes = self.read_hits(plan)
-        if self._stager is not None:
+        if self._stager is not None and self._from_snapshot:
+            merged = None
+            staged = self.stage_prefixes(plan, prefixes) if prefixes else None
+        elif self._stager is not None:
             merged, staged = None, self.stage_handoff(plan, fresh, prefixes)
         else:
             merged, staged = self.merge(plan, fresh, prefixes), None
         step_id = next(self._step_ids)
-        self._steps[step_id] = _SavedStep(plan, merged, staged, outputs.passthrough, outputs.num_tokens)
+        self._steps[step_id] = _SavedStep(plan, merged, staged, outputs.passthrough, outputs.num_tokens,
+                                          from_snapshot=self._stager is not None and self._from_snapshot)
         self.step_seconds = time.perf_counter() - t0
         self.cache.metrics.seconds_save += self.step_seconds
         return step_id
@@ -285,8 +304,10 @@ class OmniCacheStageManager:
             tier = Tier.DEVICE if device.type != "cpu" else Tier.HOST
             self.cache = HiddenStateCache(self.num_blocks, self.block_size, specs, device=device, tier=tier)
             self.cache.begin_step()
-            if device.type == "cuda" and settings.HANDOFF_STAGING.get() == "host":
+            staging = settings.HANDOFF_STAGING.get()
+            if device.type == "cuda" and staging in ("host", "snapshot"):
                 self._stager = HostStager(device)
+                self._from_snapshot = staging == "snapshot"
             logger.info("omni-cache: %s", self.cache.describe().replace("\n", "; "))
         else:
             new = [s for s in specs if s.name not in self.cache.specs]
@@ -399,17 +420,21 @@ class OmniCacheStageManager:
         return view.block_hashes[:nfull]
 
     # ---- 4. write --------------------------------------------------------------------------
-    def write_rows(self, plan: StepPlan, outputs: StepOutputs) -> dict[str, dict[str, torch.Tensor]]:
+    def write_rows(self, plan: StepPlan, outputs: StepOutputs,
+                   keep_fresh: bool = True) -> dict[str, dict[str, torch.Tensor]]:
         """Write every scheduled request's rows at its KV slot ids, caching each block that
         became full with its block hash: the whole step at once
         (:meth:`~omni_cache.core.HiddenStateCache.write_step_rows`: one index, one write per
         key), or per request in a step where fast prefill truncated some request's final
-        hidden rows. Returns request → key → this step's rows (fresh)."""
+        hidden rows. Returns request → key → this step's rows (fresh; empty with
+        ``keep_fresh=False`` unless the step writes per request)."""
         fresh: dict[str, dict[str, torch.Tensor]] = {}
         step: list[StepRequest] = []
+        keep_fresh = keep_fresh or bool(plan.truncated)
         for rid in plan.req_ids:
             s, e = plan.spans[rid]
-            fresh[rid] = {k: outputs.rows[k][s:e] for k in plan.write_keys}
+            if keep_fresh:
+                fresh[rid] = {k: outputs.rows[k][s:e] for k in plan.write_keys}
             start = self.reqs[rid].num_computed_tokens
             hashes = self.block_hashes(rid, start + (e - s))
             new_full = {b: hashes[b] for b in range(start // self.block_size, len(hashes))}
@@ -467,6 +492,55 @@ class OmniCacheStageManager:
         parts = {rid: ([prefixes[rid]] if rid in prefixes else []) + [fresh[rid]] for rid in plan.req_ids}
         return self._stager.stage(plan.handoff_keys, plan.req_ids, parts)
 
+    def stage_prefixes(self, plan: StepPlan, prefixes: Mapping[str, Mapping[str, torch.Tensor]]) -> StagedStep:
+        """The merge on CUDA with ``OMNI_CACHE_HANDOFF_STAGING=snapshot``: only the
+        hits' cached prefix rows are copied to pinned host memory now
+        (:meth:`~omni_cache.core.staging.HostStager.stage_prefixes`), each with room for the
+        request's fresh rows, which :meth:`materialize` copies in from vLLM-Omni's own output
+        snapshot (:meth:`attach_snapshot`). A step without a hit stages nothing."""
+        hits = [(rid, prefixes[rid], plan.spans[rid][1] - plan.spans[rid][0]) for rid in plan.req_ids
+                if rid in prefixes]
+        return self._stager.stage_prefixes(plan.handoff_keys, hits)
+
+    def attach_snapshot(self, step_id: int | None, hidden_states: torch.Tensor,
+                        mm_outputs: Mapping[str, Any] | None) -> None:
+        """Give a saved step vLLM-Omni's snapshot of its outputs (called by the runner as its
+        payload builder starts, ``OmniCacheRunnerMixin._build_omni_model_runner_output_from_snapshot``):
+        the host copy vLLM-Omni makes of every step under async output, else the live tensors.
+        A step saved without ``snapshot`` staging ignores it.
+
+        Args:
+            step_id: the step's id (``None``: nothing was saved).
+            hidden_states: ``[>= num_tokens, hidden_size]`` final hidden states (may be empty
+                for a model that does not hand them off).
+            mm_outputs: the step's multimodal outputs as the model returned them (flattened
+                here with vLLM-Omni's ``flatten_payload``, as its runner does before a save).
+
+        Raises:
+            RuntimeError: a hand-off key missing from the snapshot, or with fewer rows than the
+                step's tokens (vLLM-Omni's snapshot no longer holds what was saved).
+        """
+        step = self._steps.get(step_id) if step_id is not None else None
+        if step is None or not step.from_snapshot:
+            return
+        from vllm_omni.data_entry_keys import flatten_payload
+
+        flat = flatten_payload(mm_outputs) if mm_outputs else {}
+        n = step.num_tokens
+        snap = {}
+        for k in step.plan.handoff_keys:
+            t = hidden_states if k == HIDDEN_KEY else flat.get(k)
+            if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[0] < n:
+                raise RuntimeError(
+                    f"omni-cache: vLLM-Omni's output snapshot of step {step_id} has no {n} rows of {k!r} "
+                    f"(got {type(t).__name__}{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}); "
+                    f"set {settings.HANDOFF_STAGING.name}=host")
+            # without async omni output the "snapshot" is the forward's live device tensors: one
+            # copy to the host per key, as vLLM-Omni's own path does (every hand-off row on the
+            # host: its payload accumulation concatenates them across steps)
+            snap[k] = t if t.device.type == "cpu" else t[:n].to("cpu")
+        step.snapshot = snap
+
     # ---- 7. hand off -----------------------------------------------------------------------
     def materialize(self, step_id: int, req_ids: list[str]) -> HandOff:
         """Per-request merged tensors of a saved step (consumes the step).
@@ -483,6 +557,10 @@ class OmniCacheStageManager:
         unknown = set(req_ids) - set(plan.spans)
         if unknown:
             raise RuntimeError(f"omni-cache: materialize(step {step_id}) got unknown request ids {sorted(unknown)[:8]}")
+        if step.from_snapshot and step.snapshot is None:
+            raise RuntimeError(f"omni-cache: step {step_id} was materialized without vLLM-Omni's output "
+                               "snapshot (the runner seam moved: omni_cache/engine/seam.py); set "
+                               f"{settings.HANDOFF_STAGING.name}=host")
         if step.staged is not None:
             step.staged.wait()
         rows = {rid: step.rows(rid) for rid in req_ids}

@@ -19,14 +19,19 @@ streaming path in ``test_streaming_equality.py``). Checked:
   one — the initial codec chunk — arriving before the rest); the same two-turn chat streamed
   gets the same exact hit and its text, token ids and every audio packet are bitwise equal to
   its cache-off reference's;
-- a non-image in ``image_url``, a truncated JPEG, undecodable audio, and a prompt longer than
-  ``max_model_len`` answer HTTP 400 with a message naming the problem (said once), the server
-  log has one ``WARNING`` line per rejected request (its ``X-Request-Id``) and no
-  ``Traceback``, and the next request is served;
+- a non-image in ``image_url``, a truncated JPEG, undecodable audio, a prompt longer than
+  ``max_model_len``, a WAV of 78 samples and audio that is not base64 answer HTTP 400 with one
+  line (≤ 300 characters, no arrays) that starts with the field at fault and names the problem
+  (said once), the server log has one ``WARNING`` line per rejected request (its
+  ``X-Request-Id``) with the same line, root cause included, and no ``Traceback``, and the
+  next request is served;
 - video with its audio track (``video_url`` + ``mm_processor_kwargs.use_audio_in_video``, a
   2 s 224×224 clip with speech) and without it: each reply is bitwise equal to its cache-off
   reference; two same-size clips with other pixels (same token ids) share hits only up to the
   last whole block before the clip, the same clip again hits through it;
+- a 100-request slice of the soak (``benchmarks/soak.py``: text only, text + audio, photo and
+  speech in, bad media, streams closed after the first chunk), after everything else: no request
+  lost, ``/dev/shm`` flat and drained, nothing of it left in ``/dev/shm`` after exit (issue 45);
 - the server stops cleanly (exit code 0, port closed).
 
 Two properties of the setup the checks depend on:
@@ -52,7 +57,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from omni_cache.driver.http_errors import dedupe_message
+from omni_cache.driver.http_errors import MAX_MESSAGE_CHARS, dedupe_message
 from omni_cache.driver.inputs import sample_path
 from omni_cache.driver.server import OmniServer
 from tests.device import device_stage_config
@@ -392,6 +397,14 @@ def _cached(r: dict) -> int:
     return r["cached_tokens"] if "cached_tokens" in r else r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def _short_wav_b64(samples: int) -> str:
+    """A 16 kHz mono WAV of ``samples`` samples, base64 (shorter than the audio processor's STFT
+    padding: vLLM's answer was 1,100-3,200 characters, the whole sample array, before the cause)."""
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(samples, dtype=np.float32), 16_000, format="WAV")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 BAD = {
     "non-image in image_url": (
         [{"type": "image_url",
@@ -410,7 +423,25 @@ BAD = {
          {"type": "text", "text": "What is said?"}],
         ("audio", "wav")),
     "prompt longer than max_model_len": ("word " * 9000, ("maximum context length",)),
+    "audio of 78 samples": (
+        [{"type": "text", "text": "What is said?"},
+         {"type": "input_audio", "input_audio": {"data": _short_wav_b64(78), "format": "wav"}}],
+        ("audio too short",)),
+    "audio that is not base64": (
+        [{"type": "text", "text": "What is said?"},
+         {"type": "input_audio", "input_audio": {"data": "not*base64!!", "format": "wav"}}],
+        ("invalid base64",)),
 }
+#: the field each bad request's message and log line start with
+BAD_FIELD = {"non-image in image_url": "messages[0].content[0].image_url",
+             "truncated JPEG": "messages[0].content[0].image_url",
+             "undecodable audio": "messages[0].content[0].input_audio",
+             "prompt longer than max_model_len": "input_tokens",
+             "audio of 78 samples": "messages[0].content[1].input_audio",
+             "audio that is not base64": "messages[0].content[1].input_audio"}
+#: the root cause the server's log line must carry (not cut before it)
+BAD_CAUSE = {"audio of 78 samples": "Padding size should be less than the corresponding input dimension",
+             "audio that is not base64": "Non-base64 digit found"}
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -424,6 +455,9 @@ def test_bad_request_is_4xx_and_server_keeps_serving(server_on, name):
     message = ei.value.body["message"] if isinstance(ei.value.body, dict) else str(ei.value)
     assert any(w in message.lower() for w in words), message
     assert dedupe_message(message) == message, f"the message repeats itself: {message!r}"
+    # one line, the field first, no arrays, short (issue 45)
+    assert message.startswith(BAD_FIELD[name] + ": "), message
+    assert len(message) <= MAX_MESSAGE_CHARS and "\n" not in message and "array(" not in message, message
     assert server_on.alive() and server_on.get("/health")[0] == 200
     _check_text_and_audio(_chat(server_on, [{"role": "user", "content": "Still there?"}]))
 
@@ -437,14 +471,13 @@ def test_bad_requests_log_one_warning_each_and_no_traceback(server_on):
     traceback anywhere in the server log (bad input is not a server failure)."""
     log = server_on.log_path.read_text(errors="replace")
     assert "Traceback" not in log, log[log.index("Traceback") - 2000:log.index("Traceback") + 2000]
-    field = {"non-image in image_url": "messages[0].content[0].image_url",
-             "truncated JPEG": "messages[0].content[0].image_url",
-             "undecodable audio": "messages[0].content[0].input_audio",
-             "prompt longer than max_model_len": "input_tokens"}
     for name in BAD:
         lines = [ln for ln in log.splitlines() if f"rejected request {_bad_id(name)}:" in ln]
         assert len(lines) == 1 and "WARNING" in lines[0], (name, lines)
-        assert f": HTTP 400: {field[name]}: " in lines[0], lines[0]
+        assert f": HTTP 400: {BAD_FIELD[name]}: " in lines[0], lines[0]
+        said = lines[0].split(": HTTP 400: ", 1)[1]
+        assert len(said) <= MAX_MESSAGE_CHARS and "array(" not in said, said
+        assert BAD_CAUSE.get(name, "") in said, said
 
 
 VISION_START, AUDIO_PAD = 151652, 151675  # the real Qwen3-Omni ids (omni_cache.models.qwen3.SPECIAL_TOKENS)
@@ -556,6 +589,32 @@ def test_streamed_two_turn_chat_hit_and_equal_to_cache_off(streamed_on, chat_off
             assert a.shape == b.shape and np.array_equal(a, b), (turn, k)
 
 
+@pytest.fixture(scope="module")
+def soak_slice(server_on, chat_off):
+    """100 requests of the soak's mixed stream (``benchmarks/soak.py``: text only, text + audio
+    streamed and not, photo in, speech in, bad media, streams the client closes after the first
+    chunk), 4 at a time, after every other request of this module; ``/dev/shm`` and the process
+    tree sampled every second."""
+    from benchmarks.soak import drive
+
+    return drive(server_on, requests=100, concurrency=4, warmup=20, max_tokens=8, sample_s=1.0, drain_s=8.0,
+                 shm_slack=8, report_every=50)
+
+
+def test_soak_slice_keeps_dev_shm_flat(soak_slice):
+    """Issue 45: every good request answered, every bad one a 400; this run's ``/dev/shm``
+    segments stay within a few in flight after warm-up and are back to their post-warm-up count
+    after the drain. Before the fixes every text-only request and most closed streams left a
+    segment (and a lock file) until the server exited."""
+    bars, counts = soak_slice["bars"], soak_slice["counts"]
+    assert counts["text"]["n"] >= 15 and counts["abort"]["n"] >= 5 and counts["bad"]["n"] >= 5, counts
+    assert bars["no_lost_requests"]["pass"], bars["no_lost_requests"]
+    assert bars["server_alive_after_stream"]["pass"]
+    assert bars["shm_segments_flat"]["pass"], bars["shm_segments_flat"]
+    assert bars["shm_bytes_after_drain"]["pass"], bars["shm_bytes_after_drain"]
+    assert soak_slice["drained"]["tagged_segments"] == 0, soak_slice["drained"]
+
+
 def test_server_stopped_cleanly(server_on, stopped):
     assert stopped == 0, f"the server exited with {stopped}"
     assert not server_on.alive()
@@ -563,3 +622,12 @@ def test_server_stopped_cleanly(server_on, stopped):
     # every stage exited within vLLM's grace: none was force-killed
     killed = [ln for ln in server_on.log_path.read_text(errors="replace").splitlines() if "force killing" in ln]
     assert not killed, killed
+
+
+def test_no_shared_memory_left_after_exit(soak_slice, stopped):
+    """Nothing of the soak slice's requests (segments or the connector's lock files) stays in
+    ``/dev/shm`` after the server exited (issue 45: an empty lock file per leaked segment did)."""
+    from benchmarks.soak import after_exit
+
+    left = after_exit(soak_slice["tag"], soak_slice["baseline"])
+    assert left["pass"], left

@@ -158,3 +158,109 @@ def test_kept_ids_cuda_copy_without_sync():
     k = KeptIds(ids)
     ids.fill_(-1)
     assert k.values(2, 5) == [2, 3, 4]
+
+
+class SnapshotEngine(StaticBufferEngine):
+    """As :class:`StaticBufferEngine`, with ``OMNI_CACHE_HANDOFF_STAGING=snapshot`` (the CUDA
+    default): the manager stages only hits' prefixes; the fresh rows come from the copy
+    vLLM-Omni's runner takes of every step's outputs (here: a clone of the static buffers at
+    save time, nested as the model returns them), handed over as its payload builder starts."""
+
+    def __init__(self, attach: bool = True):
+        super().__init__(staged=True)
+        self.manager._from_snapshot = True
+        self.attach = attach
+        self.snapshots = {}
+
+    def save(self, *, new=(), cached=()):
+        """As vLLM's worker: the step (forward, save, vLLM-Omni's snapshot) under
+        ``torch.inference_mode``; the previous step's hand-off built outside it, as vLLM-Omni's
+        async-output thread does (found on an H100: an in-place copy into a pinned buffer made
+        at save time raised "Inplace update to inference tensor outside InferenceMode")."""
+        previous, self.pending = self.pending, None
+        with torch.inference_mode():
+            super().save(new=new, cached=cached)
+            step_id, _ = self.pending
+            n = sum(c for *_, c in (*new, *cached))
+            layers = {int(k.rsplit("_", 1)[1]): self.buf[k][:n].clone() for k in self.keys if k != HIDDEN_KEY}
+            self.snapshots[step_id] = (self.buf[HIDDEN_KEY].clone(), {"hidden_states": {"layers": layers}})
+        return None if previous is None else self.flush(previous)
+
+    def flush(self, pending=None):
+        step_id, order = pending or self.pending
+        if pending is None:
+            self.pending = None  # flushed now, not again at the next save
+        if self.attach:
+            self.manager.attach_snapshot(step_id, *self.snapshots.pop(step_id))
+        return super().flush((step_id, order))
+
+
+def test_snapshot_hand_off_equals_a_recompute_one_step_late():
+    """Oracle: a full recompute's rows, bitwise — A's fresh rows from its step's snapshot,
+    B's cached prefix staged at save time plus its fresh rows from the snapshot."""
+    eng = SnapshotEngine()
+    for got, want in _one_step_late(eng):
+        assert_rows(got, want)
+    assert eng.manager.metrics()["hits_served"] == 1
+
+
+def test_snapshot_hand_off_stages_only_hit_steps():
+    eng = SnapshotEngine()
+    a = list(range(100, 111))
+    eng.add("A", a)
+    eng.save(new=[("A", [3, 7, 9], 0, 11)])
+    assert eng.manager._steps[eng.pending[0]].staged is None  # no hit: nothing copied by omni-cache
+    eng.flush()
+    eng.add("B", a[:8] + [1, 2, 3])
+    eng.save(new=[("B", [3, 7, 11], 8, 3)])
+    st = eng.manager._steps[eng.pending[0]].staged
+    assert st.prefix == {"B": 8} and st.spans == {"B": (0, 11)}
+    assert_rows(eng.flush()["B"], expected(a[:8] + [1, 2, 3], 0, 11))
+
+
+def test_snapshot_hand_off_refuses_a_step_without_its_snapshot():
+    """The seam moved (the builder no longer hands the snapshot over): a clear error, never
+    rows from somewhere else."""
+    eng = SnapshotEngine(attach=False)
+    eng.add("A", list(range(100, 111)))
+    eng.save(new=[("A", [3, 7, 9], 0, 11)])
+    with pytest.raises(RuntimeError, match="without vLLM-Omni's output snapshot"):
+        eng.flush()
+
+
+def test_snapshot_missing_a_key_is_named():
+    eng = SnapshotEngine()
+    eng.add("A", list(range(100, 111)))
+    eng.save(new=[("A", [3, 7, 9], 0, 11)])
+    with pytest.raises(RuntimeError, match="hidden_states.layer_0"):
+        eng.manager.attach_snapshot(eng.pending[0], eng.buf[HIDDEN_KEY], {})
+
+
+@cuda
+def test_stage_prefixes_cuda_lands_pinned_with_room_for_fresh_rows():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    pool_read = torch.randn(96, 2048, device=dev, dtype=torch.bfloat16)
+    fresh = torch.randn(5, 2048, dtype=torch.bfloat16).pin_memory()
+    want = torch.cat([pool_read.cpu(), fresh])
+    st = HostStager(dev).stage_prefixes(["h"], [("a", {"h": pool_read}, 5)])
+    assert st.host["h"].is_pinned()
+    assert torch.equal(st.complete("a", {"h": fresh})["h"], want)
+
+
+@cuda
+def test_snapshot_of_live_device_tensors_hands_off_host_rows():
+    """Without async omni output vLLM-Omni's "snapshot" is the forward's live device tensors;
+    the hand-off must still be host rows for every request, hit or not (found on an H100:
+    vLLM-Omni's payload accumulation concatenated a hit step's host rows with a hit-free step's
+    device rows: "Expected all tensors to be on the same device")."""
+    eng = SnapshotEngine()
+    a = list(range(100, 111))
+    eng.add("A", a)
+    eng.save(new=[("A", [3, 7, 9], 0, 11)])
+    step_id = eng.pending[0]
+    hidden, mm = eng.snapshots[step_id]
+    layers = {i: t.cuda() for i, t in mm["hidden_states"]["layers"].items()}
+    eng.snapshots[step_id] = (hidden.cuda(), {"hidden_states": {"layers": layers}})
+    got = eng.flush()["A"]
+    assert all(t.device.type == "cpu" for t in got.values())
+    assert_rows(got, expected(a, 0, 11))

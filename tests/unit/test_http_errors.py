@@ -16,10 +16,15 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from omni_cache.driver.http_errors import (
+    MAX_MESSAGE_CHARS,
     ValidationErrorStatusMiddleware,
     dedupe_message,
+    drop_arrays,
     media_fields,
+    processor_failure,
+    rejection_message,
     rewrite_validation_500,
+    undecodable_base64_fields,
     validation_error_param,
 )
 
@@ -75,7 +80,9 @@ def test_middleware_maps_validation_500_to_400_and_passes_the_rest():
     c = _app()
     r = c.post("/v1/chat/completions", json={})
     assert r.status_code == 400
-    assert r.json()["error"]["message"] == TOO_LONG
+    short = TOO_LONG.removesuffix(" (parameter=input_tokens, value=8193)")
+    assert r.json()["error"]["message"] == "input_tokens: " + short
+    assert r.json()["error"]["param"] == "input_tokens"
     assert int(r.headers["content-length"]) == len(r.content)
     r = c.get("/v1/crash")  # a real server error stays a 500
     assert r.status_code == 500 and "device-side" in r.json()["error"]["message"]
@@ -149,7 +156,7 @@ def test_rejected_request_logs_one_warning_without_traceback(logged, caplog):
         r = c.post("/v1/chat/completions", headers={"X-Request-Id": "req-42"},
                    json={"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]})
     assert r.status_code == 400
-    assert r.json()["error"]["message"] == TRUNCATED  # said once
+    assert r.json()["error"]["message"] == f"messages[0].content[1].image_url: {TRUNCATED}"  # said once
     assert int(r.headers["content-length"]) == len(r.content)
     assert not [x for x in logged.records if x.exc_info], "the traceback reached the log"
     warnings = [x.getMessage() for x in caplog.records if x.name == "omni_cache.server"]
@@ -189,3 +196,108 @@ def test_media_fields_names_the_parts_of_the_modality_the_message_names():
         ["messages[1].content[2].image_url"]
     assert media_fields(body, "maximum context length") == []
     assert media_fields(b"not json", "image") == []
+
+
+# ----------------------------------------------------------------------------- one line a person reads
+# The real texts, as vLLM-Omni 0.30's chat route answered them on the CPU server (2026-11-26,
+# issue 45): vLLM wraps the processor's failure as "Failed to apply <P> on data={...} with
+# kwargs={...}" (vllm/multimodal/processing/context.py) and vLLM-Omni appends the cause.
+PAD_CAUSE = ("Argument #4: Padding size should be less than the corresponding input dimension, but got: "
+             "padding (200, 200) at dimension 2 of input [1, 1, 160]")
+KWARGS = "{'audio_kwargs': {}, 'text_kwargs': {}, 'truncation': False, 'return_tensors': 'pt'}"
+
+
+def _short_wav_message(samples) -> str:
+    return (f"Failed to apply Qwen3OmniMoeProcessor on data={{'text': '<|audio_pad|>', 'audio': [{samples!r}]}} "
+            f"with kwargs={KWARGS} {PAD_CAUSE}")
+
+
+def _chat_body(*parts) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}]}).encode()
+
+
+WAV_PART = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+
+
+def test_short_audio_is_named_with_its_cause_and_no_array():
+    import numpy as np
+
+    # zeros (the server's answer: 1,133 characters) and a real-looking clip (the issue's 3,187)
+    for samples in (np.zeros(160, dtype=np.float32), np.sin(np.arange(160, dtype=np.float32)) * 0.3):
+        message = _short_wav_message(samples)
+        assert len(message) > 1000
+        line, field = rejection_message(message, None, _chat_body(WAV_PART))
+        assert field == "messages[0].content[1].input_audio"
+        assert line == ("messages[0].content[1].input_audio: audio too short (160 samples at the processor's "
+                        f"rate; it needs ≥ 201): Qwen3OmniMoeProcessor: {PAD_CAUSE}"), line
+        assert len(line) <= MAX_MESSAGE_CHARS and "array" not in line and "\n" not in line
+
+
+def test_processor_failure_parts():
+    import numpy as np
+
+    proc, modalities, cause = processor_failure(_short_wav_message(np.zeros(4, dtype=np.float32)))
+    assert (proc, modalities, cause) == ("Qwen3OmniMoeProcessor", {"audio"}, PAD_CAUSE)
+    assert processor_failure("image file is truncated") is None
+    # another cause: the processor and the modality are named, the data is not
+    msg = ("Failed to apply Qwen3OmniMoeProcessor on data={'text': 'a {b}', 'images': [tensor([[1, 2], [3, 4]])]} "
+           f"with kwargs={KWARGS} height and width must be > 28")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    line, field = rejection_message(msg, None, _chat_body(WAV_PART, image))
+    assert line == ("messages[0].content[2].image_url: Qwen3OmniMoeProcessor failed on the image: "
+                    "height and width must be > 28")
+    assert field == "messages[0].content[2].image_url"
+
+
+def test_drop_arrays():
+    assert drop_arrays("x [array([1., 2.],\n dtype=float32), tensor([[1, 2]])] y") == "x [<array>, <tensor>] y"
+    assert drop_arrays("no arrays (here)") == "no arrays (here)"
+
+
+def test_bad_base64_names_the_part():
+    bad_audio = {"type": "input_audio", "input_audio": {"data": "not*base64!!", "format": "wav"}}
+    bad_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,not*base64!!"}}
+    good_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    url_image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    body = _chat_body(good_image, bad_audio, url_image)
+    assert undecodable_base64_fields(body) == ["messages[0].content[2].input_audio"]
+    line, field = rejection_message("Non-base64 digit found", None, body)  # the server's whole answer
+    assert line == "messages[0].content[2].input_audio: invalid base64 data: Non-base64 digit found"
+    assert field == "messages[0].content[2].input_audio"
+    assert rejection_message("Non-base64 digit found", None, _chat_body(bad_image))[0] == \
+        "messages[0].content[1].image_url: invalid base64 data: Non-base64 digit found"
+    assert rejection_message("Incorrect padding", None, _chat_body({"type": "input_audio", "input_audio": {
+        "data": "AAA", "format": "wav"}}))[1] == "messages[0].content[1].input_audio"
+
+
+def test_rejection_message_is_cut_at_the_end_only():
+    line, field = rejection_message("x" * 1000, "temperature", b"{}")
+    assert field == "temperature" and len(line) == MAX_MESSAGE_CHARS
+    assert line.startswith("temperature: xxx") and line.endswith("…")
+    assert rejection_message("nothing to name", None, b"not json") == ("nothing to name", None)
+    # an array in any other message is not printed either
+    assert rejection_message("bad samples: array([1., 2.],\n dtype=float32)", "x", b"{}") == \
+        ("x: bad samples: <array>", "x")
+
+
+def test_middleware_answers_and_logs_the_same_short_line(logged, caplog):
+    import numpy as np
+
+    message = _short_wav_message(np.sin(np.arange(160, dtype=np.float32)))
+
+    async def short_wav(request):
+        await request.json()
+        return JSONResponse(_err(message, 400), status_code=400)
+
+    app = Starlette(routes=[Route("/v1/chat/completions", short_wav, methods=["POST"])])
+    app.add_middleware(ValidationErrorStatusMiddleware)
+    with caplog.at_level(logging.WARNING, logger="omni_cache.server"):
+        r = TestClient(app).post("/v1/chat/completions", headers={"X-Request-Id": "short"},
+                                 content=_chat_body(WAV_PART))
+    err = r.json()["error"]
+    assert r.status_code == 400 and len(err["message"]) <= MAX_MESSAGE_CHARS, err
+    assert err["param"] == "messages[0].content[1].input_audio"
+    assert err["message"].startswith("messages[0].content[1].input_audio: audio too short (160 samples")
+    assert int(r.headers["content-length"]) == len(r.content)
+    warnings = [x.getMessage() for x in caplog.records if x.name == "omni_cache.server"]
+    assert warnings == [f"rejected request short: POST /v1/chat/completions: HTTP 400: {err['message']}"]

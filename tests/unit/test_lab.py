@@ -62,11 +62,12 @@ class _Recorder:
     made: list[_Recorder] = []
 
     def __init__(self, *args, **kwargs):
-        self.args, self.kwargs, self.stopped, self.ready_s = args, kwargs, 0, None
+        self.args, self.kwargs, self.stopped, self.ready_s, self.proc = args, kwargs, 0, None, None
         _Recorder.made.append(self)
 
     # the server's surface
     def start(self):
+        self.proc = "running"
         return self
 
     def wait_ready(self, timeout, progress=None):
@@ -75,6 +76,7 @@ class _Recorder:
 
     def stop(self):
         self.stopped += 1
+        self.proc = None
         return 0
 
     # the pipelines' surface
@@ -97,6 +99,9 @@ def test_start_yields_the_drivers_object_and_stops_it(monkeypatch, tmp_path):
         assert type(srv).__name__ == "OmniServer" and srv.ready_s == 1.5
         assert srv.kwargs == {"log_path": tmp_path / "s.log", "env": {"A": "1"}} and not srv.stopped
     assert srv.stopped == 1 and srv.exit_code == 0
+    with lab.start("server", "m", "c.yaml") as srv:
+        srv.stop()  # a benchmark that times its own stop (soak)
+    assert srv.stopped == 1 and srv.exit_code is None
     for kind, cls in (("pipeline", "OmniPipeline"), ("streaming", "StreamingPipeline")):
         with pytest.raises(RuntimeError, match="boom"), lab.start(kind, "m", "c.yaml",
                                                                   engine_args={"log_stats": True}) as pipe:

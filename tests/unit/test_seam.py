@@ -44,3 +44,16 @@ def test_talker_keys_seam_check_reports_a_moved_speaker_helper(monkeypatch):
     monkeypatch.delattr(tts_utils, "extract_speaker_from_prompt")
     problems = seam.check_seam()
     assert any("extract_speaker_from_prompt" in p for p in problems), problems
+
+
+def test_seam_check_reports_a_payload_builder_without_its_snapshot(monkeypatch):
+    """The snapshot hand-off's seam can fail: a payload builder that no longer takes the step's
+    snapshot as keyword parameters (the fresh hand-off rows would have no source)."""
+    from vllm_omni.worker import gpu_ar_model_runner
+
+    from omni_cache.engine import seam
+
+    monkeypatch.setattr(gpu_ar_model_runner.GPUARModelRunner, "_build_omni_model_runner_output_from_snapshot",
+                        lambda self, *, scheduler_output, prefix_cache_step_id=None: None)
+    problems = seam.check_seam()
+    assert any("'hidden_states', 'multimodal_outputs'" in p for p in problems), problems

@@ -1,0 +1,51 @@
+"""Per-test outcomes survive a run stopped from outside (tests/outcomes.py): a real pytest run
+with ``OMNI_TEST_OUTCOMES`` set, killed after its first tests, leaves their records."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests import outcomes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_records_survive_a_kill_mid_run(tmp_path):
+    """Oracle: the outcomes the tests were written to have (pass, fail, error in set-up, skip);
+    the run is killed while a fifth test sleeps, so pytest never writes its summary."""
+    mod = tmp_path / "test_victim.py"
+    mod.write_text(
+        "import time, pytest\n"
+        "@pytest.fixture\n"
+        "def broken():\n    raise RuntimeError('set-up broke')\n"
+        "def test_a():\n    pass\n"
+        "def test_b():\n    assert 1 == 2\n"
+        "def test_c(broken):\n    pass\n"
+        "def test_d():\n    pytest.skip('not here')\n"
+        "def test_e():\n    time.sleep(60)\n")
+    # the suite's conftest writes the records: the victim runs with tests/conftest.py as a plugin
+    log = tmp_path / "outcomes.jsonl"
+    env = {**os.environ, outcomes.ENV: str(log), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                             str(mod)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(outcomes.read(log)) < 4:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    got = {r["test"].split("::")[-1]: r["outcome"] for r in outcomes.read(log)}
+    assert got == {"test_a": "passed", "test_b": "failed", "test_c": "error", "test_d": "skipped"}, got
+    assert "set-up broke" in next(r["message"] for r in outcomes.read(log) if r["test"].endswith("test_c"))
+
+
+def test_read_keeps_the_worst_phase_and_skips_a_cut_line(tmp_path):
+    log = tmp_path / "o.jsonl"
+    outcomes.append(log, {"test": "t::x", "outcome": "passed", "seconds": 1.0, "message": None})
+    outcomes.append(log, {"test": "t::x", "outcome": "error", "seconds": 0.5, "message": "teardown"})
+    log.write_text(log.read_text() + '{"test": "t::y", "outc')  # the line the kill cut
+    assert outcomes.read(log) == [{"test": "t::x", "outcome": "error", "seconds": 1.5, "message": "teardown"}]
