@@ -16,6 +16,19 @@ import pytest
 # machine, 2026-11-26). A no-op on GPUs and on CPUs without AMX.
 os.environ.setdefault("OMNI_CACHE_CPU_ATTENTION", "vec")
 
+# Hypothesis: its "too slow" health check measures how fast inputs are generated, which on a
+# loaded host (the GPU lane's groups, CI beside other work) failed a property test that generates
+# the same inputs as anywhere else ("only generated 2 valid inputs after 30.82 seconds", issue 44).
+# Switched off for the suite; every strategy, example count and deadline stays as written.
+try:
+    from hypothesis import HealthCheck
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("omni-cache", suppress_health_check=[HealthCheck.too_slow])
+    _hypothesis_settings.load_profile("omni-cache")
+except ImportError:  # the GPU lane's unit group without hypothesis: its property tests skip
+    pass
+
 #: per test module: [wall seconds, tests run]; full pipeline starts per module
 _module_time: dict[str, list] = defaultdict(lambda: [0.0, 0])
 _module_starts: dict[str, int] = defaultdict(int)
