@@ -17,6 +17,7 @@ command; per-request row differences against cache off; the foreign-row distance
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -24,22 +25,22 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import lab
 from omni_cache.exactness import fuzz, oracles
 from omni_cache.exactness.conversations import Knobs, make_group
 
 
-def _start(mode: str, out: Path, model_dir: Path) -> dict:
+def _start(stack: contextlib.ExitStack, mode: str, out: Path, model_dir: Path) -> dict:
+    """The mode's three recording engines (:data:`omni_cache.exactness.fuzz.ENGINE_VARIANTS`),
+    started through :func:`benchmarks.lab.start`; ``stack`` stops them."""
     streaming = mode == "streaming"
-    if streaming:
-        from omni_cache.driver.streaming import StreamingPipeline as Pipeline
-    else:
-        from omni_cache.driver.pipeline import OmniPipeline as Pipeline
     engines = {}
     for name, variant in fuzz.ENGINE_VARIANTS.items():
         d = out / mode / name
         cfg = fuzz.recording_stage_config(d, variant, streaming=streaming, in_process=True)
         t0 = time.perf_counter()
-        engines[name] = fuzz.FuzzEngine(name, Pipeline(model_dir, cfg), d)
+        pipe = stack.enter_context(lab.start("streaming" if streaming else "pipeline", model_dir, cfg))
+        engines[name] = fuzz.FuzzEngine(name, pipe, d)
         print(f"[fuzz] {mode}: {name} started in {time.perf_counter() - t0:.0f} s", flush=True)
     return engines
 
@@ -55,9 +56,9 @@ def _mismatches(res: fuzz.GroupResult) -> list[dict]:
 
 
 def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report: dict) -> None:
-    engines = _start(mode, out, model_dir)
     streaming = mode == "streaming"
-    try:
+    with contextlib.ExitStack() as stack:
+        engines = _start(stack, mode, out, model_dir)
         for i, seed in enumerate(range(args.seed, args.seed + args.groups)):
             cache = args.cache if args.cache != "alternate" else fuzz.CACHES[seed % 2]
             group = make_group(seed, knobs, salt=f"{seed}-{mode}")
@@ -77,9 +78,6 @@ def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report:
             report["mismatches"] += found
             print(f"[fuzz] {mode} {i + 1}/{args.groups} {group.describe()} cache={cache} "
                   f"{time.perf_counter() - t0:.0f} s violations={res.violated or 0}", flush=True)
-    finally:
-        for e in engines.values():
-            e.pipe.close()
 
 
 def summarize(report: dict) -> dict:
@@ -137,34 +135,27 @@ def _count_by(report: dict) -> dict:
 def plot(report: dict, path: Path) -> None:
     """Histogram of each hit request's largest row difference from cache off (row-scale ulps),
     the tolerance, and per kind of foreign row the least distance and the share beyond it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summ = report["summary"]
     ulps = [max((d["max_ulps"] for d in r["vs_off"]), default=0.0)
             for g in report["groups"] for r in g["requests"] if r["hit"] > 0]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bins = [0.005, 0.02, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-    ax.hist([u if u > 0 else 0.01 for u in ulps], bins=bins, color="tab:blue",
-            label=f"omni-cache vs cache off, {len(ulps)} requests with a hit")
-    tol = summ["tolerance_ulps"]
-    ax.axvline(tol, color="tab:red", ls="--", label=f"oracle (c) tolerance {tol:g}")
-    for i, (kind, v) in enumerate(sorted(summ["foreign_rows"].items())):
-        share = v["beyond"] / max(v["rows"], 1)
-        ax.axvline(max(v["min"], 0.01), color=f"C{i + 2}", ls=":",
-                   label=f"{kind}: least {v['min']:.1f}, {share:.0%} of {v['rows']} rows beyond tolerance")
-    ax.set_xscale("log")
-    ax.set_xticks([0.01, 0.1, 1, 10, 100, 1000], ["bitwise\nequal", "0.1", "1", "10", "100", "1000"])
-    ax.set_xlabel("largest prompt-row difference from cache off (row-scale bf16 ulps)")
-    ax.set_ylabel("requests")
-    ax.set_title(f"exactness fuzz: {summ['conversations']} conversations, {summ['requests']} requests; "
-                 f"violations a={summ['violations']['a']} b={summ['violations']['b']} c={summ['violations']['c']}",
-                 fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with lab.figure(path, figsize=(8, 4)) as (fig, ax):
+        bins = [0.005, 0.02, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+        ax.hist([u if u > 0 else 0.01 for u in ulps], bins=bins, color="tab:blue",
+                label=f"omni-cache vs cache off, {len(ulps)} requests with a hit")
+        tol = summ["tolerance_ulps"]
+        ax.axvline(tol, color="tab:red", ls="--", label=f"oracle (c) tolerance {tol:g}")
+        for i, (kind, v) in enumerate(sorted(summ["foreign_rows"].items())):
+            share = v["beyond"] / max(v["rows"], 1)
+            ax.axvline(max(v["min"], 0.01), color=f"C{i + 2}", ls=":",
+                       label=f"{kind}: least {v['min']:.1f}, {share:.0%} of {v['rows']} rows beyond tolerance")
+        ax.set_xscale("log")
+        ax.set_xticks([0.01, 0.1, 1, 10, 100, 1000], ["bitwise\nequal", "0.1", "1", "10", "100", "1000"])
+        ax.set_xlabel("largest prompt-row difference from cache off (row-scale bf16 ulps)")
+        ax.set_ylabel("requests")
+        ax.set_title(f"exactness fuzz: {summ['conversations']} conversations, {summ['requests']} requests; "
+                     f"violations a={summ['violations']['a']} b={summ['violations']['b']} c={summ['violations']['c']}",
+                     fontsize=9)
+        ax.legend(fontsize=7)
 
 
 def rejudge_concurrent_b(report: dict, out: Path) -> int:
@@ -227,28 +218,23 @@ def main(argv: list[str] | None = None) -> int:
         summ = report["summary"]
         print(f"[fuzz] rejudged {args.rejudge}: {n} mismatch(es) superseded; violations {summ['violations']}")
         return 1 if any(report["summary"]["violations"].values()) else 0
-    from omni_cache.models import default_model_dir
-
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = set(modes) - {"streaming", "non-streaming"}
     if bad:
         ap.error(f"--modes: unknown {sorted(bad)} (streaming, non-streaming)")
     knobs = Knobs(turns=args.turns, variants=args.variants, system_words=args.system_words,
                   media=not args.no_media, concurrent=not args.no_concurrent)
-    out = args.out or Path("benchmarks/results") / time.strftime("fuzz-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    cli = argv if argv is not None else sys.argv[1:]
-    report = {"command": " ".join(["python -m benchmarks.fuzz_exactness", *cli]),
-              "knobs": knobs.as_dict(), "modes": modes, "groups": [], "mismatches": [],
-              "env": {k: os.environ.get(k) for k in ("VLLM_CPU_ATTN_SPLIT_KV",)}}
-    model_dir = args.model or default_model_dir("tiny")
+    out = lab.results_dir(args.out, "fuzz")
+    report = {**lab.stamp("benchmarks.fuzz_exactness", argv), "knobs": knobs.as_dict(), "modes": modes,
+              "groups": [], "mismatches": [], "env": {k: os.environ.get(k) for k in ("VLLM_CPU_ATTN_SPLIT_KV",)}}
+    model_dir = lab.model_dir("tiny", args.model)
     t0 = time.perf_counter()
     for mode in modes:
         _run_mode(mode, args, knobs, out, model_dir, report)
     report["seconds"] = time.perf_counter() - t0
     report["summary"] = summarize(report)
     report["conversations"], report["requests"] = report["summary"]["conversations"], report["summary"]["requests"]
-    (out / "report.json").write_text(json.dumps(report, indent=1))
+    lab.write_result(out, report, "report.json")
     plot(report, out / "ulps.png")
     print(json.dumps(report["summary"], indent=1))
     for m in report["mismatches"]:

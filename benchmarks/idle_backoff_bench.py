@@ -19,58 +19,48 @@ the ratio off/on of the medians; ``idle_backoff.png``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import contextlib
 import json
-import platform
 import random
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import lab
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-size", choices=("tiny", "bench"), default="bench")
+    lab.add_options(ap, "idle-backoff")
     ap.add_argument("--rounds", type=int, default=5, help="one request per variant per round")
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--backoff-ms", type=int, default=8, help="the 'on' variant's setting")
-    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/idle-backoff-<time>")
     args = ap.parse_args(argv)
 
     import numpy as np
     from transformers import AutoTokenizer
 
-    from benchmarks.routing_bench import random_text
     from omni_cache import settings
     from omni_cache.driver.inputs import build_request
-    from omni_cache.driver.streaming import StreamingPipeline
-    from omni_cache.driver.variants import derive_stage_config
-    from omni_cache.models import build_qwen3_omni, default_model_dir
 
-    out = args.out or REPO / "benchmarks" / "results" / f"idle-backoff-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
-    model = build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
+    out = lab.results_dir(args.out, "idle-backoff")
+    model = lab.model_dir(args.size, args.model)
     tok = AutoTokenizer.from_pretrained(model)
-    base = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
     variants = {f"backoff-{ms}": ms for ms in (0, args.backoff_ms)}
     pipes = {}
     t_start = time.perf_counter()
     records = []
-    try:
+    with contextlib.ExitStack() as stack:
         for name, ms in variants.items():
             env = {settings.CPU_IDLE_BACKOFF_MS.name: str(ms)}
-            cfg = derive_stage_config(base, out / f"stage_config_{name}.yaml", env={0: env, 1: env, 2: env})
-            print(f"starting {name} ({args.model_size} model) ...", flush=True)
-            pipes[name] = StreamingPipeline(model, cfg)
+            cfg = lab.variant_config(args.stage_config, out, name, env={0: env, 1: env, 2: env})
+            print(f"starting {name} ({args.size} model) ...", flush=True)
+            pipes[name] = stack.enter_context(lab.start("streaming", model, cfg))
             pipes[name].run(build_request("Warm up.", system="Hello."))
         rng = random.Random(0)
         names = list(variants)
         for rnd in range(args.rounds):
             order = names[rnd % 2:] + names[:rnd % 2]
             for name in order:
-                system = f"Request {rnd}-{name}. " + random_text(rng, args.prompt_tokens, tok)
+                system = f"Request {rnd}-{name}. " + lab.random_text(rng, args.prompt_tokens, tok)
                 r = pipes[name].run(build_request("Summarise it in one sentence.", system=system))
                 if r.error:
                     raise SystemExit(f"{name} round {rnd}: {r.error}")
@@ -78,9 +68,6 @@ def main(argv: list[str] | None = None) -> int:
                                     cached_tokens=r.num_cached_tokens, ttft_s=r.ttft_s, ttfp_s=r.ttfp_s))
                 print(f"round {rnd + 1}/{args.rounds} {name}: {r.num_prompt_tokens} tokens, "
                       f"TTFT {r.ttft_s:.2f} s, TTFP {r.ttfp_s:.2f} s", flush=True)
-    finally:
-        for p in pipes.values():
-            p.close()
     summary = {}
     for name in names:
         for metric in ("ttft_s", "ttfp_s"):
@@ -90,28 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     off, on = names
     summary["ratios_off_over_on"] = {m: summary[off][m]["median"] / summary[on][m]["median"]
                                      for m in ("ttft_s", "ttfp_s")}
-    result = {"command": " ".join([Path(sys.executable).name, "-m", "benchmarks.idle_backoff_bench",
-                                   *(argv or sys.argv[1:])]),
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "machine": {"platform": platform.platform(), "processor": platform.processor()},
+    result = {**lab.stamp("benchmarks.idle_backoff_bench", argv), "args": lab.jsonable(args),
               "wall_s": time.perf_counter() - t_start, "summary": summary, "requests": records}
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    path = lab.write_result(out, result)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-    for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP (s)")):
-        ax.boxplot([[r[metric] for r in records if r["variant"] == n] for n in names], tick_labels=names)
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-    fig.suptitle(f"Idle back-off off vs on, streaming, {args.prompt_tokens}-token misses ({args.model_size} model)")
-    fig.tight_layout()
-    fig.savefig(out / "idle_backoff.png", dpi=120)
+    title = f"Idle back-off off vs on, streaming, {args.prompt_tokens}-token misses ({args.size} model)"
+    with lab.figure(out / "idle_backoff.png", 1, 2, figsize=(9, 4), title=title) as (fig, axes):
+        for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP (s)")):
+            ax.boxplot([[r[metric] for r in records if r["variant"] == n] for n in names], tick_labels=names)
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
     print(json.dumps(summary, indent=2))
-    print(f"wrote {out / 'result.json'}")
+    print(f"wrote {path}")
     return 0
 
 

@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import lab
+
 #: the runner's cache methods (omni_cache/engine/runner.py); omni_cache/core counts whole
 CACHE_METHODS = {"new_step_starts", "save_outputs", "materialize", "_tags", "_ensure_cache",
                  "_restart_resumed_payloads", "_publish_metrics", "discard_step"}
@@ -78,7 +79,7 @@ def split_samples(raw: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"))
+    ap.add_argument("--stage-config", default=str(lab.BASE_CONFIG))
     ap.add_argument("--model", help="model directory (default: the stage config's embedded model of --model-size)")
     ap.add_argument("--model-size", default="bench",
                     help="embedded model size (bench, bench-voice for the Qwen3-Omni family)")
@@ -91,7 +92,7 @@ def main() -> int:
     ap.add_argument("--talker-kv-mib", type=int, default=None,
                     help="default 32, 256 for bench-voice (its talker holds ~9 KiB of KV a token)")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(lab.RESULTS), help="folder the profile files are written to")
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
@@ -113,18 +114,8 @@ def main() -> int:
                                mem=MemorySettings(thinker_kv_bytes=args.thinker_kv_mib << 20,
                                                   talker_kv_bytes=(args.talker_kv_mib or (
                                                       256 if args.model_size == "bench-voice" else 32)) << 20))
-    model = args.model
-    if model is None:
-        family = load_stage_config(args.stage_config).thinker_family
-        if family == "gemma4":
-            from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
-
-            model = str(build_gemma_omni(default_gemma_dir(args.model_size, family="gemma4"), args.model_size,
-                                         family="gemma4"))
-        else:
-            from omni_cache.models import build_qwen3_omni, default_model_dir
-
-            model = str(build_qwen3_omni(default_model_dir(args.model_size), args.model_size))
+    family = "gemma4" if load_stage_config(args.stage_config).thinker_family == "gemma4" else "qwen3-omni"
+    model = str(lab.model_dir(args.model_size, args.model, family=family))
     opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
     w = VariantWorker(model, str(cfg))
     per: dict[str, dict] = {wl: {"raw": [], "prefill_ms": [], "talker_prefill_ms": [], "cached": [], "prompt": []}
@@ -160,7 +151,8 @@ def main() -> int:
                       f"{r.get('talker_prompt_tokens')})", flush=True)
     finally:
         w.close()
-    result = {"variant": args.variant, "stage": args.stage, "stage_config": str(args.stage_config),
+    result = {**lab.stamp("benchmarks.profile_stage"), "variant": args.variant, "stage": args.stage,
+              "stage_config": str(args.stage_config),
               "rate_hz": args.rate, "workloads": {}}
     for wl, d in per.items():
         raw = "\n".join(d.pop("raw"))

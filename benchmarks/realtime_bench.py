@@ -67,16 +67,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
+import contextlib
 import hashlib
 import json
 import math
-import platform
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import lab
+
 VARIANTS = ("off", "builtin", "omni_cache")
 WINDOWS = ("stock", "omni_cache")
 #: the pseudo-variant of the floor's turns (a fresh session per turn, no history)
@@ -105,9 +104,7 @@ def parse_sessions(text: str) -> list[int]:
     Raises:
         ValueError: an empty list, or an item that is not a positive integer.
     """
-    from benchmarks.args import positive_int_list
-
-    return positive_int_list(text, "--sessions", "1,8")
+    return lab.positive_int_list(text, "--sessions", "1,8")
 
 
 def resolve_stage_config(text: str) -> Path:
@@ -124,7 +121,7 @@ def resolve_stage_config(text: str) -> Path:
     if p.parent != Path(".") or not text.endswith((".yaml", ".yml")):
         bundled = None
     else:  # this checkout's stage_configs/ first, then the installed package's
-        here = REPO / "stage_configs" / text
+        here = lab.REPO / "stage_configs" / text
         bundled = here if here.is_file() else bundled_stage_config(text)
     if bundled is None:
         raise ValueError(f"--stage-config {text}: file not found (a path, or a bundled name such as "
@@ -495,32 +492,25 @@ def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int) ->
 def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str) -> None:
     """First audio and first text p50 per turn (seconds) per variant and window, the floor as a
     black line; one column per N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(sessions), figsize=(6.5 * len(sessions), 8), squeeze=False)
-    ts = list(range(1, turns + 1))
-    styles = {"off": ("o", "C3"), "builtin": ("s", "C0"), "omni_cache": ("D", "C2"), FLOOR: ("", "k")}
-    for col, n in enumerate(sessions):
-        for row, m in enumerate(("first_audio_s", "first_text_s")):
-            ax = axes[row][col]
-            for w, ls in zip(WINDOWS, ("--", "-")):
-                for v in (*VARIANTS, FLOOR):
-                    ys = [c["p50"] if (c := summary[f"{v}/{w}/{n}/{t}"][m]) else float("nan") for t in ts]
-                    ax.plot(ts, ys, ls, marker=styles[v][0], color=styles[v][1],
-                            lw=2.2 if v == FLOOR else 1.4,
-                            label=f"floor (no history), {w} instructions" if v == FLOOR else f"{v}, {w} window")
-            ax.set_title(f"N = {n} session{'s' if n > 1 else ''} at once")
-            ax.set_xlabel("turn")
-            ax.set_ylabel(f"commit → first {'audio' if m == 'first_audio_s' else 'text'} delta (s), p50")
-            ax.set_ylim(bottom=0)
-            ax.set_xticks(ts)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with lab.figure(path, 2, len(sessions), figsize=(6.5 * len(sessions), 8), squeeze=False,
+                    title=title, dpi=110) as (fig, axes):
+        ts = list(range(1, turns + 1))
+        styles = {"off": ("o", "C3"), "builtin": ("s", "C0"), "omni_cache": ("D", "C2"), FLOOR: ("", "k")}
+        for col, n in enumerate(sessions):
+            for row, m in enumerate(("first_audio_s", "first_text_s")):
+                ax = axes[row][col]
+                for w, ls in zip(WINDOWS, ("--", "-")):
+                    for v in (*VARIANTS, FLOOR):
+                        ys = [c["p50"] if (c := summary[f"{v}/{w}/{n}/{t}"][m]) else float("nan") for t in ts]
+                        ax.plot(ts, ys, ls, marker=styles[v][0], color=styles[v][1],
+                                lw=2.2 if v == FLOOR else 1.4,
+                                label=f"floor (no history), {w} instructions" if v == FLOOR else f"{v}, {w} window")
+                ax.set_title(f"N = {n} session{'s' if n > 1 else ''} at once")
+                ax.set_xlabel("turn")
+                ax.set_ylabel(f"commit → first {'audio' if m == 'first_audio_s' else 'text'} delta (s), p50")
+                ax.set_ylim(bottom=0)
+                ax.set_xticks(ts)
+        axes[0][0].legend(fontsize=7)
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -576,48 +566,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-
-    from omni_cache.driver.server import OmniServer
-    from omni_cache.models import build_qwen3_omni, default_model_dir
-
-    out = (args.out or REPO / "benchmarks" / "results" / f"realtime-{dt.datetime.now():%Y%m%d-%H%M%S}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if args.model is not None:
-        model, model_name = args.model.resolve(), args.model.name
-    else:
-        size = args.model_size or "bench-voice"
-        print(f"model {size} (built on first use) ...", flush=True)
-        model, model_name = build_qwen3_omni(default_model_dir(size), size), size
+    out = lab.results_dir(args.out, "realtime")
+    model = lab.model_dir(args.model_size or "bench-voice", args.model).resolve()
+    model_name = args.model.name if args.model is not None else args.model_size or "bench-voice"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "MALLOC_ARENA_MAX": "2"}
-    servers = {v: OmniServer(model, _config(out, v, args.stage_config_path, args.record),
-                             log_path=out / f"server-{v}.log", env=env) for v in VARIANTS}
     records: list[dict] = []
     session_ids: dict = {}
     cold: dict = {}
     ready_s: dict = {}
     t0 = time.perf_counter()
 
-    def up(v):
-        print(f"starting the {v} server ...", flush=True)
-        servers[v].start()
-        ready_s[v] = servers[v].wait_ready(timeout=1800, progress=lambda s, v=v: print(f"[{v}] {s}", flush=True))
+    def up(stack: contextlib.ExitStack, v: str):
+        srv = stack.enter_context(lab.start("server", model, _config(out, v, args.stage_config_path, args.record),
+                                            log=out / f"server-{v}.log", env=env, label=v))
+        stack.callback(_pause, srv, False)  # a paused server is continued before it is stopped
+        ready_s[v] = srv.ready_s
+        return srv
 
-    try:
-        if args.servers == "together":
-            for v in VARIANTS:  # one at a time: two cores
-                up(v)
+    if args.servers == "together":
+        with contextlib.ExitStack() as stack:
+            servers = {v: up(stack, v) for v in VARIANTS}  # one at a time: two cores
             cold = asyncio.run(_run(servers, VARIANTS, args, records, session_ids))
-        else:
-            for v in VARIANTS:
-                up(v)
-                try:
-                    cold.update(asyncio.run(_run(servers, (v,), args, records, session_ids)))
-                finally:
-                    servers[v].stop()
-    finally:
-        for s in servers.values():
-            _pause(s, False)
-            s.stop()
+    else:
+        for v in VARIANTS:
+            with contextlib.ExitStack() as stack:
+                cold.update(asyncio.run(_run({v: up(stack, v)}, (v,), args, records, session_ids)))
     summary = summarize(records, args.turns, args.sessions)
     bars = latency_bars(records, summary, args.turns, args.sessions)
     if args.record:
@@ -630,12 +603,8 @@ def main(argv: list[str] | None = None) -> int:
         oracle = {"not_run": "--no-record: no hand-offs recorded"}
     errors = [f"{r['variant']}/{r['window']}/round {r['round'] + 1}/N={r['n_sessions']}/session {r['session']}/"
               f"turn {r['turn']}: {r['error']}" for r in records if r.get("error")]
-    command = [Path(sys.executable).name, "-m", "benchmarks.realtime_bench", *(argv or sys.argv[1:])]
-    result = {"command": " ".join(command),
-              "args": {k: (str(x) if isinstance(x, Path) else x) for k, x in vars(args).items()
-                       if k != "stage_config_raw"},
+    result = {**lab.stamp("benchmarks.realtime_bench", argv), "args": lab.jsonable(args, drop=("stage_config_raw",)),
               "model": str(model), "stage_config": str(args.stage_config_path),
-              "machine": {"platform": platform.platform(), "processor": platform.processor()},
               "wall_s": time.perf_counter() - t0, "server_ready_s": ready_s, "sessions_counts": args.sessions,
               "floor": {"on": FLOOR_ON, "how": "per turn, N fresh sessions at once with the sessions' instructions "
                                               "and that turn's clip, no history, after the group's sessions closed"},
@@ -644,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                           for k, x in oracle.items()},
               "oracle_details": oracle, "summary": summary, "turns": records,
               "sessions": {"/".join(map(str, k)): x for k, x in session_ids.items()}}
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    path = lab.write_result(out, result)
     _plot(summary, args.turns, args.sessions, out / "realtime.png",
           f"Realtime sessions ({args.rounds} rounds, {args.turns} voice turns, {model_name}, "
           f"{args.stage_config_path.name}, servers {args.servers})")
@@ -652,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                      indent=2))
     print(json.dumps(result["oracles"], indent=2))
     print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else ""))
-    print(f"wrote {out / 'result.json'}")
+    print(f"wrote {path}")
     return 0
 
 

@@ -23,29 +23,16 @@ TTFT and TTFP per policy, every request.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import random
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import lab
+
 POLICIES = ("prefix", "vllm_omni")
-WORDS = ("river harbour bridge lantern garden meadow castle forest market window silver copper "
-         "morning evening winter summer painter sailor teacher doctor village station library "
-         "careful quiet bright gentle ancient distant golden narrow patient curious").split()
 QUESTIONS = ["Tell me a story about it.", "And then what happened?", "Why did that happen?",
              "What comes next?", "How does it end?", "Tell me one more detail."]
-
-
-def random_text(rng: random.Random, tokens: int, tok) -> str:
-    """About ``tokens`` tokens (by ``tok``) of random sentences drawn with ``rng``."""
-    text = ""
-    while len(tok.encode(text)) < tokens:
-        text += " ".join(rng.choice(WORDS) for _ in range(10)).capitalize() + ". "
-    return text
 
 
 def _first_prompt(tok, system: str) -> list[int]:
@@ -98,60 +85,47 @@ def summarize(records: list[dict]) -> dict:
 
 
 def plot(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP, first audio packet (s)")):
-        data = [[r[metric] for r in records if r["policy"] == p and r[metric] is not None] for p in POLICIES]
-        ax.boxplot(data, tick_labels=["prefix routing", "vLLM-Omni round-robin"], showfliers=True)
-        for i, p in enumerate(POLICIES, 1):
-            later = [r[metric] for r in records if r["policy"] == p and r["turn"] >= 1 and r[metric] is not None]
-            first = [r[metric] for r in records if r["policy"] == p and r["turn"] == 0 and r[metric] is not None]
-            ax.scatter([i - 0.15] * len(first), first, s=10, c="tab:gray", label="turn 1" if i == 1 else None)
-            ax.scatter([i + 0.15] * len(later), later, s=10, c="tab:blue", label="turn >= 2" if i == 1 else None)
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
-    fig.suptitle("Two thinker replicas, interleaved conversations: prefix routing vs round-robin")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    title = "Two thinker replicas, interleaved conversations: prefix routing vs round-robin"
+    with lab.figure(path, 1, 2, figsize=(10, 4), title=title) as (fig, axes):
+        for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP, first audio packet (s)")):
+            data = [[r[metric] for r in records if r["policy"] == p and r[metric] is not None] for p in POLICIES]
+            ax.boxplot(data, tick_labels=["prefix routing", "vLLM-Omni round-robin"], showfliers=True)
+            for i, p in enumerate(POLICIES, 1):
+                later = [r[metric] for r in records if r["policy"] == p and r["turn"] >= 1 and r[metric] is not None]
+                first = [r[metric] for r in records if r["policy"] == p and r["turn"] == 0 and r[metric] is not None]
+                ax.scatter([i - 0.15] * len(first), first, s=10, c="tab:gray", label="turn 1" if i == 1 else None)
+                ax.scatter([i + 0.15] * len(later), later, s=10, c="tab:blue", label="turn >= 2" if i == 1 else None)
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-size", choices=("tiny", "bench"), default="bench")
+    lab.add_options(ap, "routing-bench")
     ap.add_argument("--conversations", type=int, default=3, help="per round (odd: see the module docstring)")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=4, help="policies alternate by round")
     ap.add_argument("--system-tokens", type=int, default=1536, help="each conversation's system prompt (tokens)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/routing-bench-<time>")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
 
     from omni_cache import settings
-    from omni_cache.driver.streaming import StreamingPipeline
-    from omni_cache.driver.variants import derive_stage_config
-    from omni_cache.models import build_qwen3_omni, default_model_dir
 
-    out = args.out or REPO / "benchmarks" / "results" / f"routing-bench-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
-    model = build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
+    out = lab.results_dir(args.out, "routing-bench")
+    model = lab.model_dir(args.size, args.model)
     tok = AutoTokenizer.from_pretrained(model)
-    base = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
-    cfg = derive_stage_config(base, out / "stage_config_routing.yaml", stages={0: {"num_replicas": 2}},
-                              env={0: {settings.ROUTING.name: "prefix"}})
+    cfg = lab.variant_config(args.stage_config, out, "routing", stages={0: {"num_replicas": 2}},
+                             env={0: {settings.ROUTING.name: "prefix"}})
     import yaml
 
     block = int(next(s for s in yaml.safe_load(cfg.read_text())["stages"] if s["stage_id"] == 0)["block_size"])
     records: list[dict] = []
     t_start = time.perf_counter()
-    print(f"starting the pipeline ({args.model_size} model, 2 thinker replicas) ...", flush=True)
-    with StreamingPipeline(model, cfg) as pipe:
+    print(f"starting the pipeline ({args.size} model, 2 thinker replicas) ...", flush=True)
+    with lab.start("streaming", model, cfg) as pipe:
         router, engine = pipe.router, pipe.omni.engine
         if router is None:
             raise SystemExit("prefix routing was not installed (one thinker replica?)")
@@ -161,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             policy = POLICIES[rnd % 2]
             (router.install if policy == "prefix" else router.uninstall)(engine)
             rng = random.Random(f"{args.seed}-{rnd}")
-            prompts = {c: _first_prompt(tok, f"Session {rnd}.{c}. " + random_text(rng, args.system_tokens, tok))
+            prompts = {c: _first_prompt(tok, f"Session {rnd}.{c}. " + lab.random_text(rng, args.system_tokens, tok))
                        for c in range(args.conversations)}
             prev: dict[int, int] = {}
             for turn in range(args.turns):
@@ -180,18 +154,13 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r.num_prompt_tokens} tokens, {r.num_cached_tokens} cached, "
                           f"TTFT {r.ttft_s:.2f} s, TTFP {r.ttfp_s:.2f} s", flush=True)
     summary = summarize(records)
-    result = {
-        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.routing_bench", *(argv or sys.argv[1:])]),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
-        "wall_s": time.perf_counter() - t_start,
-        "summary": summary,
-        "requests": [{k: v for k, v in r.items() if k != "answer"} for r in records],
-    }
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    result = {**lab.stamp("benchmarks.routing_bench", argv), "args": lab.jsonable(args),
+              "wall_s": time.perf_counter() - t_start, "summary": summary,
+              "requests": [{k: v for k, v in r.items() if k != "answer"} for r in records]}
+    path = lab.write_result(out, result)
     plot(records, out / "routing_bench.png")
     print(json.dumps(summary, indent=2))
-    print(f"wrote {out / 'result.json'} and {out / 'routing_bench.png'}")
+    print(f"wrote {path} and {out / 'routing_bench.png'}")
     return 0
 
 

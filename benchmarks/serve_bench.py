@@ -21,16 +21,15 @@ accounting, which this tool's datasets do not generate.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import lab
+
 #: the tool's headline figures compared between variants (ms unless named otherwise)
 HEADLINE = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_audio_ttfp_ms", "p90_audio_ttfp_ms",
             "p99_audio_ttfp_ms", "median_e2el_ms", "p99_e2el_ms", "request_throughput", "median_audio_rtf")
@@ -54,24 +53,17 @@ def tool_command(args, base_url: str, model_name: str, tokenizer: Path, result_d
 
 
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path) -> dict:
-    from benchmarks.serve_load import _variant_config
-    from omni_cache.driver.server import OmniServer
-
-    cfg = _variant_config(Path(args.stage_config), variant, out_dir)
-    srv = OmniServer(model_dir, cfg, log_path=out_dir / f"server-{variant}-{cycle}.log").start()
-    print(f"[{variant} #{cycle}] starting the server ...", flush=True)
+    cfg = lab.prefix_cache_variant(args.stage_config, out_dir, variant)
     filename = f"vllm-omni-bench-{variant}-{cycle}.json"
-    try:
-        ready = srv.wait_ready(timeout=1800, progress=lambda s: print(f"[{variant} #{cycle}] {s}", flush=True))
-        print(f"[{variant} #{cycle}] ready in {ready:.0f} s; running vllm-omni bench serve", flush=True)
+    with lab.start("server", model_dir, cfg, log=out_dir / f"server-{variant}-{cycle}.log",
+                   label=f"{variant} #{cycle}") as srv:
+        print(f"[{variant} #{cycle}] running vllm-omni bench serve", flush=True)
         cmd = tool_command(args, srv.base_url, srv.model_name(), model_dir, out_dir, filename)
         log = out_dir / f"tool-{variant}-{cycle}.log"
         with open(log, "w") as fh:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=out_dir,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
         _, metrics = srv.get("/metrics")
-    finally:
-        exit_code = srv.stop()
     if rc != 0:
         raise RuntimeError(f"vllm-omni bench serve failed (rc={rc}) for {variant} #{cycle}; see {log}")
     tool = json.loads((out_dir / filename).read_text())
@@ -80,7 +72,7 @@ def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path)
         for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
             if ln.startswith(name) and 'stage="0"' in ln:
                 hits[name] = hits.get(name, 0.0) + float(ln.rsplit(" ", 1)[1])
-    return {"variant": variant, "cycle": cycle, "ready_s": ready, "exit_code": exit_code, "command": cmd,
+    return {"variant": variant, "cycle": cycle, "ready_s": srv.ready_s, "exit_code": srv.exit_code, "command": cmd,
             "tool_result_file": filename, "stage0_prefix_cache": hits,
             "headline": {k: tool.get(k) for k in HEADLINE},
             "completed": tool.get("completed"), "failed": tool.get("failed", 0)}
@@ -108,36 +100,25 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def plot(summary: dict, path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for ax, metric in zip(axes, ("ttft", "audio_ttfp")):
-        keys = [f"median_{metric}_ms", f"p90_{metric}_ms", f"p99_{metric}_ms"]
-        for j, v in enumerate(("off", "on")):
-            vals = [(summary.get(v) or {}).get(k) or 0.0 for k in keys]
-            bars = ax.bar([i + 0.38 * j for i in range(3)], vals, width=0.38, label=v,
-                          color="#888888" if v == "off" else "#dd8452")
-            for b, x in zip(bars, vals):
-                ax.text(b.get_x() + b.get_width() / 2, x, f"{x:.0f}", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks([i + 0.19 for i in range(3)])
-        ax.set_xticklabels(["p50", "p90", "p99"])
-        ax.set_title({"ttft": "TTFT (text), ms", "audio_ttfp": "TTFP (first audio packet), ms"}[metric], fontsize=9)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with lab.figure(path, 1, 2, figsize=(9, 3.6), title=title, title_size=9) as (fig, axes):
+        for ax, metric in zip(axes, ("ttft", "audio_ttfp")):
+            keys = [f"median_{metric}_ms", f"p90_{metric}_ms", f"p99_{metric}_ms"]
+            for j, v in enumerate(("off", "on")):
+                vals = [(summary.get(v) or {}).get(k) or 0.0 for k in keys]
+                bars = ax.bar([i + 0.38 * j for i in range(3)], vals, width=0.38, label=v,
+                              color="#888888" if v == "off" else "#dd8452")
+                for b, x in zip(bars, vals):
+                    ax.text(b.get_x() + b.get_width() / 2, x, f"{x:.0f}", ha="center", va="bottom", fontsize=7)
+            ax.set_xticks([i + 0.19 for i in range(3)])
+            ax.set_xticklabels(["p50", "p90", "p99"])
+            ax.set_title({"ttft": "TTFT (text), ms", "audio_ttfp": "TTFP (first audio packet), ms"}[metric], fontsize=9)
+            ax.legend(fontsize=7)
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-size", default="bench", choices=["tiny", "bench"])
-    ap.add_argument("--model", help="model directory (default: the embedded model of --model-size)")
-    ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"))
+    lab.add_options(ap, "serve-bench")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-concurrency", type=int, default=4)
     ap.add_argument("--prefix-len", type=int, default=1536, help="shared prefix tokens (prefix_repetition)")
@@ -147,16 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", default="on,off", help="variant order in the first cycle (rotated per cycle)")
     ap.add_argument("--cycles", type=int, default=1)
-    ap.add_argument("--out", help="result directory (default: benchmarks/results/serve-bench-<timestamp>)")
     args = ap.parse_args(argv)
 
-    from omni_cache.models import build_qwen3_omni, default_model_dir
-
-    model_dir = (Path(args.model) if args.model
-                 else build_qwen3_omni(default_model_dir(args.model_size), args.model_size))
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"serve-bench-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = lab.model_dir(args.size, args.model)
+    out_dir = lab.results_dir(args.out, "serve-bench")
     order = [v.strip() for v in args.order.split(",")]
     runs = []
     for cycle in range(args.cycles):
@@ -165,20 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{variant} #{cycle}] " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1]["headline"].items()
                                                       if isinstance(v, (int, float))), flush=True)
     summary = summarize(runs)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    import vllm_omni
-
-    result = {"benchmark": "serve_bench (vllm-omni bench serve --omni)", "date": stamp,
-              "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.serve_bench", *sys.argv[1:]]),
-              "git_commit": commit, "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-              "versions": {"vllm_omni": vllm_omni.__version__}, "model": str(model_dir), "args": vars(args),
-              "summary": summary, "runs": runs}
-    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+    result = {"benchmark": "serve_bench (vllm-omni bench serve --omni)", **lab.stamp("benchmarks.serve_bench", argv),
+              "model": str(model_dir), "args": lab.jsonable(args), "summary": summary, "runs": runs}
+    path = lab.write_result(out_dir, result)
     png = plot(summary, out_dir / "serve_bench.png",
                f"vllm-omni bench serve --omni, prefix_repetition {args.prefix_len}+{args.suffix_len} tokens, "
                f"{args.num_prompts} prompts, concurrency {args.max_concurrency}")
     print(json.dumps(summary, indent=2))
-    print(f"wrote {out_dir / 'result.json'} and {png}")
+    print(f"wrote {path} and {png}")
     return 0
 
 

@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import lab
+
 PARAGRAPH = ("You are a careful assistant for a museum of natural history. Visitors send photos "
              "and voice notes; answer briefly, name what you see, and keep a friendly tone. ")
 
@@ -108,24 +106,10 @@ async def _burst(base_url: str, model: str, system: str, concurrency: int, max_t
     return recs, wall
 
 
-def _variant_config(stage_config: Path, variant: str, out_dir: Path) -> Path:
-    from omni_cache.driver.variants import derive_stage_config
-
-    if variant not in ("on", "off"):
-        raise ValueError(f"unknown variant {variant!r} (on | off)")
-    return derive_stage_config(stage_config, out_dir / f"stage_config_{variant}.yaml",
-                               stages={0: {"enable_prefix_caching": False}} if variant == "off" else {})
-
-
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path, tokenizer) -> dict:
-    from omni_cache.driver.server import OmniServer
-
-    cfg = _variant_config(Path(args.stage_config), variant, out_dir)
-    srv = OmniServer(model_dir, cfg, log_path=out_dir / f"server-{variant}-{cycle}.log").start()
-    print(f"[{variant} #{cycle}] starting the server ...", flush=True)
-    try:
-        ready = srv.wait_ready(timeout=1800, progress=lambda s: print(f"[{variant} #{cycle}] {s}", flush=True))
-        print(f"[{variant} #{cycle}] ready in {ready:.0f} s", flush=True)
+    cfg = lab.prefix_cache_variant(args.stage_config, out_dir, variant)
+    with lab.start("server", model_dir, cfg, log=out_dir / f"server-{variant}-{cycle}.log",
+                   label=f"{variant} #{cycle}") as srv:
         model = srv.model_name()
         # Warm-up (excluded): one request with an unrelated system prompt.
         asyncio.run(_burst(srv.base_url, model, "Warm-up.", 1, args.max_tokens, -1))
@@ -139,12 +123,10 @@ def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path,
             recs += rr
             walls.append(wall)
         _, metrics = srv.get("/metrics")
-    finally:
-        rc = srv.stop()
     hits = [ln for ln in metrics.decode().splitlines()
             if ln.startswith(("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")) and 'stage="0"' in ln]
-    return {"variant": variant, "cycle": cycle, "ready_s": ready, "exit_code": rc, "round_wall_s": walls,
-            "requests": recs, "stage0_prefix_cache_metrics": hits}
+    return {"variant": variant, "cycle": cycle, "ready_s": srv.ready_s, "exit_code": srv.exit_code,
+            "round_wall_s": walls, "requests": recs, "stage0_prefix_cache_metrics": hits}
 
 
 def _summary(runs: list[dict]) -> dict:
@@ -171,51 +153,26 @@ def _summary(runs: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-size", default="bench", choices=["tiny", "bench"])
-    ap.add_argument("--model", help="model directory (default: the embedded model of --model-size)")
-    ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"))
+    lab.add_options(ap, "serve-load")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="bursts per server (fresh system prompt each)")
     ap.add_argument("--system-tokens", type=int, default=2000, help="length of the shared system prompt")
     ap.add_argument("--max-tokens", type=int, default=16, help="thinker output tokens per request")
     ap.add_argument("--order", default="on,off", help="variant order per cycle")
     ap.add_argument("--cycles", type=int, default=1, help="repeat the whole order (fresh servers)")
-    ap.add_argument("--out", help="result directory (default: benchmarks/results/serve-load-<timestamp>)")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
 
-    from omni_cache.models import build_qwen3_omni, default_model_dir
-
-    model_dir = (Path(args.model) if args.model
-                 else build_qwen3_omni(default_model_dir(args.model_size), args.model_size))
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"serve-load-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = lab.model_dir(args.size, args.model)
+    out_dir = lab.results_dir(args.out, "serve-load")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-
-    runs = []
-    for cycle in range(args.cycles):
-        for variant in args.order.split(","):
-            runs.append(_run_variant(args, variant.strip(), cycle, model_dir, out_dir, tokenizer))
-    import openai
-    import vllm
-    import vllm_omni
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
-    result = {
-        "benchmark": "serve_load", "date": stamp, "command": " ".join([Path(sys.executable).name, "-m",
-                                                                       "benchmarks.serve_load", *sys.argv[1:]]),
-        "git_commit": commit, "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
-        "versions": {"vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__, "openai": openai.__version__},
-        "model": str(model_dir), "args": vars(args), "summary": _summary(runs), "runs": runs,
-    }
-    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+    runs = [_run_variant(args, variant.strip(), cycle, model_dir, out_dir, tokenizer)
+            for cycle in range(args.cycles) for variant in args.order.split(",")]
+    result = {"benchmark": "serve_load", **lab.stamp("benchmarks.serve_load", argv), "model": str(model_dir),
+              "args": lab.jsonable(args), "summary": _summary(runs), "runs": runs}
     print(json.dumps(result["summary"], indent=2))
-    print(f"wrote {out_dir / 'result.json'}")
+    print(f"wrote {lab.write_result(out_dir, result)}")
     return 0
 
 

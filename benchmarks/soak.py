@@ -55,10 +55,8 @@ import datetime as dt
 import io
 import json
 import os
-import platform
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -66,7 +64,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import lab
+
 SHM = Path("/dev/shm")
 KIND_WEIGHTS = {"text": 3, "text+audio": 2, "stream": 2, "image": 1, "audio-in": 1, "bad": 1, "abort": 1,
                 "realtime": 1}
@@ -404,52 +403,33 @@ def after_exit(tag: str, baseline: set[str]) -> dict:
 
 
 def run(args) -> dict:
-    """Start a server, :func:`drive` it, stop it (timed), check :func:`after_exit`, write the
-    result JSON and the plot. Returns the result dict (with ``out_dir``)."""
-    from omni_cache.driver.server import OmniServer
-    from omni_cache.models import build_qwen3_omni, default_model_dir
-
-    model_dir = Path(args.model) if args.model else build_qwen3_omni(default_model_dir("tiny"), "tiny")
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"soak-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tag = f"soak{stamp.replace('-', '')}"
+    """Start a server (:func:`benchmarks.lab.start`), :func:`drive` it, stop it (timed), check
+    :func:`after_exit`, write the result JSON and the plot. Returns the result dict (with
+    ``out_dir``)."""
+    model_dir = lab.model_dir("tiny", args.model)
+    out_dir = lab.results_dir(args.out, "soak")
+    tag = f"soak{dt.datetime.now():%Y%m%d%H%M%S}"
     baseline = set(os.listdir(SHM))
-    srv = OmniServer(model_dir, args.stage_config, log_path=out_dir / "server.log").start()
-    print(f"starting the server (log {out_dir / 'server.log'}) ...", flush=True)
-    try:
-        ready_s = srv.wait_ready(timeout=1500, progress=lambda m: print(m, flush=True))
-        print(f"ready in {ready_s:.0f} s", flush=True)
+    with lab.start("server", model_dir, args.stage_config, log=out_dir / "server.log", ready_timeout=1500,
+                   label="soak") as srv:
         d = drive(srv, requests=args.requests, concurrency=args.concurrency, warmup=args.warmup,
                   max_tokens=args.max_tokens, sample_s=args.sample_s, drain_s=args.drain_s,
                   shm_slack=args.shm_slack, report_every=args.report_every, seed=args.seed, tag=tag,
                   baseline=baseline)
         stop = _stop_timed(srv)
-    finally:
-        srv.stop()
     time.sleep(1.0)
     bars = {**d["bars"], "shm_empty_after_exit": after_exit(tag, baseline)}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
-    import vllm
-    import vllm_omni
-
     result = {
-        "benchmark": "soak", "date": stamp, "git_commit": commit,
-        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.soak", *(args.argv or [])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "versions": {"vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__},
+        "benchmark": "soak", **lab.stamp("benchmarks.soak", args.argv),
         "model": str(model_dir), "stage_config": str(args.stage_config),
         "args": {k: v for k, v in vars(args).items() if k != "argv"},
-        "ready_s": round(ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
+        "ready_s": round(srv.ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
         "requests_per_s": round(len(d["records"]) / d["wall_s"], 3), "counts": d["counts"],
         "statuses": d["statuses"], "stop": stop, "shm_after_exit": {**shm_entries(tag, baseline)},
         "summary": {"pass": all(b["pass"] for b in bars.values()), "bars": bars},
         "samples": d["samples"], "requests": d["records"],
     }
-    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    lab.write_result(out_dir, result)
     _plot(d["samples"], out_dir / "soak.png", args.warmup)
     print(json.dumps({k: result[k] for k in ("counts", "statuses", "stop", "stream_wall_s")}, indent=1))
     for name, bar in bars.items():
@@ -467,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=100, help="requests before the flatness bars start")
     ap.add_argument("--max-tokens", type=int, default=8, help="thinker output tokens per request")
     ap.add_argument("--model", help="model directory (default: the embedded tiny model)")
-    ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"),
+    ap.add_argument("--stage-config", default=str(lab.BASE_CONFIG),
                     help="a duplex config (qwen3_omni_cpu_duplex.yaml) adds realtime turns to the mix")
     ap.add_argument("--sample-s", type=float, default=2.0, help="seconds between samples")
     ap.add_argument("--drain-s", type=float, default=5.0, help="idle seconds before the last sample")

@@ -1,7 +1,8 @@
 """Pipeline start time: vLLM's default ``mp`` executor vs ``uni`` on every stage, side by side.
 
-Each sample starts the bundled streaming CPU config (``stage_configs/qwen3_omni_cpu.yaml``,
-the tiny model) through :class:`omni_cache.driver.streaming.StreamingPipeline` in a fresh
+Each sample starts ``--stage-config`` (default the bundled streaming CPU config,
+``stage_configs/qwen3_omni_cpu.yaml``) on the model of ``--size`` (default tiny) through
+:func:`benchmarks.lab.start` (``streaming``: the driver's ``StreamingPipeline``) in a fresh
 Python process — ``mp``: as shipped (vLLM's CPU platform spawns a worker process per stage);
 ``uni``: ``distributed_executor_backend: uni`` on every stage (the worker inside the stage's
 engine-core process; the pipeline sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for the start,
@@ -21,27 +22,24 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import lab
+
 VARIANTS = ("mp", "uni")
 
 _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 def main():
-    from pathlib import Path
+    from benchmarks import lab
     from omni_cache.driver.inputs import build_request
-    from omni_cache.driver.streaming import StreamingPipeline
-    from omni_cache.models import default_model_dir
-    p = StreamingPipeline(default_model_dir("tiny"), Path(sys.argv[1]))
-    started = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    r = p.run(build_request("Hello there, what is first?"))
-    request_s = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    p.close()
+    with lab.start("streaming", sys.argv[2], sys.argv[1]) as p:
+        started = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        r = p.run(build_request("Hello there, what is first?"))
+        request_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
     print("RESULT " + json.dumps({"start_s": p.start_s, "process_s": started, "request_s": request_s,
                                   "close_s": time.perf_counter() - t2, "error": r.error}), flush=True)
 if __name__ == "__main__":
@@ -49,18 +47,10 @@ if __name__ == "__main__":
 """
 
 
-def _config(out: Path, variant: str) -> Path:
-    from omni_cache.driver.variants import derive_stage_config
-
-    base = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
-    stages = {s: {"distributed_executor_backend": "uni"} for s in (0, 1, 2)} if variant == "uni" else {}
-    return derive_stage_config(base, out / f"stage_config_{variant}.yaml", stages=stages)
-
-
-def _sample(cfg: Path, log: Path) -> dict:
+def _sample(cfg: Path, model: Path, log: Path) -> dict:
     with log.open("a") as f:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(cfg)], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=f, text=True, timeout=900)
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(cfg), str(model)], cwd=lab.REPO,
+                              stdout=subprocess.PIPE, stderr=f, text=True, timeout=900)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"the start of {cfg.name} failed (rc {proc.returncode}); log: {log}")
@@ -74,26 +64,27 @@ def _stats(xs: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    lab.add_options(ap, "start", size="tiny")
     ap.add_argument("--rounds", type=int, default=3, help="samples per variant (alternated)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="results folder")
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
-    out = Path(args.out) / time.strftime("start-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    cfgs = {v: _config(out, v) for v in VARIANTS}
+    out = lab.results_dir(args.out, "start")
+    model = lab.model_dir(args.size, args.model)
+    uni = {s: {"distributed_executor_backend": "uni"} for s in (0, 1, 2)}
+    cfgs = {v: lab.variant_config(args.stage_config, out, v, stages=uni if v == "uni" else {}) for v in VARIANTS}
     samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     with tqdm(total=args.rounds * len(VARIANTS), desc="pipeline starts", unit="start") as bar:
         for r in range(args.rounds):
             for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
                 bar.set_postfix_str(v)
-                samples[v].append(_sample(cfgs[v], out / f"log_{v}.txt"))
+                samples[v].append(_sample(cfgs[v], model, out / f"log_{v}.txt"))
                 bar.update()
     summary = {v: {k: _stats([s[k] for s in samples[v]]) for k in ("start_s", "process_s", "request_s", "close_s")}
                for v in VARIANTS}
     ratio = summary["mp"]["start_s"]["median"] / summary["uni"]["start_s"]["median"]
-    (out / "start.json").write_text(json.dumps({"samples": samples, "summary": summary,
-                                                "ratio_start_mp_over_uni": ratio}, indent=2))
+    lab.write_result(out, {**lab.stamp("benchmarks.start_bench", argv), "args": lab.jsonable(args),
+                           "samples": samples, "summary": summary, "ratio_start_mp_over_uni": ratio}, "start.json")
     _plot(samples, out / "start.png")
     for v in VARIANTS:
         s = summary[v]
@@ -104,21 +95,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(samples: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for i, v in enumerate(VARIANTS):
-        ys = [s["start_s"] for s in samples[v]]
-        ax.scatter([i] * len(ys), ys, label=v)
-        ax.hlines(statistics.median(ys), i - 0.2, i + 0.2)
-    ax.set_xticks(range(len(VARIANTS)), [f"{v} executor" for v in VARIANTS])
-    ax.set_ylabel("pipeline start (s)")
-    ax.set_title("tiny Qwen3-Omni, 3 stages, this CPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with lab.figure(path, figsize=(5, 3.5)) as (fig, ax):
+        for i, v in enumerate(VARIANTS):
+            ys = [s["start_s"] for s in samples[v]]
+            ax.scatter([i] * len(ys), ys, label=v)
+            ax.hlines(statistics.median(ys), i - 0.2, i + 0.2)
+        ax.set_xticks(range(len(VARIANTS)), [f"{v} executor" for v in VARIANTS])
+        ax.set_ylabel("pipeline start (s)")
+        ax.set_title("Qwen3-Omni, 3 stages, this machine")
 
 
 if __name__ == "__main__":

@@ -28,14 +28,13 @@ talker cache; TTFP lower than the thinker-only cache's on every turn >= 2);
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import contextlib
 import json
-import platform
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import lab
+
 VARIANTS = ("off", "thinker", "thinker+talker")
 QUESTIONS = ["What do you hear?", "Say it again, slower.", "Which word was the longest?",
              "And the shortest one?", "Repeat the first sentence.", "Summarise everything so far.",
@@ -59,10 +58,9 @@ def _talker_record(metrics_dir: Path, request_id: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-size", choices=("tiny", "bench", "bench-voice"), default="bench-voice")
+    lab.add_options(ap, "voice-chat", size="bench-voice", sizes=("tiny", "bench", "bench-voice"))
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="conversations per variant")
-    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/voice-chat-<time>")
     args = ap.parse_args(argv)
     if not 1 <= args.turns <= len(QUESTIONS):
         ap.error(f"--turns must be 1..{len(QUESTIONS)}")
@@ -73,15 +71,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from omni_cache import settings
     from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, build_request, sample_path
-    from omni_cache.driver.streaming import StreamingPipeline
-    from omni_cache.driver.variants import MemorySettings, derive_stage_config, variant_stage_config
-    from omni_cache.models import build_qwen3_omni, default_model_dir
+    from omni_cache.driver.variants import MemorySettings, variant_stage_config
 
-    out = args.out or REPO / "benchmarks" / "results" / f"voice-chat-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"model {args.model_size} (built on first use) ...", flush=True)
-    model = build_qwen3_omni(default_model_dir(args.model_size), args.model_size)
-    base = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
+    out = lab.results_dir(args.out, "voice-chat")
+    model = lab.model_dir(args.size, args.model)
     mem = MemorySettings(thinker_kv_bytes=256 << 20, talker_kv_bytes=256 << 20)  # bench-voice talker: ~9 KiB a token
     # three pipelines side by side: each stage's worker in its engine process (vLLM's CPU
     # platform turns "uni" into "mp" unless engine multiprocessing is off) and fewer malloc
@@ -91,15 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     pipes, metrics = {}, {}
     records: list[dict] = []
     t_start = time.perf_counter()
-    try:
+    with contextlib.ExitStack() as stack:
         for v in VARIANTS:
-            cfg = variant_stage_config(base, out, "off" if v == "off" else "omni_cache", mem=mem, async_chunk=True,
-                                       talker_prefix_caching=v == "thinker+talker")
+            cfg = variant_stage_config(args.stage_config, out, "off" if v == "off" else "omni_cache", mem=mem,
+                                       async_chunk=True, talker_prefix_caching=v == "thinker+talker")
             metrics[v] = out / f"metrics_talker_{v.replace('+', '_')}"
-            cfg = derive_stage_config(cfg, out / f"stage_config_{v.replace('+', '_')}.yaml",
-                                      env={1: {settings.METRICS_DIR.name: str(metrics[v].resolve())}})
+            cfg = lab.variant_config(cfg, out, v, env={1: {settings.METRICS_DIR.name: str(metrics[v].resolve())}})
             print(f"starting {v} ...", flush=True)
-            pipes[v] = StreamingPipeline(model, cfg)
+            pipes[v] = stack.enter_context(lab.start("streaming", model, cfg))
             pipes[v].run(build_request("Warm up.", system="Hello."))
         speech = sample_path("speech.wav")
         for rnd in range(args.rounds):
@@ -125,9 +117,6 @@ def main(argv: list[str] | None = None) -> int:
                           f"(hit {r.num_cached_tokens}), talker {rec['talker_prompt_tokens']} tok "
                           f"(hit {rec['talker_cached_tokens']}), talker prefill "
                           f"{'?' if tp is None else f'{tp * 1e3:.1f} ms'}, TTFP {r.ttfp_s:.2f} s", flush=True)
-    finally:
-        for p in pipes.values():
-            p.close()
 
     def cell(v: str, turn: int, metric: str) -> dict | None:
         xs = [r[metric] for r in records if r["variant"] == v and r["turn"] == turn and r[metric] is not None]
@@ -154,39 +143,29 @@ def main(argv: list[str] | None = None) -> int:
         "ttfp_lower_than_thinker_only_on_turns_ge_2":
             all(ratios[t]["ttfp_thinker_over_both"] > 1 for t in turns if t >= 2),
     }
-    result = {"command": " ".join([Path(sys.executable).name, "-m", "benchmarks.voice_chat_bench",
-                                   *(argv or sys.argv[1:])]),
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "machine": {"platform": platform.platform(), "processor": platform.processor()},
+    result = {**lab.stamp("benchmarks.voice_chat_bench", argv), "args": lab.jsonable(args),
               "wall_s": time.perf_counter() - t_start, "summary": summary, "ratios": ratios, "bars": bars,
               "requests": records}
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    path = lab.write_result(out, result)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, label, scale in ((axes[0], "talker_prefill_s", "talker prefill (ms)", 1e3),
-                                     (axes[1], "ttfp_s", "TTFP (s)", 1.0)):
-        for v, marker in zip(VARIANTS, "osD"):
-            ys = [med(v, t, metric) * scale for t in turns]
-            lo = [ys[i] - summary[v][t][metric]["min"] * scale if summary[v][t][metric] else 0
-                  for i, t in enumerate(turns)]
-            hi = [summary[v][t][metric]["max"] * scale - ys[i] if summary[v][t][metric] else 0
-                  for i, t in enumerate(turns)]
-            ax.errorbar(turns, ys, yerr=[lo, hi], marker=marker, capsize=3, label=v)
-        ax.set_xlabel("turn")
-        ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-        ax.legend()
-    fig.suptitle(f"Voice chat ({args.turns} speech turns, {args.rounds} rounds, {args.model_size} model): "
-                 "median, min-max")
-    fig.tight_layout()
-    fig.savefig(out / "voice_chat.png", dpi=120)
+    with lab.figure(out / "voice_chat.png", 1, 2, figsize=(11, 4),
+                    title=f"Voice chat ({args.turns} speech turns, {args.rounds} rounds, {args.size} model): "
+                          "median, min-max") as (fig, axes):
+        for ax, metric, label, scale in ((axes[0], "talker_prefill_s", "talker prefill (ms)", 1e3),
+                                         (axes[1], "ttfp_s", "TTFP (s)", 1.0)):
+            for v, marker in zip(VARIANTS, "osD"):
+                ys = [med(v, t, metric) * scale for t in turns]
+                lo = [ys[i] - summary[v][t][metric]["min"] * scale if summary[v][t][metric] else 0
+                      for i, t in enumerate(turns)]
+                hi = [summary[v][t][metric]["max"] * scale - ys[i] if summary[v][t][metric] else 0
+                      for i, t in enumerate(turns)]
+                ax.errorbar(turns, ys, yerr=[lo, hi], marker=marker, capsize=3, label=v)
+            ax.set_xlabel("turn")
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
+            ax.legend()
     print(json.dumps({"ratios": ratios, "bars": bars}, indent=2))
-    print(f"wrote {out / 'result.json'}")
+    print(f"wrote {path}")
     return 0
 
 

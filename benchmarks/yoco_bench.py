@@ -34,7 +34,7 @@ then one of ``omni_cache`` and ``fast+omni_cache`` (each pair up at once, reques
 product of the two in-run ratios (the medians of ``off`` cancel); speedup(cache) and
 speedup(both) alone set one run's medians against the other's (reported, no bar on them).
 
-Any other ``omni-cache bench prefill`` option passes through (``--alternation``,
+Any other ``python -m benchmarks.prefill`` option passes through (``--alternation``,
 ``--prefix-words``, ...). Writes ``benchmarks/results/<name>/result.json`` and ``prefill.png``.
 """
 
@@ -120,7 +120,7 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.prefill import harness
-    from omni_cache.models_gemma import default_gemma_dir
+    from omni_cache.models.gemma import default_gemma_dir
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pair = "--paired" in argv

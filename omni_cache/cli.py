@@ -39,7 +39,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
     family = getattr(args, "family", "qwen3-omni")
     if family in ("gemma4", "gemma3n"):
-        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+        from omni_cache.models.gemma import build_gemma_omni, default_gemma_dir
 
         if args.size not in ("tiny", "bench") and (family, args.size) != ("gemma4", "full"):
             print(f"error: --family {family} has sizes tiny and bench{' and full' if family == 'gemma4' else ''}, "
@@ -47,7 +47,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
             return 2
         out = Path(args.out) if args.out else default_gemma_dir(args.size, family=family)
         if args.size == "full":
-            from omni_cache.models_full import build_gemma4_full
+            from omni_cache.models.full import build_gemma4_full
 
             return _build("Gemma-4-E4B's text shape as the YOCO thinker + Qwen3-Omni-30B-A3B's talker and code2wav "
                           "(configs + tokenizers, no weights: load_format dummy)",
@@ -66,7 +66,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out) if args.out else default_model_dir(args.size)
     if args.size == "full":
-        from omni_cache.models_full import build_full
+        from omni_cache.models.full import build_full
 
         if layers is not None and layers != 48 and not args.out:
             out = out.with_name(f"{out.name}-l{layers}")
@@ -137,7 +137,7 @@ def _default_model(cfg) -> Path:
 
     family = {GEMMA4_PIPELINE: "gemma4", GEMMA_PIPELINE: "gemma3n"}.get(cfg.raw.get("pipeline"))
     if family:
-        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+        from omni_cache.models.gemma import build_gemma_omni, default_gemma_dir
 
         return build_gemma_omni(default_gemma_dir("tiny", family=family), "tiny", family=family)
     from omni_cache.models import build_qwen3_omni, default_model_dir
@@ -350,42 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- followed by more `vllm serve` arguments")
     sv.set_defaults(func=_cmd_serve)
 
-    be = sub.add_parser("bench", help="benchmarks on the real pipeline (see docs/benchmarks.md)")
-    be_sub = be.add_subparsers(dest="bench_cmd", required=True)
-    bp = be_sub.add_parser("prefill", help="thinker prefill per modality: cache off vs built-in vs omni-cache")
-    harness = _prefill_harness()
-    if harness is None:
-        bp.add_argument("rest", nargs=argparse.REMAINDER)
-        bp.set_defaults(func=_no_benchmarks)
-    else:
-        harness.add_arguments(bp)
-        bp.set_defaults(func=harness.run)
     return ap
-
-
-def _checkout() -> Path | None:
-    """The source checkout this package runs from (it has ``benchmarks/``), or None for an
-    installed wheel."""
-    root = Path(__file__).resolve().parent.parent
-    return root if (root / "benchmarks" / "prefill" / "harness.py").is_file() else None
-
-
-def _prefill_harness():
-    """``benchmarks.prefill.harness`` of the checkout (benchmarks are not part of the wheel)."""
-    root = _checkout()
-    if root is None:
-        return None
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks.prefill import harness
-
-    return harness
-
-
-def _no_benchmarks(args: argparse.Namespace) -> int:
-    print("omni-cache bench: the benchmarks live in the source checkout (benchmarks/), not in an "
-          "installed wheel; run it from a clone of the repository (bash scripts/setup.sh)", file=sys.stderr)
-    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,11 +42,11 @@ for step in "$@"; do
     A) $PY -m benchmarks.prefill "${L6[@]}" --repeats 2 --name A > "$OUT/A.log" 2>&1 ;;
     B) OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m benchmarks.prefill "${L6[@]}" --repeats 1 --variants off,omni_cache \
          --name B > "$OUT/B.log" 2>&1 ;;
-    C) $PY -m benchmarks.gpu_check --groups equality-compiled --jobs 1 --timeout 900 --out "$OUT/C" \
+    C) $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 --timeout 900 --out "$OUT/C" \
          --commit "$COMMIT" > "$OUT/C.log" 2>&1 ;;
-    S) OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m benchmarks.gpu_check --groups equality-compiled --jobs 1 \
+    S) OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 \
          --timeout 900 --out "$OUT/S" --commit "$COMMIT" > "$OUT/S.log" 2>&1 ;;
-    U) $PY -m benchmarks.gpu_check --groups unit --jobs 1 --timeout 900 --out "$OUT/U" \
+    U) $PY -m tests.lanes.gpu_check --groups unit --jobs 1 --timeout 900 --out "$OUT/U" \
          --commit "$COMMIT" > "$OUT/U.log" 2>&1 ;;
     F) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
        $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \

@@ -1,5 +1,5 @@
 """The device the pipeline tests run on: the CPU (CI, the default) or one CUDA GPU (the GPU
-lane, ``python -m benchmarks.gpu_check``; docs/gpu.md).
+lane, ``python -m tests.lanes.gpu_check``; docs/gpu.md).
 
 ``OMNI_TEST_DEVICE=cuda`` runs the same tests, with the same engines and workloads, on
 GPU variants of their stage configs (:func:`device_stage_config`): every stage on device 0 of

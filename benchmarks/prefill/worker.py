@@ -49,6 +49,7 @@ fields read from vLLM's histograms are None and ``stage_breakdown`` says why):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -138,55 +139,32 @@ def _hist_sums(stage: str = "0") -> dict[str, float]:
 
 
 class VariantWorker:
-    """A started pipeline plus the per-request measurement described in the module doc."""
+    """The driver's pipeline of one variant (:func:`benchmarks.lab.start`: ``streaming``, or
+    ``pipeline`` with ``stream=False``; vLLM's stats on for the per-request histograms) plus the
+    per-request measurement described in the module doc."""
 
     def __init__(self, model: str, stage_config: str, *, stream: bool = True):
-        from omni_cache.driver.engine_hooks import hooks_wanted, install_engine_hooks, prepare_environment
-        from omni_cache.driver.pipeline import engine_start_environment, start_kwargs
-        from omni_cache.driver.stage_config import load_stage_config
-        from omni_cache.engine.plugin import register
+        from benchmarks import lab
+        from omni_cache.driver.engine_hooks import hooks_wanted
 
-        cfg = load_stage_config(stage_config, model_dir=model)
-        register()  # omni-cache's pipeline variants, resolved in this (driver) process
-        if hooks_wanted(cfg):
-            prepare_environment()  # the talker keys' signing secret, inherited by the stages
+        self._stack = contextlib.ExitStack()
+        self.pipe = self._stack.enter_context(lab.start("streaming" if stream else "pipeline", model, stage_config,
+                                                        engine_args={"log_stats": True}))
         self.stream = stream
-        self.family = cfg.thinker_family  # the prompt's media placeholders
-        self._loop = None
-        t0 = time.perf_counter()
-        # the product's start: its environment and its keyword arguments (e.g. parallel stage
-        # start with OMNI_CACHE_PARALLEL_STAGE_INIT=1), as OmniPipeline and `omni-cache serve`
-        with engine_start_environment(cfg):
-            if stream:
-                # AsyncOmni: the only vLLM-Omni engine that hands the driver each audio packet
-                # as it leaves code2wav (see omni_cache.driver.streaming)
-                import asyncio
-
-                self._loop = asyncio.new_event_loop()
-                self.omni = self._loop.run_until_complete(self._start_async(model, str(cfg.path)))
-            else:
-                from vllm_omni import Omni
-
-                self.omni = Omni(model=model, deploy_config=str(cfg.path), stage_init_timeout=900,
-                                 init_timeout=1200, log_stats=True, **start_kwargs())
-        # what OmniPipeline / omni-cache serve install: without the talker's content identity
-        # a talker with prefix caching on gets no keys and shares nothing
-        self.hooks = install_engine_hooks(self.omni, cfg) if hooks_wanted(cfg) else None
-        self.start_s = time.perf_counter() - t0
+        self.family = self.pipe.stage_config.thinker_family  # the prompt's media placeholders
+        # the talker's hit is reported only where its content identity is installed (talker cache on)
+        self.hooks = self.pipe.hooks if hooks_wanted(self.pipe.stage_config) else None
+        self.start_s = self.pipe.start_s
         self.model = model
         self._tok = None
         self._seq = 0
         self.sessions: dict[str, list[int]] = {}  # chat session → prompt + answer ids so far
         self._media: dict = {}  # decoded media copies, reused across requests
 
-    @staticmethod
-    async def _start_async(model: str, deploy_config: str):
-        from vllm_omni.entrypoints.async_omni import AsyncOmni
-
-        from omni_cache.driver.pipeline import start_kwargs
-
-        return AsyncOmni(model=model, deploy_config=deploy_config, stage_init_timeout=900,
-                         init_timeout=1200, log_stats=True, **start_kwargs())
+    @property
+    def omni(self):
+        """vLLM-Omni's engine inside the driver's pipeline (``AsyncOmni`` or ``Omni``)."""
+        return self.pipe.omni
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -253,7 +231,7 @@ class VariantWorker:
         nothing else runs)."""
         before = {st: _hist_sums(st) for st in STAGES}
         if self.stream:
-            row, delta = self._loop.run_until_complete(self.request(spec, alone=True, before=before))
+            row, delta = self.pipe.run_async(self.request(spec, alone=True, before=before))
             return row
         rid = self._next_request_id()
         req = _Request(self, spec, rid)
@@ -316,7 +294,7 @@ class VariantWorker:
             await asyncio.gather(*(sender() for _ in range(min(concurrency, len(chains)) or 1)))
             return results, time.perf_counter() - t0
 
-        results, wall = self._loop.run_until_complete(batch())
+        results, wall = self.pipe.run_async(batch())
         ok = sum(1 for r in results if not r.get("error"))
         return {"results": results, "wall_s": wall, "throughput_rps": ok / wall if wall > 0 else None,
                 "n_requests": len(results), "n_errors": len(results) - ok, "concurrency": concurrency}
@@ -325,14 +303,8 @@ class VariantWorker:
         return self.tokenizer().convert_tokens_to_ids("<|im_end|>")
 
     def close(self) -> None:
-        omni, self.omni = self.omni, None
-        if omni is not None:
-            if self.stream:
-                omni.shutdown()
-            else:
-                omni.close()
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.close()
+        """Stop the pipeline (every stage process)."""
+        self._stack.close()
 
 
 #: why the vLLM histogram-derived fields are None under load

@@ -29,7 +29,7 @@ AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
 #: (image, audio) placeholders in the prompt text, per thinker family: Qwen3-Omni's processor
 #: expands the pad token inside its markers; Gemma 4's processor expands a bare token to
 #: ``marker + N x token + marker`` itself (the embedded Gemma-4 thinker's markers are
-#: Qwen3-Omni's tokens, :data:`omni_cache.models_gemma.GEMMA4_MEDIA_TOKENS`)
+#: Qwen3-Omni's tokens, :data:`omni_cache.models.gemma.GEMMA4_MEDIA_TOKENS`)
 PLACEHOLDERS = {"qwen3-omni": (IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER),
                 "gemma4": ("<|image_pad|>", "<|audio_pad|>")}
 

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,13 +68,16 @@ class StreamingPipeline:
         model_dir: a model directory.
         stage_config: vLLM-Omni deploy YAML; validated first.
         stage_init_timeout: seconds a stage may take to start.
+        engine_args: further keyword arguments for vLLM-Omni's ``AsyncOmni`` (its engine
+            arguments, e.g. ``{"log_stats": True}`` for vLLM's per-request histograms), over
+            :func:`~omni_cache.driver.pipeline.start_kwargs`.
 
     Raises:
         omni_cache.driver.stage_config.StageConfigError: invalid stage config or model directory.
     """
 
     def __init__(self, model_dir: str | os.PathLike, stage_config: str | os.PathLike, *,
-                 stage_init_timeout: int = 900):
+                 stage_init_timeout: int = 900, engine_args: Mapping[str, Any] | None = None):
         from omni_cache.engine.plugin import register
 
         self.stage_config = load_stage_config(stage_config, model_dir=model_dir)
@@ -86,7 +89,7 @@ class StreamingPipeline:
         self._loop = asyncio.new_event_loop()
         t0 = time.perf_counter()
         with engine_start_environment(self.stage_config):
-            self.omni = self._loop.run_until_complete(self._start(stage_init_timeout))
+            self.omni = self._loop.run_until_complete(self._start(stage_init_timeout, dict(engine_args or {})))
         self.start_s = time.perf_counter() - t0
         self._seq = 0
         from omni_cache.driver.engine_hooks import install_engine_hooks
@@ -96,14 +99,14 @@ class StreamingPipeline:
         #: omni-cache's thinker router (``OMNI_CACHE_ROUTING: prefix``, > 1 thinker replica), else None
         self.router = self.hooks.router
 
-    async def _start(self, stage_init_timeout: int):
+    async def _start(self, stage_init_timeout: int, engine_args: dict[str, Any]):
         from vllm_omni.entrypoints.async_omni import AsyncOmni
 
         from omni_cache.driver.pipeline import start_kwargs
 
         return AsyncOmni(model=str(self.model_dir), deploy_config=str(self.stage_config.path),
                          stage_init_timeout=stage_init_timeout, init_timeout=stage_init_timeout + 300,
-                         **start_kwargs())
+                         **{**start_kwargs(), **engine_args})
 
     def run(self, request: OmniRequest | dict, on_audio: Callable[[np.ndarray, int], None] | None = None,
             sampling_params_list: Sequence | None = None) -> StreamedResult:

@@ -42,7 +42,6 @@ from vllm.model_executor.models.gemma4_mm import Gemma4ForConditionalGeneration
 
 from omni_cache import settings
 from omni_cache.engine.metrics import MetricsFile
-from omni_cache.models import SPECIAL_TOKENS
 from omni_cache.yoco import FINAL, stage_plan
 
 logger = logging.getLogger(__name__)
@@ -76,10 +75,7 @@ class _YocoThinkerMixin:
                               "fallback_forwards": 0, "rows_skipped_by_cross_decoder": 0,
                               "encoder_items": 0, "encoder_tokens": 0}
         self._yoco_file = MetricsFile("yoco", min_interval_s=0.5)
-        self.tts_tokens = torch.tensor(
-            [[SPECIAL_TOKENS["<tts_text_bos>"], SPECIAL_TOKENS["<tts_text_eod>"], SPECIAL_TOKENS["<tts_pad>"]]],
-            dtype=torch.long,
-        )
+        self.tts_tokens = torch.tensor([tts_token_ids(vllm_config.model_config.hf_config)], dtype=torch.long)
         if self.is_staged_run:
             p = next(self.parameters())
             self._alloc_capture_buffers(vllm_config.scheduler_config.max_num_batched_tokens,
@@ -327,6 +323,28 @@ def _contiguous_first_input(module: torch.nn.Module, args: tuple) -> tuple | Non
     if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
         return (args[0].contiguous(), *args[1:])
     return None
+
+
+#: the TTS tokens whose thinker embeddings go downstream (``embed.tts_bos/eos/pad``), as
+#: Qwen3-Omni's ``config.json`` names their ids; the embedded KV-shared thinkers' configs carry
+#: them too (``omni-cache make-model``)
+TTS_TOKEN_KEYS = ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")
+
+
+def tts_token_ids(hf_config: Any) -> list[int]:
+    """``[bos, eos, pad]`` TTS token ids read from the thinker's config (:data:`TTS_TOKEN_KEYS`;
+    the top-level ``hf_config`` of the thinker stage, e.g. ``Gemma4Config``).
+
+    Raises:
+        ValueError: a key is missing — the talker would get the embeddings of other tokens; a
+            model built before these keys were written is rebuilt by ``omni-cache make-model``.
+    """
+    missing = [k for k in TTS_TOKEN_KEYS if getattr(hf_config, k, None) is None]
+    if missing:
+        raise ValueError(f"the thinker's config lacks {', '.join(missing)}: the Qwen3-Omni talker needs the TTS "
+                         "tokens' embeddings; add the ids of Qwen3-Omni's tokenizer (omni-cache make-model writes "
+                         "them)")
+    return [int(getattr(hf_config, k)) for k in TTS_TOKEN_KEYS]
 
 
 class _AcceptLayerView:

@@ -98,7 +98,7 @@ def _qwen(variant: str, *, streaming: bool, small_pool: bool = False):
 
 def _gemma(family: str):
     def model() -> Path:
-        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+        from omni_cache.models.gemma import build_gemma_omni, default_gemma_dir
 
         kw = {"family": family} if family == "gemma4" else {}
         return build_gemma_omni(default_gemma_dir("tiny", **kw), "tiny", **kw)

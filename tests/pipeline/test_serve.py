@@ -480,7 +480,7 @@ def test_bad_requests_log_one_warning_each_and_no_traceback(server_on):
         assert BAD_CAUSE.get(name, "") in said, said
 
 
-VISION_START, AUDIO_PAD = 151652, 151675  # the real Qwen3-Omni ids (omni_cache.models.SPECIAL_TOKENS)
+VISION_START, AUDIO_PAD = 151652, 151675  # the real Qwen3-Omni ids (omni_cache.models.qwen3.SPECIAL_TOKENS)
 
 
 def _clip(pixel_seed: int, seconds: float = 2.0, size: int = 224, fps: int = 4) -> str:

@@ -115,7 +115,7 @@ def with_media(ids: list[int], images: list, audios: list, *, markers: bool = Fa
     pads (Qwen3-Omni: vLLM replaces the pad token by pads) or, with ``markers``, the pads with
     the begin and end marker around them (Gemma 4: vLLM replaces the pad token by ``boi + pads
     + eoi``, ``vllm/model_executor/models/gemma4_mm.py``)."""
-    from omni_cache.models import SPECIAL_TOKENS
+    from omni_cache.models.qwen3 import SPECIAL_TOKENS
 
     items = {SPECIAL_TOKENS["<|image_pad|>"]: list(images), SPECIAL_TOKENS["<|audio_pad|>"]: list(audios)}
     runs = dict.fromkeys(items, 0)

@@ -205,16 +205,16 @@ def test_media_copies_differ():
 
 
 def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
-    from omni_cache.cli import main
+    from benchmarks.prefill.harness import main
 
-    assert main(["bench", "prefill", "--modalities", "text,video", "--out", str(tmp_path)]) == 2
+    assert main(["--modalities", "text,video", "--out", str(tmp_path)]) == 2
     assert "video" in capsys.readouterr().err
     bad = tmp_path / "broken.jpg"
     bad.write_bytes(b"not an image")
-    assert main(["bench", "prefill", "--image", str(bad), "--out", str(tmp_path)]) == 2
+    assert main(["--image", str(bad), "--out", str(tmp_path)]) == 2
     assert "broken.jpg" in capsys.readouterr().err
-    assert main(["bench", "prefill", "--modalities", "chat", "--requests", "1", "--out", str(tmp_path)]) == 2
-    assert main(["bench", "prefill", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
+    assert main(["--modalities", "chat", "--requests", "1", "--out", str(tmp_path)]) == 2
+    assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     assert "config.json" in capsys.readouterr().err
     assert not any(tmp_path.glob("prefill-*"))   # no run directory, no pipeline
 
@@ -519,12 +519,14 @@ class _FakeAsyncOmni:
 
 def _fake_worker():
     import asyncio
+    from types import SimpleNamespace as NS
 
     from benchmarks.prefill.worker import VariantWorker
 
     w = object.__new__(VariantWorker)
     w.stream, w.hooks, w._seq, w.sessions = True, None, 0, {}
-    w._loop, w.omni = asyncio.new_event_loop(), _FakeAsyncOmni()
+    loop = asyncio.new_event_loop()
+    w.pipe = NS(omni=_FakeAsyncOmni(), run_async=loop.run_until_complete, loop=loop)
     w.engine_prompt = lambda spec: {"key": (spec.get("chat") or {}).get("session", spec["index"])}
     w.sampling_params = lambda spec: []
     w._im_end = lambda: -1
@@ -545,7 +547,7 @@ def test_run_concurrent_is_a_closed_loop_with_ordered_turns():
         assert row["hit_ratio"] == pytest.approx(0.8) and row["audio_samples"] == 480
         assert len({r["request_id"] for r in ans["results"]}) == 10
         # chat: 3 conversations at once, never two turns of one conversation in flight
-        w.omni = _FakeAsyncOmni()
+        w.pipe.omni = _FakeAsyncOmni()
         chat = specs("chat", 0, WorkloadOptions(requests=3, prefix_words=5), 3)
         ans = w.run_concurrent(chat, 3)
         assert w.omni.max_in_flight == 3 and ans["n_errors"] == 0
@@ -554,7 +556,7 @@ def test_run_concurrent_is_a_closed_loop_with_ordered_turns():
             assert ev == ["start", "end"] * 3, ev
             assert [r["turn"] for r in ans["results"] if r["session"] == sess] == [0, 1, 2]
     finally:
-        w._loop.close()
+        w.pipe.loop.close()
     w.stream = False
     with pytest.raises(ValueError, match="streaming"):
         w.run_concurrent(chat, 3)
@@ -562,8 +564,7 @@ def test_run_concurrent_is_a_closed_loop_with_ordered_turns():
 
 def test_cli_rejects_bad_concurrency_before_starting_anything(tmp_path, capsys, monkeypatch):
     from benchmarks.prefill import harness
-    from benchmarks.prefill.harness import parse_concurrency
-    from omni_cache.cli import main
+    from benchmarks.prefill.harness import main, parse_concurrency
 
     def started(*a, **k):  # a check that lets a bad value through fails here, starting nothing
         raise AssertionError("the harness went on to build a model / start a pipeline")
@@ -573,9 +574,9 @@ def test_cli_rejects_bad_concurrency_before_starting_anything(tmp_path, capsys, 
 
     assert parse_concurrency("1,4, 16,64,4") == [1, 4, 16, 64]
     for bad, msg in (("0", "0 < 1"), ("4,x", "'x' is not an integer"), ("", "not an integer"), ("1.5", "1.5")):
-        assert main(["bench", "prefill", "--concurrency", bad, "--out", str(tmp_path)]) == 2, bad
+        assert main(["--concurrency", bad, "--out", str(tmp_path)]) == 2, bad
         assert msg in capsys.readouterr().err
-    assert main(["bench", "prefill", "--concurrency", "1,4", "--no-stream", "--out", str(tmp_path)]) == 2
+    assert main(["--concurrency", "1,4", "--no-stream", "--out", str(tmp_path)]) == 2
     assert "--no-stream" in capsys.readouterr().err
     assert not any(tmp_path.glob("prefill-*"))   # no run directory, no pipeline
 

@@ -1,12 +1,20 @@
 """The package's shape, checked from the source (AST) — no engine is imported:
 
-- engine code (runs inside vLLM-Omni's stage processes) never imports driver code, the CLI
-  or the benchmarks;
+- engine code (runs inside vLLM-Omni's stage processes) never imports driver code, the CLI,
+  the model builders (:mod:`omni_cache.models`: a stage reads token ids from its model's
+  config) or the benchmarks;
 - the engine-free modules (core, yoco, routing, settings) import neither vLLM nor vLLM-Omni nor the
   adapter packages;
 - no import cycle between omni-cache's modules (function-level imports included);
 - ``OMNI_CACHE_*`` names appear in library code only through :mod:`omni_cache.settings`, and
   every name mentioned anywhere in the repository is a registered setting;
+- the yard's arrows: ``omni_cache`` imports nothing from ``benchmarks``, ``scripts`` or ``tests``
+  (none of them ships in the wheel) and never edits ``sys.path``; ``benchmarks`` imports nothing
+  from ``tests`` (the test lanes live under
+  ``tests/lanes``);
+- only the driver starts engines: nothing outside ``omni_cache/driver`` constructs vLLM-Omni's
+  ``Omni`` / ``AsyncOmni`` or launches its server itself, and in ``benchmarks/`` only
+  ``benchmarks/lab.py`` constructs the driver's pipelines and server (:func:`benchmarks.lab.start`);
 - ``pyproject.toml`` lists every package;
 - the core stays readable: no function in ``omni_cache/core`` over 60 lines, no module there
   over 400 lines; no module imports another's ``_private`` name.
@@ -72,7 +80,7 @@ def _internal_graph() -> dict[str, set[str]]:
 def test_engine_code_never_imports_driver_code():
     bad = {f"{m} imports {t}"
            for m, ts in _internal_graph().items() if m.startswith("omni_cache.engine")
-           for t in ts if t.startswith(("omni_cache.driver", "omni_cache.cli"))}
+           for t in ts if t.startswith(("omni_cache.driver", "omni_cache.cli", "omni_cache.models"))}
     bad |= {f"{m} imports {imp}" for m, p in _modules().items() if m.startswith("omni_cache.engine")
             for imp in _imports(p, m) if imp.split(".")[0] == "benchmarks"}
     assert not bad, sorted(bad)
@@ -89,6 +97,79 @@ def test_engine_free_modules_import_no_engine_and_no_adapter(package):
                         ("omni_cache.engine", "omni_cache.driver", "omni_cache.cli")):
                     bad.add(f"{m} imports {imp}")
     assert not bad, sorted(bad)
+
+
+def _tree_imports(folder: str) -> dict[str, set[str]]:
+    """Every module imported by each ``.py`` file under ``REPO/folder`` (by module name)."""
+    return {_module_name(p): _imports(p, _module_name(p)) for p in (REPO / folder).rglob("*.py")}
+
+
+def test_the_package_imports_nothing_from_the_yard():
+    """The wheel ships ``omni_cache`` only: an import of ``benchmarks`` / ``scripts`` / ``tests``
+    (or a ``sys.path`` edit to reach a checkout) works from a clone and breaks an install."""
+    bad = sorted(f"{m} imports {imp}" for m, p in _modules().items() for imp in _imports(p, m)
+                 if imp.split(".")[0] in ("benchmarks", "scripts", "tests"))
+    bad += sorted(f"{m} edits sys.path" for m, p in _modules().items()
+                  if re.search(r"sys\.path\.(insert|append)|sys\.path\s*=", p.read_text()))
+    assert not bad, bad
+
+
+def test_benchmarks_import_nothing_from_tests():
+    """Benchmarks are measurements, not test runners: the runners (GPU lane, mutation run) live
+    in ``tests/lanes`` and a benchmark imports no test code."""
+    bad = sorted(f"{m} imports {imp}" for m, imps in _tree_imports("benchmarks").items()
+                 for imp in imps if imp.split(".")[0] == "tests")
+    assert not bad, bad
+
+
+#: vLLM-Omni's engines; the driver's pipelines and server (which start them the product's way)
+ENGINES = {"Omni", "AsyncOmni"}
+DRIVER_STARTS = {"OmniPipeline", "StreamingPipeline", "OmniServer"}
+#: the module a server process runs (``OmniServer.command``)
+SERVER_MODULE = "omni_cache.driver.vllm_serve"
+
+
+def _python_files() -> dict[str, Path]:
+    """Every ``.py`` file of the package, the benchmarks, the scripts and the tests, by name."""
+    return {_module_name(p): p for folder in ("omni_cache", "benchmarks", "scripts", "tests")
+            for p in (REPO / folder).rglob("*.py")}
+
+
+def _constructs(path: Path, names: set[str]) -> set[str]:
+    """The names among ``names`` that ``path`` calls (``X(...)`` or ``mod.X(...)``) or imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in names:
+                found.add(name)
+        elif isinstance(node, ast.ImportFrom):
+            found |= {a.name for a in node.names if a.name in names}
+    return found
+
+
+def test_only_the_driver_starts_engines():
+    """One way to start a pipeline or a server: ``omni_cache/driver`` (start environment,
+    ``start_kwargs``, engine hooks). No other module constructs ``Omni`` / ``AsyncOmni`` or
+    names the server's module (tests may read the driver's command line)."""
+    bad = []
+    for m, p in _python_files().items():
+        if m.startswith("omni_cache.driver"):
+            continue
+        if hit := _constructs(p, ENGINES):
+            bad.append(f"{m} constructs {sorted(hit)}")
+        if not m.startswith("tests.") and SERVER_MODULE in p.read_text():
+            bad.append(f"{m} launches {SERVER_MODULE}")
+    assert not bad, bad
+
+
+def test_benchmarks_start_engines_only_through_the_lab():
+    """``benchmarks.lab.start`` is the only way a benchmark starts anything: no other benchmark
+    module constructs the driver's pipelines or server."""
+    bad = sorted(f"{m} constructs {sorted(hit)}" for m, p in _python_files().items()
+                 if m.startswith("benchmarks.") and m != "benchmarks.lab" and (hit := _constructs(p, DRIVER_STARTS)))
+    assert not bad, bad
 
 
 def test_no_import_cycle():

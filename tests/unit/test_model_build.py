@@ -12,7 +12,7 @@ import torch
 def _build(seed: int):
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-    from omni_cache.models import SIZES, init_talker_experts, qwen3_omni_config_dict
+    from omni_cache.models.qwen3 import SIZES, init_talker_experts, qwen3_omni_config_dict
 
     torch.manual_seed(seed)
     junk = torch.full((1 << 20,), 3.0e38)  # memory the allocator may hand out again

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_cache.models import SIZES, qwen3_omni_config_dict
+from omni_cache.models.qwen3 import SIZES, qwen3_omni_config_dict
 
 # Keys of the published config at each level (nested sub-configs are dicts of their own).
 PUBLISHED_KEYS = {
@@ -93,8 +93,8 @@ def test_every_size_sets_the_published_token_ids_and_settings(size):
 @pytest.mark.parametrize("level", list(PUBLISHED_VALUES), ids=lambda lv: lv or "top")
 def test_the_full_size_config_agrees(level):
     """``make-model --size full`` writes the released shape from the same published config
-    (:mod:`omni_cache.models_full`): its token ids and settings are these too."""
-    from omni_cache.models_full import FULL_CONFIG
+    (:mod:`omni_cache.models.full`): its token ids and settings are these too."""
+    from omni_cache.models.full import FULL_CONFIG
 
     got = {k: _level(FULL_CONFIG, level).get(k) for k in PUBLISHED_VALUES[level]}
     assert got == PUBLISHED_VALUES[level]

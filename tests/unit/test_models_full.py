@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from omni_cache.models_full import FULL_CONFIG, build_full
+from omni_cache.models.full import FULL_CONFIG, build_full
 
 
 def test_full_config_is_the_released_shape_and_transformers_reads_it(tmp_path):
@@ -36,7 +36,7 @@ def test_gemma4_full_is_e4b_shape_and_vllm_reads_it(tmp_path):
     from vllm.config import ModelConfig
 
     from omni_cache.cli import main
-    from omni_cache.models_full import GEMMA4_E4B_TEXT
+    from omni_cache.models.full import GEMMA4_E4B_TEXT
 
     out = tmp_path / "g4"
     assert main(["make-model", "--family", "gemma4", "--size", "full", "--out", str(out)]) == 0

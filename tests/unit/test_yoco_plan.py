@@ -10,7 +10,7 @@ import pytest
 
 from omni_cache.yoco import FINAL, LayerPlan, YocoConfigError, parse_accept_layer, stage_plan
 
-CFG = {  # the tiny embedded thinker's shape (omni_cache.models_gemma, size tiny)
+CFG = {  # the tiny embedded thinker's shape (omni_cache.models.gemma, size tiny)
     "num_hidden_layers": 8,
     "num_kv_shared_layers": 4,
     "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
@@ -108,7 +108,7 @@ def test_stage_config_check_at_start_up(tmp_path):
     validate`` before any engine starts): final hidden states + fast prefill is refused with
     both settings and the fix named; the shipped config and the slow path pass."""
     from omni_cache.driver.stage_config import StageConfigError, load_stage_config
-    from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+    from omni_cache.models.gemma import build_gemma_omni, default_gemma_dir
 
     model = build_gemma_omni(default_gemma_dir("tiny"), "tiny")
     load_stage_config(Path(__file__).parents[2] / "stage_configs" / "gemma3n_yoco_cpu.yaml", model_dir=model)
@@ -130,8 +130,8 @@ def test_embedded_gemma4_layout():
     """The embedded Gemma-4 thinker: an E2B-like share of KV-shared layers, a self-decoder that
     ends sliding, full (vLLM's KV-sharing targets), a full last layer, and media token ids that
     are Qwen3-Omni's (the talker finds media rows and chat markers by them)."""
-    from omni_cache.models import SPECIAL_TOKENS
-    from omni_cache.models_gemma import GEMMA4_MEDIA_TOKENS, GEMMA4_SIZES, gemma4_config_dict
+    from omni_cache.models.gemma import GEMMA4_MEDIA_TOKENS, GEMMA4_SIZES, gemma4_config_dict
+    from omni_cache.models.qwen3 import SPECIAL_TOKENS
     from omni_cache.yoco import LayerPlan
 
     for size in GEMMA4_SIZES:
@@ -147,6 +147,30 @@ def test_embedded_gemma4_layout():
         assert cfg["boi_token_id"] == SPECIAL_TOKENS[GEMMA4_MEDIA_TOKENS["boi_token"]]
         assert cfg["eoa_token_index"] == SPECIAL_TOKENS[GEMMA4_MEDIA_TOKENS["eoa_token"]]
         assert cfg["vision_config"]["default_output_length"] in (70, 140, 280, 560, 1120)
+
+
+def test_thinker_reads_the_tts_token_ids_from_its_config():
+    """The KV-shared thinker stage takes the TTS tokens whose embeddings it hands the talker
+    from its own config (not from the model builder): the embedded configs of both families —
+    and the at-size Gemma-4 one — carry Qwen3-Omni's ids, and a config without them is refused
+    at start-up rather than embedding other tokens."""
+    from transformers import Gemma3nTextConfig, Gemma4Config
+
+    from omni_cache.engine.gemma_thinker import tts_token_ids
+    from omni_cache.models.full import gemma4_e4b_config
+    from omni_cache.models.gemma import GEMMA4_SIZES, GEMMA_SIZES, gemma3n_config_dict, gemma4_config_dict
+    from omni_cache.models.qwen3 import SPECIAL_TOKENS
+
+    want = [SPECIAL_TOKENS[t] for t in ("<tts_text_bos>", "<tts_text_eod>", "<tts_pad>")]
+    assert want == [151672, 151673, 151671]
+    configs = [Gemma4Config(**gemma4_config_dict(s)) for s in GEMMA4_SIZES]
+    configs += [Gemma3nTextConfig(**gemma3n_config_dict(s)) for s in GEMMA_SIZES.values()]
+    configs.append(Gemma4Config(**gemma4_e4b_config()))
+    for cfg in configs:
+        assert tts_token_ids(cfg) == want, type(cfg).__name__
+    bare = {k: v for k, v in gemma4_config_dict("tiny").items() if k != "tts_eos_token_id"}
+    with pytest.raises(ValueError, match="tts_eos_token_id"):
+        tts_token_ids(Gemma4Config(**bare))
 
 
 def test_gemma4_prompt_placeholders_and_family():

@@ -30,10 +30,14 @@ Gemma 3n (``--family gemma3n``, text only)
 ``build_gemma3n_thinker(out_dir, size)`` writes a model directory that vLLM loads as
 ``Gemma3nForCausalLM`` (``load_format: auto``): ``config.json`` (transformers'
 ``Gemma3nTextConfig``), seeded-random ``model.safetensors`` (transformers' own init,
-``initializer_range`` 0.02 — realistic variance, see ``omni_cache/models.py``) and the
-embedded Qwen3-Omni byte-level tokenizer (:func:`omni_cache.models.build_tokenizer`), so
+``initializer_range`` 0.02 — realistic variance, see :mod:`omni_cache.models.qwen3`) and the
+embedded Qwen3-Omni byte-level tokenizer (:func:`omni_cache.models.qwen3.build_tokenizer`), so
 token ids — chat markers, the talker's role words and TTS special tokens — are the ids the
 Qwen3-Omni talker expects. The vocabulary is Qwen3-Omni's (152064 ids).
+
+Both families' configs carry Qwen3-Omni's TTS token ids (``tts_bos/eos/pad_token_id``,
+:data:`omni_cache.models.qwen3.TTS_TOKEN_IDS`): the thinker stage reads them from its config
+(:mod:`omni_cache.engine.gemma_thinker`), not from this builder.
 
 Layer layout (YOCO): ``num_hidden_layers`` layers, the last ``num_kv_shared_layers`` of
 them KV-shared (cross-decoder). Layer types repeat ``3 sliding : 1 full``; the self-decoder
@@ -58,16 +62,33 @@ Sizes (both families follow the paired Qwen3-Omni thinker's hidden size):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from omni_cache.models import SEED, THINKER_VOCAB, build_qwen3_omni, build_tokenizer, is_up_to_date
+from omni_cache.models.build import (
+    PIPELINE_STAMP,
+    SEED,
+    build_once,
+    check_size,
+    fingerprint,
+    models_home,
+    save_seeded,
+)
+from omni_cache.models.qwen3 import (
+    CHAT_TEMPLATE,
+    SIZES,
+    SPECIAL_TOKENS,
+    THINKER_VOCAB,
+    TTS_TOKEN_IDS,
+    build_qwen3_omni,
+    build_tokenizer,
+    default_model_dir,
+    model_fingerprint,
+)
 
-GEMMA_FORMAT_VERSION = 1
+GEMMA_FORMAT_VERSION = 2  # 2: the thinker configs carry the TTS token ids
 THINKER_SUBDIR = "thinker"
 
 
@@ -91,8 +112,6 @@ class GemmaSize:
 
 def _bench_size() -> GemmaSize:
     # The talker consumes the thinker's hidden states: follow the bench Qwen3-Omni's width.
-    from omni_cache.models import SIZES
-
     h = SIZES["bench"].thinker_hidden
     return GemmaSize("bench", h, 16, 8, h // 64, 2, 64, 2 * h, 512, 32, 32, "bench")
 
@@ -142,6 +161,7 @@ def gemma3n_config_dict(size: GemmaSize) -> dict:
         "pad_token_id": 151643,
         "eos_token_id": 151645,
         "bos_token_id": 151644,
+        **TTS_TOKEN_IDS,
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
@@ -189,8 +209,6 @@ def gemma4_config_dict(size: str) -> dict:
         KeyError: unknown ``size``.
         ValueError: the self-decoder does not end with ``sliding, full`` layers.
     """
-    from omni_cache.models import SPECIAL_TOKENS
-
     t, tw = GEMMA4_SIZES[size], GEMMA4_TOWERS[size]
     types = _gemma4_layer_types(t.layers)
     first_shared = t.layers - t.kv_shared_layers
@@ -228,7 +246,7 @@ def gemma4_config_dict(size: str) -> dict:
         "audio_token_id": SPECIAL_TOKENS["<|audio_pad|>"],
         "boi_token_id": SPECIAL_TOKENS["<|vision_start|>"], "eoi_token_id": SPECIAL_TOKENS["<|vision_end|>"],
         "boa_token_id": SPECIAL_TOKENS["<|audio_start|>"], "eoa_token_index": SPECIAL_TOKENS["<|audio_end|>"],
-        "initializer_range": 0.02,
+        **TTS_TOKEN_IDS, "initializer_range": 0.02,
     }
 
 
@@ -255,23 +273,18 @@ def _sizes(family: str) -> dict[str, GemmaSize]:
 def gemma_fingerprint(size: str, family: str = "gemma3n") -> str:
     """A short digest of everything that determines the built thinker (and, for the pipeline
     directory, the Qwen3-Omni it is paired with)."""
-    from omni_cache.models import model_fingerprint
-
     cfg = {"cfg": _thinker_config(family, size), "seed": SEED, "v": GEMMA_FORMAT_VERSION,
            "qwen": model_fingerprint(_sizes(family)[size].qwen_size)}
     if family == "gemma4":
         cfg["towers"] = asdict(GEMMA4_TOWERS[size])
         cfg["media"] = GEMMA4_MEDIA_TOKENS
-    payload = json.dumps(cfg, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return fingerprint(cfg)
 
 
 def gemma4_tokenizer(qwen_tokenizer):
     """The embedded Qwen3-Omni tokenizer with Gemma 4's media-token roles
     (:data:`GEMMA4_MEDIA_TOKENS`) as its extra special tokens (same vocabulary and ids)."""
     from transformers import Qwen2TokenizerFast
-
-    from omni_cache.models import CHAT_TEMPLATE
 
     tok = Qwen2TokenizerFast(tokenizer_object=qwen_tokenizer.backend_tokenizer, eos_token="<|im_end|>",
                              pad_token="<|endoftext|>", unk_token=None, bos_token=None, model_max_length=32768,
@@ -289,24 +302,10 @@ def save_gemma4_processor(out: Path, qwen_tokenizer, soft_tokens: int) -> None:
     from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
     from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
 
-    from omni_cache.models import CHAT_TEMPLATE
-
     Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
                     image_processor=Gemma4ImageProcessor(max_soft_tokens=soft_tokens),
                     video_processor=Gemma4VideoProcessor(), tokenizer=gemma4_tokenizer(qwen_tokenizer),
                     chat_template=CHAT_TEMPLATE, image_seq_length=soft_tokens).save_pretrained(out)
-
-
-def _save_seeded(out: Path, model_cls, cfg) -> None:
-    """Instantiate ``model_cls(cfg)`` with transformers' init under seed :data:`SEED` and save
-    it (safetensors) into ``out``."""
-    import torch
-
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(SEED)
-    with torch.device("cpu"):
-        model = model_cls(cfg)
-    model.save_pretrained(out, safe_serialization=True)
 
 
 def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
@@ -319,21 +318,17 @@ def build_gemma4_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, forc
     Raises:
         KeyError: unknown ``size``.
     """
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    check_size(size, GEMMA4_SIZES, "gemma4 thinker")
 
-    if size not in GEMMA4_SIZES:
-        raise KeyError(f"unknown gemma4 thinker size {size!r}; choose one of {sorted(GEMMA4_SIZES)}")
-    out = Path(out_dir)
-    stamp = out / "omni_cache_model.json"
-    fp = gemma_fingerprint(size, "gemma4")
-    if not force and is_up_to_date(stamp, fp):
-        return out
-    _save_seeded(out, Gemma4ForConditionalGeneration, Gemma4Config(**gemma4_config_dict(size)))
-    save_gemma4_processor(out, build_tokenizer(out), GEMMA4_TOWERS[size].image_soft_tokens)
-    stamp.write_text(json.dumps({"family": "gemma4", "size": size, "seed": SEED, "fingerprint": fp,
-                                 "widths": asdict(GEMMA4_SIZES[size]), "towers": asdict(GEMMA4_TOWERS[size])},
-                                indent=2))
-    return out
+    def write(out: Path) -> dict:
+        from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+        save_seeded(out, Gemma4ForConditionalGeneration, Gemma4Config(**gemma4_config_dict(size)))
+        save_gemma4_processor(out, build_tokenizer(out), GEMMA4_TOWERS[size].image_soft_tokens)
+        return {"family": "gemma4", "size": size, "seed": SEED, "widths": asdict(GEMMA4_SIZES[size]),
+                "towers": asdict(GEMMA4_TOWERS[size])}
+
+    return build_once(out_dir, gemma_fingerprint(size, "gemma4"), write, force=force)
 
 
 def build_gemma3n_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
@@ -345,20 +340,16 @@ def build_gemma3n_thinker(out_dir: str | os.PathLike, size: str = "tiny", *, for
     Raises:
         KeyError: unknown ``size``.
     """
-    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+    check_size(size, GEMMA_SIZES, "gemma thinker")
 
-    if size not in GEMMA_SIZES:
-        raise KeyError(f"unknown gemma thinker size {size!r}; choose one of {sorted(GEMMA_SIZES)}")
-    out = Path(out_dir)
-    stamp = out / "omni_cache_model.json"
-    fp = gemma_fingerprint(size)
-    if not force and is_up_to_date(stamp, fp):
-        return out
-    _save_seeded(out, Gemma3nForCausalLM, Gemma3nTextConfig(**gemma3n_config_dict(GEMMA_SIZES[size])))
-    build_tokenizer(out).save_pretrained(out)
-    stamp.write_text(json.dumps({"family": "gemma3n", "size": size, "seed": SEED, "fingerprint": fp,
-                                 "widths": asdict(GEMMA_SIZES[size])}, indent=2))
-    return out
+    def write(out: Path) -> dict:
+        from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+        save_seeded(out, Gemma3nForCausalLM, Gemma3nTextConfig(**gemma3n_config_dict(GEMMA_SIZES[size])))
+        build_tokenizer(out).save_pretrained(out)
+        return {"family": "gemma3n", "size": size, "seed": SEED, "widths": asdict(GEMMA_SIZES[size])}
+
+    return build_once(out_dir, gemma_fingerprint(size), write, force=force)
 
 
 def build_gemma_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False,
@@ -373,34 +364,29 @@ def build_gemma_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
     Raises:
         KeyError: unknown ``family`` or ``size``.
     """
-    out = Path(out_dir)
+    check_size(size, _sizes(family), f"{family} thinker")
     spec = _sizes(family)[size]
-    stamp = out / "omni_cache_gemma_omni.json"
-    fp = gemma_fingerprint(size, family)
-    if not force and is_up_to_date(stamp, fp) and (out / "config.json").exists():
-        return out
-    from omni_cache.models import default_model_dir
 
-    qwen = build_qwen3_omni(default_model_dir(spec.qwen_size), spec.qwen_size)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in qwen.iterdir():
-        if f.is_file():
-            dst = out / f.name
-            if dst.exists() or dst.is_symlink():
-                dst.unlink()
-            if f.suffix == ".safetensors":
-                os.symlink(f.resolve(), dst)  # large; read-only use
-            else:
-                shutil.copy2(f, dst)
-    build = build_gemma4_thinker if family == "gemma4" else build_gemma3n_thinker
-    build(out / THINKER_SUBDIR, size, force=force)
-    stamp.write_text(json.dumps({"family": family, "size": size, "fingerprint": fp}, indent=2))
-    return out
+    def write(out: Path) -> dict:
+        qwen = build_qwen3_omni(default_model_dir(spec.qwen_size), spec.qwen_size)
+        for f in qwen.iterdir():
+            if f.is_file():
+                dst = out / f.name
+                if dst.exists() or dst.is_symlink():
+                    dst.unlink()
+                if f.suffix == ".safetensors":
+                    os.symlink(f.resolve(), dst)  # large; read-only use
+                else:
+                    shutil.copy2(f, dst)
+        build = build_gemma4_thinker if family == "gemma4" else build_gemma3n_thinker
+        build(out / THINKER_SUBDIR, size, force=force)
+        return {"family": family, "size": size}
+
+    return build_once(out_dir, gemma_fingerprint(size, family), write, force=force, stamp=PIPELINE_STAMP,
+                      needs=("config.json",))
 
 
 def default_gemma_dir(size: str = "tiny", *, omni: bool = True, family: str = "gemma3n") -> Path:
     """``$OMNI_CACHE_HOME/models/<family>-omni-<size>`` (pipeline directory) or
     ``.../<family>-thinker-<size>`` (thinker only)."""
-    from omni_cache.models import models_home
-
     return models_home() / (f"{family}-omni-{size}" if omni else f"{family}-thinker-{size}")

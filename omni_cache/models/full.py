@@ -2,7 +2,7 @@
 
 The model directory holds the published ``config.json`` shape of
 **Qwen/Qwen3-Omni-30B-A3B-Instruct** (:data:`FULL_CONFIG`) and the embedded tokenizer and
-processor files (:func:`omni_cache.models.build_tokenizer`: the real special-token ids, the
+processor files (:func:`omni_cache.models.qwen3.build_tokenizer`: the real special-token ids, the
 152,064-token thinker vocabulary), and no weights: the stage configs load it with vLLM's
 ``load_format: dummy``, which builds the real architecture from the config alone — so
 timings are the released model's, and its text and audio are noise.
@@ -18,9 +18,14 @@ model-information dump of that checkpoint (read through this project's code-sear
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
+
+from omni_cache.models.build import build_once, fingerprint
+from omni_cache.models.gemma import GEMMA4_TOWERS, THINKER_SUBDIR, gemma4_config_dict, save_gemma4_processor
+from omni_cache.models.qwen3 import build_processor, build_tokenizer
 
 #: the fingerprint of this builder's output (bump when the written files change)
 FULL_FORMAT_VERSION = 1
@@ -114,8 +119,6 @@ def full_config(thinker_layers: int | None = None) -> dict:
     Raises:
         ValueError: ``thinker_layers`` outside ``[2, 48]``.
     """
-    import copy
-
     cfg = copy.deepcopy(FULL_CONFIG)
     if thinker_layers is None or thinker_layers == 48:
         return cfg
@@ -128,10 +131,7 @@ def full_config(thinker_layers: int | None = None) -> dict:
 
 def full_fingerprint(thinker_layers: int | None = None) -> str:
     """Digest of what :func:`build_full` writes (config + format version)."""
-    import hashlib
-
-    payload = json.dumps({"cfg": full_config(thinker_layers), "v": FULL_FORMAT_VERSION}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return fingerprint({"cfg": full_config(thinker_layers), "v": FULL_FORMAT_VERSION})
 
 
 def build_full(out_dir: str | os.PathLike, *, force: bool = False, thinker_layers: int | None = None) -> Path:
@@ -146,21 +146,17 @@ def build_full(out_dir: str | os.PathLike, *, force: bool = False, thinker_layer
     Raises:
         ValueError: ``thinker_layers`` outside ``[2, 48]``.
     """
-    from omni_cache.models import is_up_to_date
-
-    out = Path(out_dir)
-    stamp = out / "omni_cache_model.json"
     cfg = full_config(thinker_layers)
-    fp = full_fingerprint(thinker_layers)
-    if not force and is_up_to_date(stamp, fp):
-        return out
-    _write_qwen3_omni_dir(out, cfg)
     layers = cfg["thinker_config"]["text_config"]["num_hidden_layers"]
-    stamp.write_text(json.dumps({"size": "full", "weights": "none (load_format: dummy)",
-                                 "source": "Qwen/Qwen3-Omni-30B-A3B-Instruct config.json"
-                                           + ("" if layers == 48 else f", thinker cut to {layers} of 48 layers"),
-                                 "thinker_layers": layers, "fingerprint": fp}, indent=2))
-    return out
+
+    def write(out: Path) -> dict:
+        _write_qwen3_omni_dir(out, cfg)
+        return {"size": "full", "weights": "none (load_format: dummy)",
+                "source": "Qwen/Qwen3-Omni-30B-A3B-Instruct config.json"
+                          + ("" if layers == 48 else f", thinker cut to {layers} of 48 layers"),
+                "thinker_layers": layers}
+
+    return build_once(out_dir, full_fingerprint(thinker_layers), write, force=force)
 
 
 def _write_qwen3_omni_dir(out: Path, config: dict):
@@ -168,8 +164,6 @@ def _write_qwen3_omni_dir(out: Path, config: dict):
     first: raises if malformed) with the embedded tokenizer and processor files into ``out``.
     Returns the tokenizer."""
     from transformers import Qwen3OmniMoeConfig
-
-    from omni_cache.models import build_processor, build_tokenizer
 
     Qwen3OmniMoeConfig(**{k: v for k, v in config.items() if k != "model_type"})
     out.mkdir(parents=True, exist_ok=True)
@@ -206,11 +200,9 @@ GEMMA4_E4B_HIDDEN = GEMMA4_E4B_TEXT["hidden_size"]
 def gemma4_e4b_config() -> dict:
     """``Gemma4Config`` keyword arguments of the at-size YOCO thinker: :data:`GEMMA4_E4B_TEXT`
     with the embedded tokenizer's special-token ids; the vision and audio towers and the media
-    token ids of the ``bench`` Gemma-4 thinker (:func:`omni_cache.models_gemma.gemma4_config_dict`)
+    token ids of the ``bench`` Gemma-4 thinker (:func:`omni_cache.models.gemma.gemma4_config_dict`)
     — the towers are *not* E4B's (its benchmark, YOCO at size, sends text; say so beside any
     media timing)."""
-    from omni_cache.models_gemma import gemma4_config_dict
-
     cfg = gemma4_config_dict("bench")
     text = {**GEMMA4_E4B_TEXT, "layer_types": list(GEMMA4_E4B_TEXT["layer_types"]),
             **{k: cfg["text_config"][k] for k in ("pad_token_id", "eos_token_id", "bos_token_id")}}
@@ -222,8 +214,6 @@ def gemma4_e4b_pipeline_config() -> dict:
     talker and code2wav) with the talker reading 2,560-wide thinker rows
     (``thinker_hidden_size``; its ``accept_hidden_layer`` 24 = E4B's self-decoder output, the
     first KV-shared layer's input) and the unused Qwen3-Omni thinker entry widened to match."""
-    import copy
-
     cfg = copy.deepcopy(FULL_CONFIG)
     th = cfg["thinker_config"]
     th["text_config"]["hidden_size"] = GEMMA4_E4B_HIDDEN
@@ -234,11 +224,8 @@ def gemma4_e4b_pipeline_config() -> dict:
 
 def gemma4_full_fingerprint() -> str:
     """Digest of what :func:`build_gemma4_full` writes."""
-    import hashlib
-
-    payload = json.dumps({"thinker": gemma4_e4b_config(), "pipeline": gemma4_e4b_pipeline_config(),
-                          "v": FULL_FORMAT_VERSION}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return fingerprint({"thinker": gemma4_e4b_config(), "pipeline": gemma4_e4b_pipeline_config(),
+                        "v": FULL_FORMAT_VERSION})
 
 
 def build_gemma4_full(out_dir: str | os.PathLike, *, force: bool = False) -> Path:
@@ -246,28 +233,21 @@ def build_gemma4_full(out_dir: str | os.PathLike, *, force: bool = False) -> Pat
     ``config.json`` (:func:`gemma4_e4b_pipeline_config`, checked by ``Qwen3OmniMoeConfig``) with
     the embedded tokenizer and processor files, and ``thinker/`` (:func:`gemma4_e4b_config`,
     checked by ``Gemma4Config``; the Gemma-4 tokenizer and processor as for the small sizes,
-    :func:`omni_cache.models_gemma.build_gemma4_thinker`).
+    :func:`omni_cache.models.gemma.build_gemma4_thinker`).
 
     Returns:
         The pipeline directory (``out_dir``).
     """
-    from transformers import Gemma4Config
+    def write(out: Path) -> dict:
+        from transformers import Gemma4Config
 
-    from omni_cache.models import is_up_to_date
-    from omni_cache.models_gemma import GEMMA4_TOWERS, THINKER_SUBDIR, save_gemma4_processor
+        tokenizer = _write_qwen3_omni_dir(out, gemma4_e4b_pipeline_config())
+        thinker = out / THINKER_SUBDIR
+        thinker.mkdir(exist_ok=True)
+        Gemma4Config(**gemma4_e4b_config()).save_pretrained(thinker)  # raises if malformed
+        save_gemma4_processor(thinker, tokenizer, GEMMA4_TOWERS["bench"].image_soft_tokens)
+        return {"family": "gemma4", "size": "full", "weights": "none (load_format: dummy)",
+                "source": "google/gemma-4-E4B-it text_config; Qwen/Qwen3-Omni-30B-A3B-Instruct "
+                          "talker and code2wav; bench vision/audio towers"}
 
-    out = Path(out_dir)
-    stamp = out / "omni_cache_model.json"
-    fp = gemma4_full_fingerprint()
-    if not force and is_up_to_date(stamp, fp):
-        return out
-    tokenizer = _write_qwen3_omni_dir(out, gemma4_e4b_pipeline_config())
-    thinker = out / THINKER_SUBDIR
-    thinker.mkdir(exist_ok=True)
-    Gemma4Config(**gemma4_e4b_config()).save_pretrained(thinker)  # raises if malformed
-    save_gemma4_processor(thinker, tokenizer, GEMMA4_TOWERS["bench"].image_soft_tokens)
-    stamp.write_text(json.dumps({"family": "gemma4", "size": "full", "weights": "none (load_format: dummy)",
-                                 "source": "google/gemma-4-E4B-it text_config; Qwen/Qwen3-Omni-30B-A3B-Instruct "
-                                           "talker and code2wav; bench vision/audio towers",
-                                 "fingerprint": fp}, indent=2))
-    return out
+    return build_once(out_dir, gemma4_full_fingerprint(), write, force=force)

@@ -13,8 +13,8 @@ A mutant is **killed** when some selection fails (pytest exit 1); **survived** w
 selection passed; **error** when a selection could not run (collection error, no tests, time
 out). Writes ``report.json`` into ``--out``; prints a table.
 
-    .venv/bin/python -m benchmarks.mutants --lock /tmp/cpu-heavy.lock
-    .venv/bin/python -m benchmarks.mutants --only bit_flip,cap_disabled --baseline
+    .venv/bin/python -m tests.lanes.mutants --lock /tmp/cpu-heavy.lock
+    .venv/bin/python -m tests.lanes.mutants --only bit_flip,cap_disabled --baseline
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tests.mutants import ENV, EVIDENCE_ENV, FAULTS, write_plugin_dist  # noqa: E402
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
             results.append(run_mutant(m, plugin_dir, out, lock=args.lock, timeout_s=args.timeout,
                                       baseline=args.baseline, unit_only=args.unit_only))
     report = {"date": stamp, "commit": commit, "baseline": args.baseline, "unit_only": args.unit_only,
-              "command": "python -m benchmarks.mutants " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python -m tests.lanes.mutants " + " ".join(argv if argv is not None else sys.argv[1:]),
               "minutes": round((time.perf_counter() - t0) / 60, 2),
               "test_minutes": round(sum(r.test_minutes or 0 for r in results), 2),
               "killed": sum(r.verdict == "killed" for r in results), "mutants": len(results),

