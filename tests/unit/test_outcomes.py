@@ -54,7 +54,7 @@ def test_read_keeps_the_worst_phase_and_skips_a_cut_line(tmp_path):
 def test_lane_group_killed_at_its_timeout_keeps_the_tests_that_ended(tmp_path, monkeypatch):
     """The GPU lane's runner (``gpu_check.run_group``) on a group that overruns its timeout:
     the group is ``timeout`` and still reports the tests that ended before it (was 0/0)."""
-    from benchmarks import gpu_check
+    from tests.lanes import gpu_check
 
     mod = tmp_path / "test_slow_group.py"
     mod.write_text("import time\ndef test_quick():\n    pass\ndef test_hangs():\n    time.sleep(120)\n")
