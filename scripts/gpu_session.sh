@@ -14,6 +14,8 @@
 #   U  the GPU lane's unit group
 #   F  bench prefill at full size (one H200: the one-GPU config), off / built-in / omni-cache,
 #      one pipeline at a time
+#   G  the full-size table on a 4-GPU H200 host: the one-GPU config once per variant, each on its
+#      own card (--variant-devices), all three up at once; c = 1, 4, 16, 64
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
 set -u
 STAGE="$1"; OUT="$2"; COMMIT="$3"; shift 3
@@ -53,6 +55,11 @@ for step in "$@"; do
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat --requests 6 \
          --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart --variants omni_cache,off,builtin \
          --out "$OUT" --name F > "$OUT/F.log" 2>&1 ;;
+    G) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,image,audio,chat \
+         --requests 6 --repeats 1 --concurrency 1,4,16,64 --max-num-seqs 64 --alternation concurrent \
+         --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name G > "$OUT/G.log" 2>&1 ;;
     *) log "unknown step $step" ;;
   esac
   log "step $step rc=$?"

@@ -229,6 +229,40 @@ def parse_concurrency(text: str) -> list[int]:
     return lab.positive_int_list(text, "--concurrency", "1,4,16,64")
 
 
+def parse_variant_devices(text: str | None, variants: list[str]) -> dict[str, str]:
+    """``--variant-devices``: ``variant=devices`` pairs separated by ``;`` (e.g.
+    ``omni_cache=0;off=1;builtin=2``, or ``=0,1`` pairs for a two-GPU layout): each variant's
+    pipeline gets ``CUDA_VISIBLE_DEVICES=<devices>`` (its stage config's ``devices`` are logical
+    indices into it, vLLM-Omni's ``split_devices_for_replicas``), so variants run side by side on
+    their own cards of one host. ``None`` / empty: no variant gets its own (every pipeline sees
+    the launcher's devices).
+
+    Raises:
+        ValueError: a pair without ``=``, an unknown or repeated variant, a variant of ``variants``
+            left without devices, devices that are not comma-separated integers, or two variants
+            sharing a card.
+    """
+    if not text:
+        return {}
+    out: dict[str, str] = {}
+    for pair in (p.strip() for p in text.split(";") if p.strip()):
+        name, sep, devs = (x.strip() for x in pair.partition("="))
+        if not sep or name not in variants or name in out:
+            raise ValueError(f"--variant-devices: {pair!r} is not <variant>=<devices> for one of {variants} "
+                             "(each once)")
+        ids = [d.strip() for d in devs.split(",")]
+        if not ids or not all(d.isdigit() for d in ids):
+            raise ValueError(f"--variant-devices: {name}'s devices {devs!r} are not comma-separated integers")
+        out[name] = ",".join(ids)
+    missing = [v for v in variants if v not in out]
+    if missing:
+        raise ValueError(f"--variant-devices: no devices for {missing}")
+    cards = [d for devs in out.values() for d in devs.split(",")]
+    if len(cards) != len(set(cards)):
+        raise ValueError(f"--variant-devices: variants share a card ({text!r}); give each its own")
+    return out
+
+
 def _rotate(xs: list, k: int) -> list:
     k %= len(xs)
     return xs[k:] + xs[:k]
@@ -263,6 +297,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--stage-config", default=str(lab.BASE_CONFIG),
                     help="base stage config the variants are derived from")
     ap.add_argument("--alternation", default="auto", choices=["auto", "concurrent", "restart"])
+    ap.add_argument("--variant-devices", default=None,
+                    help="GPU host: each variant on its own cards, e.g. 'omni_cache=0;off=1;builtin=2' "
+                         "(CUDA_VISIBLE_DEVICES per pipeline); with it, auto alternation is concurrent")
     ap.add_argument("--mem-margin-gib", type=float, default=1.5,
                     help="auto: memory to leave free when deciding to run all pipelines at once")
     ap.add_argument("--freeze-idle", action=argparse.BooleanOptionalAction, default=True,
@@ -342,6 +379,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        devices = parse_variant_devices(args.variant_devices, variants)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     loads = [c for c in conc if c > 1]
     if loads and args.no_stream:
         print(f"error: --concurrency {','.join(map(str, loads))} needs streaming (AsyncOmni); --no-stream "
@@ -397,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
     warm: dict[str, list[dict]] = {v: [] for v in variants}
     memory: dict[str, Any] = {"samples": []}
     starts: dict[str, list[float]] = {v: [] for v in variants}
-    alternation: dict[str, Any] = {"requested": args.alternation}
+    alternation: dict[str, Any] = {"requested": args.alternation, **({"variant_devices": devices} if devices else {})}
     alone = 1 in conc  # the one-at-a-time path (today's numbers and stage breakdown)
     round_specs = {(w, r): specs(w, r, opts) if alone else [] for w in workloads for r in range(args.repeats)}
     load_specs = {(w, r, c): specs(w, r, opts, concurrency=c) for w in workloads for r in range(args.repeats)
@@ -410,7 +452,8 @@ def run(args: argparse.Namespace) -> int:
 
     def start(v: str) -> Variant:
         bar.set_postfix_str(f"starting {v}")
-        var = Variant(v, model, cfgs[v], out / f"log_{v}.txt", env=env, stream=not args.no_stream)
+        var_env = {**env, "CUDA_VISIBLE_DEVICES": devices[v]} if v in devices else env
+        var = Variant(v, model, cfgs[v], out / f"log_{v}.txt", env=var_env, stream=not args.no_stream)
         return var
 
     def ready_and_warm(var: Variant) -> None:
@@ -541,6 +584,9 @@ def run(args: argparse.Namespace) -> int:
         need = one["pss"] * (len(variants) - 1) + int(args.mem_margin_gib * GiB)
         alternation.update({"one_pipeline_pss_bytes": one["pss"], "one_pipeline_rss_bytes": one["rss"],
                             "available_bytes_with_one_up": avail, "needed_bytes_for_others": need})
+        if mode == "auto" and devices:
+            mode = "concurrent"
+            alternation["reason"] = f"--variant-devices: each variant on its own cards ({args.variant_devices})"
         if mode == "auto":
             host_ok = avail >= need
             host_why = (f"host: available {avail / GiB:.1f} GiB with one pipeline up "

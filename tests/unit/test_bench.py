@@ -728,3 +728,50 @@ def test_memory_settings_keep_the_stage_configs_kv_on_a_gpu_host():
     assert gpu.thinker_kv_bytes is None and gpu.talker_kv_bytes == 64 * MiB and gpu.cpu_executor is None
     cpu = _memory_settings(args, gpu_host=False)
     assert cpu.thinker_kv_bytes == 256 * MiB and cpu.cpu_executor == "uni"
+
+
+def test_variant_devices_parse_and_refuse():
+    from benchmarks.prefill.harness import parse_variant_devices
+
+    vs = ["omni_cache", "off", "builtin"]
+    assert parse_variant_devices(None, vs) == {}
+    assert parse_variant_devices("omni_cache=0; off=1 ;builtin=2", vs) == {"omni_cache": "0", "off": "1",
+                                                                          "builtin": "2"}
+    assert parse_variant_devices("omni_cache=0,1;off=2,3", ["omni_cache", "off"]) == {"omni_cache": "0,1",
+                                                                                     "off": "2,3"}
+    for bad, why in [("omni_cache=0;off=1", "no devices for"), ("omni_cache=0;off=0;builtin=1", "share a card"),
+                     ("omni_cache:0;off=1;builtin=2", "not <variant>"), ("omni_cache=a;off=1;builtin=2", "integers"),
+                     ("omni_cache=0;omni_cache=1;off=2;builtin=3", "not <variant>")]:
+        with pytest.raises(ValueError, match=why):
+            parse_variant_devices(bad, vs)
+
+
+def test_each_variant_gets_its_own_cards_and_auto_alternation_runs_them_at_once(tmp_path, monkeypatch, capsys):
+    """``--variant-devices``: every pipeline is started with its own ``CUDA_VISIBLE_DEVICES``
+    (the launcher's otherwise), auto alternation becomes concurrent, and the result records it;
+    a bad value is refused before anything starts."""
+    from benchmarks.prefill import harness
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    seen = {}
+
+    class Recording(_FakeVariant):
+        def __init__(self, name, model, cfg, log, *, env, stream=True):
+            super().__init__(name, model, cfg, log, env=env, stream=stream)
+            seen[name] = env.get("CUDA_VISIBLE_DEVICES")
+
+    monkeypatch.setattr(harness, "Variant", Recording)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    base = ["--model", str(model), "--modalities", "text", "--requests", "2", "--repeats", "1",
+            "--idle-probe-s", "0", "--out", str(tmp_path)]
+    assert harness.main(base + ["--variant-devices", "omni_cache=0;off=0;builtin=1", "--name", "bad"]) == 2
+    assert "share a card" in capsys.readouterr().err and not seen
+    assert harness.main(base + ["--variant-devices", "omni_cache=2;off=0;builtin=1", "--name", "run"]) == 0
+    assert seen == {"omni_cache": "2", "off": "0", "builtin": "1"}
+    alt = json.loads((tmp_path / "run" / "result.json").read_text())["alternation"]
+    assert alt["mode"] == "concurrent" and alt["variant_devices"]["omni_cache"] == "2"
+    seen.clear()
+    assert harness.main(base + ["--alternation", "restart", "--name", "plain"]) == 0
+    assert set(seen.values()) == {"0,1,2,3"}  # without it every pipeline sees the launcher's devices
