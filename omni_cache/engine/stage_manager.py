@@ -260,10 +260,10 @@ class OmniCacheStageManager:
         self._ensure_keys(outputs.rows)
         plan = self.plan_step(outputs)
         self.keep_async_inputs(plan)
-        snapshot = self._stager is not None and self._from_snapshot
+        snapshot = self._from_snapshot  # (set only with a stager)
         fresh = self.write_rows(plan, outputs, keep_fresh=not snapshot)
         prefixes = self.read_hits(plan)
-        if self._stager is not None and self._from_snapshot:
+        if snapshot:
             merged = None
             staged = self.stage_prefixes(plan, prefixes) if prefixes else None
         elif self._stager is not None:
@@ -272,7 +272,7 @@ class OmniCacheStageManager:
             merged, staged = self.merge(plan, fresh, prefixes), None
         step_id = next(self._step_ids)
         self._steps[step_id] = _SavedStep(plan, merged, staged, outputs.passthrough, outputs.num_tokens,
-                                          from_snapshot=self._stager is not None and self._from_snapshot)
+                                          from_snapshot=snapshot)
         self.step_seconds = time.perf_counter() - t0
         self.cache.metrics.seconds_save += self.step_seconds
         return step_id
