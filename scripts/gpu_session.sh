@@ -11,6 +11,7 @@
 #      (OMNI_CACHE_HANDOFF_STAGING=snapshot, opt-in), to measure it against A (default: host)
 #   C  the GPU lane's equality-compiled group (Qwen3-Omni thinker on CUDA graphs)
 #   S  the same group with OMNI_CACHE_HANDOFF_STAGING=snapshot (run it before B: its exactness)
+#   P  C and S at once on the one card (two pytest processes, own engines), to fit one hold
 #   U  the GPU lane's unit group
 #   F  bench prefill at full size (one H200: the one-GPU config), off / built-in / omni-cache,
 #      one pipeline at a time
@@ -48,6 +49,12 @@ for step in "$@"; do
          --commit "$COMMIT" > "$OUT/C.log" 2>&1 ;;
     S) OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 \
          --timeout 900 --out "$OUT/S" --commit "$COMMIT" > "$OUT/S.log" 2>&1 ;;
+    P) $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 --timeout 1100 --out "$OUT/C" \
+         --commit "$COMMIT" > "$OUT/C.log" 2>&1 &
+       sleep 20
+       OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 \
+         --timeout 1100 --out "$OUT/S" --commit "$COMMIT" > "$OUT/S.log" 2>&1 &
+       wait ;;
     U) $PY -m tests.lanes.gpu_check --groups unit --jobs 1 --timeout 900 --out "$OUT/U" \
          --commit "$COMMIT" > "$OUT/U.log" 2>&1 ;;
     F) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
