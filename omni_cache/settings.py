@@ -124,13 +124,13 @@ FUSED = Setting(
     "CUDA: write a step's rows of every key with one Triton kernel (`1`, default) or with "
     "torch's per-key `index_copy_` (`0`); same results", choices=("0", "1"))
 HANDOFF_STAGING = Setting(
-    "OMNI_CACHE_HANDOFF_STAGING", Kind.CHOICE, "host", ReadBy.ENGINE, True,
-    "CUDA: how the thinker's hand-off rows reach vLLM-Omni's payload builder. `host` (default): "
-    "every hand-off row copied to pinned host memory at save time; `snapshot`: fresh rows taken "
-    "from the host snapshot vLLM-Omni copies of every step anyway (no copy of ours), only a hit's "
-    "cached prefix copied at save time — not yet the default: its first GPU run found two defects "
-    "(fixed, CPU-tested, not re-run on a GPU; docs/gpu.md); `device`: device tensors the builder "
-    "copies itself (the path before 2026-11-26). Same rows in all three",
+    "OMNI_CACHE_HANDOFF_STAGING", Kind.CHOICE, "snapshot", ReadBy.ENGINE, True,
+    "CUDA: how the thinker's hand-off rows reach vLLM-Omni's payload builder. `snapshot` "
+    "(default): fresh rows taken from the host snapshot vLLM-Omni copies of every step anyway (no "
+    "copy of ours), only a hit's cached prefix copied at save time; `host`: every hand-off row "
+    "copied to pinned host memory at save time (a second copy); `device`: device tensors the "
+    "builder copies itself (the path before 2026-11-26). Same rows in all three (the compiled "
+    "equality group on an H100, 2026-11-27: `snapshot` and `host` alike; docs/gpu.md)",
     choices=("host", "snapshot", "device"))
 CPU_PLATFORM = Setting(
     "OMNI_CACHE_CPU_PLATFORM", Kind.CHOICE, None, ReadBy.EVERY, True,

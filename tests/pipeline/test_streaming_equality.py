@@ -34,7 +34,7 @@ import torch
 from omni_cache.driver.inputs import build_request
 from omni_cache.engine.scheduler import FORGET_ROWS
 from omni_cache.exactness.fuzz import served_rows_report
-from tests.device import CACHE_OFF_BITWISE
+from tests.device import BATCH_INVARIANT, CACHE_OFF_BITWISE
 from tests.pipeline.engines import thinker_params
 from tests.pipeline.workloads import (
     BLOCK,
@@ -259,9 +259,18 @@ def test_streamed_talker_prefix_cache_exact_and_content_keyed(stream_runs):
     d_on, d_off = stream_runs["omni_cache"]["dir"], stream_runs["off"]["dir"]
     for name, r_off in off.items():
         r_on = on[name]
+        # The codec after a talker hit is the talker's suffix prefill over served KV: bitwise vs
+        # cache off only where the talker's kernels are batch invariant (the CPU; CUDA with
+        # OMNI_TEST_BATCH_INVARIANT=1). On CUDA's default kernels (the compiled group) a shorter
+        # prefill rounds differently and a sampled code may flip (seen on an H100, 2026-11-27:
+        # 'talker-chat:turn2', codes.audio, host and snapshot staging alike), so there the
+        # talker's inputs (the hand-off) stay bitwise and the codec is held to its chunk count.
+        codec_bitwise = CACHE_OFF_BITWISE or BATCH_INVARIANT or not r_on.talker_num_cached_tokens
         for sub in ("handoff", "codec"):
             c_on, c_off = records_of(d_on, r_on.request_id, sub), records_of(d_off, r_off.request_id, sub)
             assert len(c_on) == len(c_off) > 0, (sub, name, len(c_on), len(c_off))
+            if sub == "codec" and not codec_bitwise:
+                continue
             for g, r in zip(c_on, c_off):
                 assert set(g) == set(r), (sub, name)
                 for k in r:
