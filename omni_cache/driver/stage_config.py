@@ -369,6 +369,7 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
     _check_capped_scheduler(cfg, problems)
     _check_talker_identity(cfg, problems)
     _check_routing(cfg, problems)
+    _check_shared_device_kv(cfg, problems)
     if model_dir is not None:
         md = Path(model_dir)
         if not (md / "config.json").is_file():
@@ -382,6 +383,35 @@ def load_stage_config(path: str | Path, *, model_dir: str | Path | None = None) 
     problems.raise_if_any()
     cfg.raw = raw
     return cfg
+
+
+def _check_shared_device_kv(cfg: StageConfig, problems: _Problems) -> None:
+    """Stages that share a device and size their KV by ``gpu_memory_utilization`` alone.
+
+    vLLM-Omni's worker sizes such a stage's KV as its share of the card minus what it measures
+    on the whole device between its start and its profiling run
+    (``OmniGPUWorkerBase.determine_available_memory``). With the stages started together
+    (``OMNI_CACHE_PARALLEL_STAGE_INIT=1``), another stage's KV and CUDA graphs allocated in that
+    window count as this one's, and it stops with vLLM's "No available memory for the cache
+    blocks" — seen on an H200 (2026-11-27: the talker of ``qwen3_omni_30b_a3b_h200_dummy.yaml``,
+    0.0 GiB after the thinker's 16.75 GiB KV) and in the GPU lane's main job.
+    ``kv_cache_memory_bytes`` skips that measurement. A problem when the setting is on in this
+    process's environment, else a note."""
+    stages = cfg.raw["stages"]
+    parallel = settings.PARALLEL_STAGE_INIT.get() == "1"
+    for s in stages:
+        dev, sid = s.get("devices"), s["stage_id"]
+        if dev is None or s.get("kv_cache_memory_bytes") is not None:
+            continue
+        if not any(o is not s and str(o.get("devices")) == str(dev) for o in stages):
+            continue
+        reason = (f"shares device {str(dev)!r} with another stage and has no kv_cache_memory_bytes: started "
+                  f"together ({settings.PARALLEL_STAGE_INIT.name}=1) it can count the other stage's memory "
+                  f"as its own and stop with no KV cache blocks; set kv_cache_memory_bytes")
+        if parallel:
+            problems.add(reason, stage_id=sid, key="kv_cache_memory_bytes", at=problems.at_stage(sid))
+        else:
+            cfg.notes.append(f"stage {sid}: {reason}")
 
 
 def _check_capped_scheduler(cfg: StageConfig, problems: _Problems) -> None:

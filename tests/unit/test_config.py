@@ -199,3 +199,26 @@ def test_stages_without_usable_ids_are_reported_and_the_rest_still_checked(tmp_p
         load_stage_config(p)
     got = [(q.line, q.stage_id, q.key) for q in e.value.problems]
     assert got == [(2, None, "stage_id"), (4, None, "stages"), (6, 1, "blocksize")], e.value.problems
+
+
+def _shared_card_config(tmp_path) -> Path:
+    """The one-GPU config with the talker's ``kv_cache_memory_bytes`` taken out."""
+    raw = yaml.safe_load((REPO / "stage_configs" / "qwen3_omni_gpu1.yaml").read_text())
+    raw["stages"][1].pop("kv_cache_memory_bytes")
+    p = tmp_path / "shared.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def test_stages_sharing_a_card_without_kv_bytes_fail_validate_when_started_together(tmp_path, monkeypatch):
+    """What stopped the full-size H200 run (2026-11-27: the talker measured the thinker's KV as its
+    own and found 0 GiB): with OMNI_CACHE_PARALLEL_STAGE_INIT=1 validate refuses it, naming the
+    stage and key; without, a note."""
+    p = _shared_card_config(tmp_path)
+    monkeypatch.setenv("OMNI_CACHE_PARALLEL_STAGE_INIT", "1")
+    with pytest.raises(StageConfigError) as e:
+        load_stage_config(p)
+    assert [(q.stage_id, q.key) for q in e.value.problems] == [(1, "kv_cache_memory_bytes")], str(e.value)
+    monkeypatch.setenv("OMNI_CACHE_PARALLEL_STAGE_INIT", "0")
+    cfg = load_stage_config(p)
+    assert any(n.startswith("stage 1: shares device '0'") for n in cfg.notes), cfg.notes
