@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from omni_cache import settings
 
@@ -73,3 +74,62 @@ class HitAudit:
         with self.path.open("a") as f:
             f.write(json.dumps({"request": str(request_id), "hit_tokens": int(hit_tokens),
                                 "writers": [None if w is None else str(w) for w in writers]}) + "\n")
+
+
+def rows_digest(rows: "torch.Tensor") -> str:
+    """SHA-1 of a block's rows ``[block_size, width]`` as stored (their bytes, any dtype): the
+    writer's digest in :class:`BlockDigestAudit` and the reader's in
+    :func:`omni_cache.exactness.oracles.served_rows_mismatches` are computed by this one function."""
+    import hashlib
+
+    import torch
+
+    t = rows.detach().to("cpu").contiguous()
+    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class BlockDigestAudit:
+    """``<OMNI_CACHE_HIT_AUDIT>/blocks-<pid>.jsonl``: one JSON line per block a request filled
+    with rows its own forward computed — ``{"writer": <engine request id>, "block": <index in
+    the request>, "digests": {<hand-off key>: <rows_digest>}}`` — from the rows the forward
+    returned (not from the pool), so a served block has a writer's oracle even where the
+    writer's recorded hand-off does not hold its rows: blocks filled while decoding (oracle
+    (a), :mod:`omni_cache.exactness.oracles`). Audits only (the same setting as
+    :class:`HitAudit`): it copies each step's hand-off rows to the host (a sync). Unset: nothing."""
+
+    def __init__(self, block_size: int) -> None:
+        out = settings.HIT_AUDIT.get()
+        self.path = Path(out) / f"blocks-{os.getpid()}.jsonl" if out else None
+        self.block_size = block_size
+        self._rows: dict[str, dict[int, dict[str, Any]]] = {}  # request → position → key → row
+
+    def add(self, request_id: str, start: int, rows: dict, full_blocks) -> None:
+        """A step's rows of one request (key → ``[n, width]`` for positions ``[start, start+n)``);
+        ``full_blocks``: indices of the request's blocks full after this step. Logs each full
+        block whose every row this request computed; forgets the rest of those blocks."""
+        if self.path is None:
+            return
+        pos = self._rows.setdefault(str(request_id), {})
+        host = {k: v.detach().to("cpu") for k, v in rows.items()}
+        n = next(iter(host.values())).shape[0] if host else 0
+        for i in range(n):
+            pos[start + i] = {k: v[i] for k, v in host.items()}
+        lines = []
+        for b in full_blocks:
+            lo, hi = b * self.block_size, (b + 1) * self.block_size
+            got = [pos.pop(p, None) for p in range(lo, hi)]
+            if any(g is None for g in got):
+                continue
+            import torch
+
+            keys = [k for k in got[0] if all(k in g for g in got)]  # a key every row of the block has
+            lines.append({"writer": str(request_id), "block": int(b),
+                          "digests": {k: rows_digest(torch.stack([g[k] for g in got])) for k in keys}})
+        if lines:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.writelines(json.dumps(line) + "\n" for line in lines)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's rows of a block it never filled."""
+        self._rows.pop(str(request_id), None)

@@ -43,7 +43,7 @@ from omni_cache import settings
 from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashes
 from omni_cache.core.cache import StepRequest
 from omni_cache.core.staging import HostStager, KeptIds, StagedStep
-from omni_cache.engine.metrics import HitAudit, MetricsFile
+from omni_cache.engine.metrics import BlockDigestAudit, HitAudit, MetricsFile
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ class OmniCacheStageManager:
         self._read_this_step = False  # a hit was read: publish the metrics at materialize
         self._metrics_file = MetricsFile("metrics", self.PUBLISH_INTERVAL_S)
         self._hit_audit = HitAudit()
+        self._block_audit = BlockDigestAudit(block_size)  # audits: each filled block's writer digest
         self.step_seconds = 0.0  # the last save_outputs, whole (hashes, writes, reads, merge)
         self._stager: HostStager | None = None  # CUDA: hand-off rows to pinned host (ensure_keys)
         #: CUDA, ``OMNI_CACHE_HANDOFF_STAGING=snapshot``: fresh hand-off rows are taken from
@@ -204,6 +205,7 @@ class OmniCacheStageManager:
         """Mirror the scheduler output (called before the runner's ``_update_states``)."""
         for rid in scheduler_output.finished_req_ids:
             self.reqs.pop(rid, None)
+            self._block_audit.forget(rid)
         for nr in scheduler_output.scheduled_new_reqs:
             self.reqs[nr.req_id] = RequestView(
                 block_ids=list(nr.block_ids[self.group_id]),
@@ -438,6 +440,9 @@ class OmniCacheStageManager:
             start = self.reqs[rid].num_computed_tokens
             hashes = self.block_hashes(rid, start + (e - s))
             new_full = {b: hashes[b] for b in range(start // self.block_size, len(hashes))}
+            if self._block_audit.path is not None:
+                keys = [k for k in plan.handoff_keys if not (k == HIDDEN_KEY and rid in plan.truncated)]
+                self._block_audit.add(rid, start, {k: outputs.rows[k][s:e] for k in keys}, new_full)
             step.append(StepRequest(rid, self.reqs[rid].block_ids, start, e - s, new_full))
         if not plan.truncated:
             self.cache.write_step_rows(step, {k: outputs.rows[k][:outputs.num_tokens] for k in plan.write_keys})

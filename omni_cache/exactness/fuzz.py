@@ -253,25 +253,42 @@ def _owner(engine_rid: str, ids: Iterable[str]) -> str | None:
     return None
 
 
+def block_digest_lines(engine_dir: str | Path) -> list[dict]:
+    """The filled blocks' writer digests a thinker logged into ``engine_dir/audit``
+    (:class:`omni_cache.engine.metrics.BlockDigestAudit`)."""
+    lines = []
+    for p in sorted((Path(engine_dir) / "audit").glob("blocks-*.jsonl")):
+        lines += [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    return lines
+
+
 def served_rows_report(engine_dir: str | Path, results: Iterable[Any], *, block_size: int = 32,
                        rows: dict[str, dict] | None = None) -> dict[str, tuple[int, int, list[str]]]:
     """Oracle (a) over an engine's audited hits: for every result (``request_id``,
     ``num_prompt_tokens``) that was served a hit, ``(blocks verified, blocks unverified,
     mismatches)`` (:func:`~omni_cache.exactness.oracles.served_rows_mismatches`); writers are
-    looked up among ``results`` (a writer outside them is unverified). ``rows``: request id →
-    prompt rows already read (else read from the records)."""
+    looked up among ``results`` (a writer outside them is unverified); a block its writer's
+    recorded hand-off does not hold (filled while decoding) is checked against the writer's
+    block digest (:func:`block_digest_lines`). ``rows``: request id → prompt rows already read
+    (else read from the records)."""
     results = list(results)
     rows = dict(rows or {})
     for r in results:
         if r.request_id not in rows:
             rows[r.request_id] = oracles.prompt_rows(records(engine_dir, r.request_id), r.num_prompt_tokens)
+    digests: dict[tuple[str, int], dict[str, str]] = {}
+    for line in block_digest_lines(engine_dir):
+        w = _owner(line["writer"], rows)
+        if w is not None:
+            digests[(w, int(line["block"]))] = line["digests"]
     out: dict[str, tuple[int, int, list[str]]] = {}
     for line in audit_lines(engine_dir):
         rid = _owner(line["request"], rows)
         if rid is None:
             continue
         writers = [_owner(w, rows) if w else None for w in line["writers"]]
-        ver, unver, bad = oracles.served_rows_mismatches(rows[rid], line["hit_tokens"], writers, rows, block_size)
+        ver, unver, bad = oracles.served_rows_mismatches(rows[rid], line["hit_tokens"], writers, rows, block_size,
+                                                         writer_digests=digests)
         v0, u0, b0 = out.get(rid, (0, 0, []))
         out[rid] = (v0 + ver, u0 + unver, b0 + bad)
     return out

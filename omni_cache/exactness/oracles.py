@@ -176,8 +176,27 @@ def _values_equal(a, b) -> bool:
     return bool(a == b)
 
 
+#: a streamed first hand-off's keys → the thinker's hand-off key its rows are (vLLM-Omni's
+#: ``thinker2talker_async_chunk``: layer 0 is the talker's text embedding input, the accept layer
+#: its hidden input); a whole-prompt payload's keys are the hand-off keys themselves
+STREAMED_KEYS = {"embed.prefill": "hidden_states.layer_0"}
+
+
+def _digest_key(record_key: str, digests: Mapping[str, str]) -> str | None:
+    """The hand-off key (of a writer's block digests) whose rows a recorded key holds."""
+    if record_key in digests:
+        return record_key
+    if record_key in STREAMED_KEYS:
+        return STREAMED_KEYS[record_key] if STREAMED_KEYS[record_key] in digests else None
+    if record_key == "hidden_states.output":  # the accept layer: the one captured layer past layer 0
+        layers = [k for k in digests if k.startswith("hidden_states.layer_") and k != "hidden_states.layer_0"]
+        return layers[0] if len(layers) == 1 else None
+    return None
+
+
 def served_rows_mismatches(reader: Mapping[str, torch.Tensor], hit_tokens: int, writers: Sequence[str | None],
-                           writer_rows: Mapping[str, Mapping[str, torch.Tensor]], block_size: int
+                           writer_rows: Mapping[str, Mapping[str, torch.Tensor]], block_size: int, *,
+                           writer_digests: Mapping[tuple[str, int], Mapping[str, str]] | None = None
                            ) -> tuple[int, int, list[str]]:
     """Oracle (a): the rows a request received for its served prefix ``[0, hit_tokens)`` equal,
     block by block, the rows the block's writer computed.
@@ -186,21 +205,37 @@ def served_rows_mismatches(reader: Mapping[str, torch.Tensor], hit_tokens: int, 
         reader: the reader's prompt rows (:func:`prompt_rows`), key → ``[>= hit_tokens, width]``.
         hit_tokens: the served hit (tokens, whole blocks).
         writers: per block of the hit, the request that wrote it (the engine's audit log).
-        writer_rows: request → its prompt rows (:func:`prompt_rows`); a writer missing here,
-            or whose prompt ends before the block (the block was filled by its decode), is
-            counted as unverified, not as a mismatch.
+        writer_rows: request → its prompt rows (:func:`prompt_rows`), compared bitwise.
         block_size: tokens per block.
+        writer_digests: ``(writer, block index) → hand-off key → digest`` of the rows the
+            writer's forward computed for that block
+            (:class:`omni_cache.engine.metrics.BlockDigestAudit`, :func:`omni_cache.engine.metrics.rows_digest`):
+            the oracle for a block the writer's recorded prompt rows do not hold (filled by its
+            decode). A block with neither (writer unknown, no digest, a key without a
+            counterpart) is counted as unverified, not as a mismatch.
 
     Returns:
         ``(blocks verified, blocks unverified, mismatches)``.
     """
+    from omni_cache.engine.metrics import rows_digest
+
     verified = unverified = 0
     bad = []
+    writer_digests = writer_digests or {}
     for i, w in enumerate(writers[:hit_tokens // block_size]):
         lo, hi = i * block_size, (i + 1) * block_size
         rows = writer_rows.get(w) if w is not None else None
         if rows is None or any(rows[k].shape[0] < hi for k in reader if k in rows) or not set(reader) <= set(rows):
-            unverified += 1
+            dig = writer_digests.get((w, i)) if w is not None else None
+            keys = {k: _digest_key(k, dig) for k in reader} if dig else {}
+            if not keys or any(v is None for v in keys.values()):
+                unverified += 1
+                continue
+            verified += 1
+            for k, r in reader.items():
+                if rows_digest(r[lo:hi]) != dig[keys[k]]:
+                    bad.append(f"block {i} ({k}, rows {lo}-{hi}): served rows differ from the rows their "
+                               f"writer {w} computed (block digest)")
             continue
         verified += 1
         for k, r in reader.items():

@@ -160,10 +160,10 @@ def test_fixed_workload_streamed_talker_inputs_equal_cache_off_bitwise(stream_ru
 def test_served_rows_equal_their_writers_rows(stream_runs):
     """Oracle (a): every row served on a hit — text, image, audio, the chat's prompt blocks,
     the same-step hit — equals bitwise the row its writer computed (the thinker's hit audit
-    names the writer of each served block; its first hand-off holds those rows). The chat's
-    decode-filled blocks are the only unverified ones (:func:`~tests.pipeline.workloads.assert_served_rows`:
-    their writer computed them while decoding); their rows are held to cache off bitwise by
-    ``test_fixed_workload_streamed_talker_inputs_equal_cache_off_bitwise``."""
+    names the writer of each served block; its first hand-off holds those rows), and the chat's
+    decode-filled blocks equal the digest of the rows their writer's forward computed while
+    decoding (:func:`~tests.pipeline.workloads.assert_served_rows`): none unverified, on CUDA as
+    on the CPU."""
     on = stream_runs["omni_cache"]
     results = [r for _, r in on["named"]] + list(on["batch"])
     served = served_rows_report(on["dir"], results)

@@ -330,7 +330,8 @@ def test_gemma4_runs_exercise_fast_prefill_hits_and_towers(g4_runs, combo):
 def test_gemma4_omni_cache_served_every_hit(g4_runs, gemma4):
     """omni-cache's counters over the whole engine: every hit of the cache-on passes served
     (none refused); the cache-off passes and the flush requests read nothing; every served
-    row is its writer's (oracle (a)), none unverified but the chat's decode-filled block."""
+    row is its writer's (oracle (a)), none unverified: the chat's decode-filled block against
+    its writer's block digest."""
     hits = sum(r.num_cached_tokens for (combo, _), (named, *_) in g4_runs.items() for _, r, *_ in named)
     m = _metrics(gemma4.dir, "metrics")
     assert m["hits_refused"] == 0 and m["hits_served"] >= 16, m
@@ -340,11 +341,10 @@ def test_gemma4_omni_cache_served_every_hit(g4_runs, gemma4):
     served = served_rows_report(gemma4.dir, [r for (named, *_) in g4_runs.values() for _, r, *_ in named])
     assert sum(v for v, _, _ in served.values()) >= 16, served
     assert all(not bad for _, _, bad in served.values()), {k: b for k, (_, _, b) in served.items() if b}
-    # every hit request audited, every served block verified against its writer's rows (the
-    # pass's own requests: each cache-on pass has its own prompts) but the chat's: turn 2 hits
-    # turn 1's answer, whose block turn 1 filled while decoding (its hand-off holds prompt rows
-    # only), so exactly that block is unverified (its rows are held to the slow path bitwise by
-    # test_gemma4_equal_to_slow_path_bitwise)
+    # every hit request audited, every served block verified against its writer (the pass's
+    # own requests: each cache-on pass has its own prompts): its recorded rows, or for the
+    # chat's turn 2, which hits turn 1's answer (filled while decoding; the hand-off holds
+    # prompt rows only), the digest of the rows turn 1's forward computed (BlockDigestAudit)
     for (combo, _), (named, *_) in g4_runs.items():
         mine = {r.request_id for _, r, *_ in named}
         if combo[1] == "off":

@@ -187,23 +187,21 @@ def assert_served_rows(served: dict, named: list, batch: list, t1_len: int, bloc
     """Oracle (a) over the hits of a workload with a two-turn chat — :func:`run_workload`'s, or
     the YOCO pipeline's — (``served``: :func:`omni_cache.exactness.fuzz.served_rows_report` of
     the named and batch results; ``t1_len``: ``chat:turn1``'s prompt length): no mismatch;
-    every hit request audited, each of its served blocks verified against its writer's rows
-    except the chat's decode-filled blocks — ``chat:turn2`` hits turn 1's answer, whose rows
-    turn 1 computed while decoding (its recorded hand-off holds prompt rows only): exactly the
-    blocks from the one holding turn 1's prompt end on are unverified (at least one; not checked
-    against a writer here — the caller's equality test holds them to its cache-off reference);
-    every other block has a writer in the run, so every other request has none unverified."""
+    every hit request audited, every one of its served blocks verified against its writer —
+    bitwise against the writer's recorded rows, and the chat's decode-filled blocks
+    (``chat:turn2`` hits turn 1's answer, whose rows turn 1 computed while decoding and its
+    recorded hand-off does not hold) against the digest of the rows the writer's forward
+    computed (:class:`omni_cache.engine.metrics.BlockDigestAudit`); ``chat:turn2``'s hit
+    reaches at least one such block."""
     assert all(not bad for _, _, bad in served.values()), {k: b for k, (_, _, b) in served.items() if b}
     results = [r for _, r in named] + list(batch)
     hit = [r for r in results if r.num_cached_tokens]
     assert set(served) == {r.request_id for r in hit}, (sorted(served), [r.request_id for r in hit])
-    turn2 = dict(named)["chat:turn2"]
     for r in hit:
         ver, unver, _ = served[r.request_id]
-        decode_filled = r.num_cached_tokens // block - t1_len // block if r is turn2 else 0
-        assert unver == decode_filled and ver + unver >= r.num_cached_tokens // block, \
-            (r.request_id, ver, unver, r.num_cached_tokens, decode_filled)
-    assert served[turn2.request_id][1] >= 1  # turn 2 hit the answer's decode-filled block
+        assert unver == 0 and ver >= r.num_cached_tokens // block, (r.request_id, ver, unver, r.num_cached_tokens)
+    turn2 = dict(named)["chat:turn2"]
+    assert turn2.num_cached_tokens // block > t1_len // block, (turn2.num_cached_tokens, t1_len)  # a decode-filled block
 
 
 # ---- talker prefix caching (content-keyed talker blocks) ----

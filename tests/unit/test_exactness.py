@@ -143,6 +143,36 @@ def test_oracle_a_checks_each_served_block_against_its_writer():
     assert oracles.served_rows_mismatches(reader, 64, [None, "x"], {"w": writer}, 32)[:2] == (0, 2)
 
 
+def test_oracle_a_checks_a_decode_filled_block_against_its_writers_digest(tmp_path, monkeypatch):
+    """A block the writer filled while decoding (its recorded prompt rows end before it) is
+    checked against the digest of the rows the writer's forward computed, logged by the engine's
+    BlockDigestAudit step by step; planted: a served row off by one bit is a mismatch."""
+    from omni_cache.engine.metrics import BlockDigestAudit, rows_digest
+    from omni_cache.exactness.fuzz import block_digest_lines
+
+    monkeypatch.setenv("OMNI_CACHE_HIT_AUDIT", str(tmp_path / "audit"))
+    audit = BlockDigestAudit(block_size=32)
+    full = {"hidden_states.layer_0": _rows(0, n=64), "hidden_states.layer_24": _rows(1, n=64)}
+    audit.add("w-0", 0, {k: v[:40] for k, v in full.items()}, [0])  # prefill: 40 tokens, block 0 full
+    for p in range(40, 64):  # decode, one row a step; block 1 full at the last
+        audit.add("w-0", p, {k: v[p:p + 1] for k, v in full.items()}, [1] if p == 63 else [])
+    lines = block_digest_lines(tmp_path)
+    assert [(x["writer"], x["block"]) for x in lines] == [("w-0", 0), ("w-0", 1)]
+    digests = {("w", x["block"]): x["digests"] for x in lines}
+    assert digests[("w", 1)]["hidden_states.layer_24"] == rows_digest(full["hidden_states.layer_24"][32:64])
+    recorded = {"embed.prefill": full["hidden_states.layer_0"][:40], "hidden_states.output": full["hidden_states.layer_24"][:40]}
+    reader = {"embed.prefill": full["hidden_states.layer_0"], "hidden_states.output": full["hidden_states.layer_24"]}
+    got = oracles.served_rows_mismatches(reader, 64, ["w", "w"], {"w": recorded}, 32, writer_digests=digests)
+    assert got == (2, 0, [])
+    flipped = reader["hidden_states.output"].clone()
+    flipped.view(torch.int16)[50, 3] ^= 1
+    bad = oracles.served_rows_mismatches(dict(reader, **{"hidden_states.output": flipped}), 64, ["w", "w"],
+                                         {"w": recorded}, 32, writer_digests=digests)
+    assert bad[:2] == (2, 0) and len(bad[2]) == 1 and "block 1" in bad[2][0] and "digest" in bad[2][0]
+    # without the digests the block stays unverified, as before
+    assert oracles.served_rows_mismatches(reader, 64, ["w", "w"], {"w": recorded}, 32)[:2] == (1, 1)
+
+
 def test_prompt_rows_reads_both_record_layouts():
     n = 40
     full = [{"hidden": _rows(0, n=n + 5), "hidden_states.layer_0": _rows(1, n=n + 5), "other": torch.zeros(3)}]
