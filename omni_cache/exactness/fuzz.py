@@ -262,6 +262,18 @@ def block_digest_lines(engine_dir: str | Path) -> list[dict]:
     return lines
 
 
+def writer_digests(engine_dir: str | Path, ids: Iterable[str]) -> dict[tuple[str, int], list[dict[str, str]]]:
+    """``(result id, block index) → [hand-off key → digest, ...]`` (one per time that request
+    computed the block) from :func:`block_digest_lines`, engine ids mapped to ``ids``."""
+    ids = list(ids)
+    out: dict[tuple[str, int], list[dict[str, str]]] = {}
+    for line in block_digest_lines(engine_dir):
+        w = _owner(line["writer"], ids)
+        if w is not None:
+            out.setdefault((w, int(line["block"])), []).append(line["digests"])
+    return out
+
+
 def served_rows_report(engine_dir: str | Path, results: Iterable[Any], *, block_size: int = 32,
                        rows: dict[str, dict] | None = None) -> dict[str, tuple[int, int, list[str]]]:
     """Oracle (a) over an engine's audited hits: for every result (``request_id``,
@@ -276,11 +288,7 @@ def served_rows_report(engine_dir: str | Path, results: Iterable[Any], *, block_
     for r in results:
         if r.request_id not in rows:
             rows[r.request_id] = oracles.prompt_rows(records(engine_dir, r.request_id), r.num_prompt_tokens)
-    digests: dict[tuple[str, int], dict[str, str]] = {}
-    for line in block_digest_lines(engine_dir):
-        w = _owner(line["writer"], rows)
-        if w is not None:
-            digests[(w, int(line["block"]))] = line["digests"]
+    digests = writer_digests(engine_dir, rows)
     out: dict[str, tuple[int, int, list[str]]] = {}
     for line in audit_lines(engine_dir):
         rid = _owner(line["request"], rows)

@@ -207,8 +207,9 @@ def served_rows_mismatches(reader: Mapping[str, torch.Tensor], hit_tokens: int, 
         writers: per block of the hit, the request that wrote it (the engine's audit log).
         writer_rows: request → its prompt rows (:func:`prompt_rows`), compared bitwise.
         block_size: tokens per block.
-        writer_digests: ``(writer, block index) → hand-off key → digest`` of the rows the
-            writer's forward computed for that block
+        writer_digests: ``(writer, block index) → hand-off key → digest`` (or a list of such,
+            one per time the writer computed the block: a preempted writer recomputes it; any
+            one matching passes) of the rows the writer's forward computed for that block
             (:class:`omni_cache.engine.metrics.BlockDigestAudit`, :func:`omni_cache.engine.metrics.rows_digest`):
             the oracle for a block the writer's recorded prompt rows do not hold (filled by its
             decode). A block with neither (writer unknown, no digest, a key without a
@@ -226,16 +227,18 @@ def served_rows_mismatches(reader: Mapping[str, torch.Tensor], hit_tokens: int, 
         lo, hi = i * block_size, (i + 1) * block_size
         rows = writer_rows.get(w) if w is not None else None
         if rows is None or any(rows[k].shape[0] < hi for k in reader if k in rows) or not set(reader) <= set(rows):
-            dig = writer_digests.get((w, i)) if w is not None else None
-            keys = {k: _digest_key(k, dig) for k in reader} if dig else {}
-            if not keys or any(v is None for v in keys.values()):
+            digs = writer_digests.get((w, i)) if w is not None else None
+            digs = [digs] if isinstance(digs, Mapping) else list(digs or [])
+            keyed = [(d, {k: _digest_key(k, d) for k in reader}) for d in digs]
+            keyed = [(d, ks) for d, ks in keyed if ks and all(v is not None for v in ks.values())]
+            if not keyed:
                 unverified += 1
                 continue
             verified += 1
-            for k, r in reader.items():
-                if rows_digest(r[lo:hi]) != dig[keys[k]]:
-                    bad.append(f"block {i} ({k}, rows {lo}-{hi}): served rows differ from the rows their "
-                               f"writer {w} computed (block digest)")
+            got = {k: rows_digest(r[lo:hi]) for k, r in reader.items()}
+            if not any(all(got[k] == d[ks[k]] for k in reader) for d, ks in keyed):
+                bad.append(f"block {i} (rows {lo}-{hi}): served rows differ from the rows their writer {w} "
+                           f"computed (block digest, {len(keyed)} write(s) of it)")
             continue
         verified += 1
         for k, r in reader.items():

@@ -38,7 +38,7 @@ import torch
 
 from omni_cache.driver.inputs import build_request, sample_path
 from omni_cache.exactness import oracles
-from omni_cache.exactness.fuzz import _owner, audit_lines, records
+from omni_cache.exactness.fuzz import _owner, audit_lines, records, writer_digests
 from tests.device import CACHE_OFF_BITWISE
 
 pytestmark = pytest.mark.pipeline
@@ -155,7 +155,7 @@ def _writer_rows(d, request_ids, preempted: set[str]) -> dict[str, dict]:
     run that handed its prompt to the talker — aborted ones too: they can be writers — except
     the ``preempted`` ones: such a request recomputes its rows when it resumes, in another
     batch (the last bits can differ), so its first hand-off is not what it last wrote; the
-    blocks it owns are counted unverified."""
+    blocks it owns are checked against its block digests instead (each time it computed them)."""
     rows = {}
     for rid in request_ids:
         if rid in preempted:
@@ -256,6 +256,8 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
     resumed = sorted(preempted & set(compared))
     assert resumed, f"no compared request was preempted and resumed: {sched}"
     writer_rows = _writer_rows(d_on, everyone, preempted)
+    # a block a preempted writer (or any writer while decoding) filled: its forward's block digests
+    digests = writer_digests(d_on, everyone)
     verified = unverified = 0
     bad, hits_per_request = [], Counter()
     for line in audit_lines(d_on):
@@ -268,7 +270,8 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
         own = _chunks_for(d_on, reader)[0]
         reader_rows = oracles.prompt_rows([own], len(own["ids.prompt"]))
         writers = [_owner(w, everyone) if w else None for w in line["writers"]]
-        v, u, b = oracles.served_rows_mismatches(reader_rows, line["hit_tokens"], writers, writer_rows, 32)
+        v, u, b = oracles.served_rows_mismatches(reader_rows, line["hit_tokens"], writers, writer_rows, 32,
+                                                 writer_digests=digests)
         verified, unverified, bad = verified + v, unverified + u, bad + [f"{reader}: {m}" for m in b]
     assert not bad, bad[:5]
     assert verified > 0, (verified, unverified)
