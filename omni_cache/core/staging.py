@@ -15,7 +15,8 @@ reason ("The engine thread never waits on this thread's device→host copy",
   replay of the next step cannot overwrite them), then device → pinned host on a side stream
   (non-blocking), and records one event. :meth:`StagedStep.wait` waits for that event only
   (normally long complete when the builder runs), never for later work on the stream.
-- :meth:`HostStager.stage_prefixes` (``OMNI_CACHE_HANDOFF_STAGING=snapshot``, the default since the compiled group ran green with it on an H100):
+- :meth:`HostStager.stage_prefixes` (``OMNI_CACHE_HANDOFF_STAGING=snapshot``, the default since the
+  compiled group ran with it on an H100 as with ``host``):
   vLLM-Omni's runner copies every step's outputs to pinned host memory for its payload
   builder whatever the prefix cache does (``_snapshot_omni_output_tensors_for_async_output``),
   so a second copy of the fresh rows is waste: only a hit's cached prefix rows (read from the

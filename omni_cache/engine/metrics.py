@@ -13,9 +13,12 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_cache import settings
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MetricsFile:
@@ -76,7 +79,7 @@ class HitAudit:
                                 "writers": [None if w is None else str(w) for w in writers]}) + "\n")
 
 
-def rows_digest(rows: "torch.Tensor") -> str:
+def rows_digest(rows: torch.Tensor) -> str:
     """SHA-1 of a block's rows ``[block_size, width]`` as stored (their bytes, any dtype): the
     writer's digest in :class:`BlockDigestAudit` and the reader's in
     :func:`omni_cache.exactness.oracles.served_rows_mismatches` are computed by this one function."""

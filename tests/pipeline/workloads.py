@@ -201,7 +201,8 @@ def assert_served_rows(served: dict, named: list, batch: list, t1_len: int, bloc
         ver, unver, _ = served[r.request_id]
         assert unver == 0 and ver >= r.num_cached_tokens // block, (r.request_id, ver, unver, r.num_cached_tokens)
     turn2 = dict(named)["chat:turn2"]
-    assert turn2.num_cached_tokens // block > t1_len // block, (turn2.num_cached_tokens, t1_len)  # a decode-filled block
+    # turn 2 reaches a decode-filled block
+    assert turn2.num_cached_tokens // block > t1_len // block, (turn2.num_cached_tokens, t1_len)
 
 
 # ---- talker prefix caching (content-keyed talker blocks) ----

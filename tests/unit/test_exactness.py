@@ -160,7 +160,8 @@ def test_oracle_a_checks_a_decode_filled_block_against_its_writers_digest(tmp_pa
     assert [(x["writer"], x["block"]) for x in lines] == [("w-0", 0), ("w-0", 1)]
     digests = {("w", x["block"]): x["digests"] for x in lines}
     assert digests[("w", 1)]["hidden_states.layer_24"] == rows_digest(full["hidden_states.layer_24"][32:64])
-    recorded = {"embed.prefill": full["hidden_states.layer_0"][:40], "hidden_states.output": full["hidden_states.layer_24"][:40]}
+    recorded = {"embed.prefill": full["hidden_states.layer_0"][:40],
+                "hidden_states.output": full["hidden_states.layer_24"][:40]}
     reader = {"embed.prefill": full["hidden_states.layer_0"], "hidden_states.output": full["hidden_states.layer_24"]}
     got = oracles.served_rows_mismatches(reader, 64, ["w", "w"], {"w": recorded}, 32, writer_digests=digests)
     assert got == (2, 0, [])
