@@ -165,6 +165,94 @@ def _thinker_media_dropped() -> None:
              "chained_block_hashes", chained_block_hashes)
 
 
+def _wrap_write_step_rows(corrupt: Callable) -> None:
+    """``HiddenStateCache.write_step_rows`` stores ``corrupt(requests, rows)`` (a copy of the
+    step's rows, changed) instead of the rows the forward returned."""
+    from omni_cache.core.cache import HiddenStateCache
+
+    orig = HiddenStateCache.write_step_rows
+
+    def write_step_rows(self, requests, rows):
+        return orig(self, requests, corrupt(list(requests), {k: v.clone() for k, v in rows.items()}))
+
+    HiddenStateCache.write_step_rows = write_step_rows
+
+
+def _decode_rows_corrupted() -> None:
+    """A decode step's row stored wrong: for every request scheduled with one token (a decode
+    step) the stored row has its lowest mantissa bit flipped, while the forward's own rows (what
+    the talker gets this step) stay right — so only a later hit on a block filled while
+    decoding serves it. Before the writer's block digests no bitwise oracle saw it on CUDA."""
+    import torch
+
+    def corrupt(requests, rows):
+        off = 0
+        for r in requests:
+            if r.num_tokens == 1:
+                for t in rows.values():
+                    t[off:off + 1, :1].view({2: torch.int16, 4: torch.int32}[t.element_size()]).bitwise_xor_(1)
+            off += r.num_tokens
+        return rows
+
+    _wrap_write_step_rows(corrupt)
+
+
+def _write_batch_shift() -> None:
+    """A slicing error on the write side of a batched step: every request's rows are taken
+    one row later in the step's batch (``start + 1``; the batch's last row repeats)."""
+    def corrupt(requests, rows):
+        if len(requests) < 2:
+            return rows
+        return {k: v[list(range(1, v.shape[0])) + [v.shape[0] - 1]] for k, v in rows.items()}
+
+    _wrap_write_step_rows(corrupt)
+
+
+def _seam_off_by_one() -> None:
+    """An off-by-one at the seam between cached and fresh rows: a hit request's hand-off
+    repeats its last cached row and drops its last fresh one (same length). On CUDA with
+    ``snapshot`` staging the seam is made in ``StagedStep.complete`` instead: not planted there."""
+    import torch
+
+    from omni_cache.engine.stage_manager import OmniCacheStageManager
+
+    orig = OmniCacheStageManager.merge
+
+    def merge(plan, fresh, prefixes):
+        merged = orig(plan, fresh, prefixes)
+        for rid in prefixes:
+            for k, t in merged[rid].items():
+                n = prefixes[rid][k].shape[0]
+                if n < t.shape[0]:
+                    merged[rid][k] = torch.cat([t[:n], t[n - 1:n], t[n:-1]])
+        return merged
+
+    OmniCacheStageManager.merge = staticmethod(merge)
+
+
+def _ledger_check_off() -> None:
+    """The ledger's block hash / fill check switched off: every block of a hit counts as
+    covered, whatever hash it was cached under and whatever was written to it."""
+    from omni_cache.core.ledger import BlockLedger
+
+    BlockLedger.first_uncovered = lambda self, block_ids, block_hashes, key_mask: len(block_ids)
+
+
+def _key_misaligned() -> None:
+    """One cached tensor's key misaligned from the others: the last hand-off key's served rows
+    are read one KV slot later than their block table says; the other keys' are right."""
+    import numpy as np
+
+    def corrupt(cache, req_id, ids, num_tokens, keys, out_device, rows):
+        k = sorted(keys)[-1]
+        bs = cache.block_size
+        slots = (np.asarray(ids, dtype=np.int64)[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1) + 1
+        rows[k] = cache.pools[k].gather(np.minimum(slots, cache.num_blocks * bs - 1), out_device)
+        return rows
+
+    _wrap_read_prefix(corrupt)
+
+
 # ---- faults in the scheduler (engine core) -------------------------------------------------
 
 def _cap_disabled() -> None:
@@ -223,6 +311,20 @@ def _talker_media_dropped() -> None:
              talker_block_keys)
 
 
+def _talker_seed_dropped() -> None:
+    """The talker's block keys without their seed (speaker, language, cache salt, LoRA): two
+    voices of the same conversation share talker KV."""
+    import omni_cache.core.talker_keys as tk
+
+    orig = tk.talker_block_keys
+
+    def talker_block_keys(prompt_token_ids, media, *, talker_prompt_len, block_size, seed=()):
+        return orig(prompt_token_ids, media, talker_prompt_len=talker_prompt_len, block_size=block_size, seed=())
+
+    _replace(("omni_cache.core.talker_keys", "omni_cache.driver.talker_identity"), "talker_block_keys",
+             talker_block_keys)
+
+
 #: fault name → what plants it
 FAULTS: dict[str, Callable[[], None]] = {
     "foreign_block": _foreign_block,
@@ -235,6 +337,12 @@ FAULTS: dict[str, Callable[[], None]] = {
     "thinker_media_dropped": _thinker_media_dropped,
     "yoco_truncation_ignored": _yoco_truncation_ignored,
     "bit_flip": _bit_flip,
+    "decode_rows_corrupted": _decode_rows_corrupted,
+    "write_batch_shift": _write_batch_shift,
+    "seam_off_by_one": _seam_off_by_one,
+    "ledger_check_off": _ledger_check_off,
+    "key_misaligned": _key_misaligned,
+    "talker_seed_dropped": _talker_seed_dropped,
 }
 
 

@@ -9,9 +9,12 @@ in the test process as a pytest plugin (``-p tests.mutants``); the fault's name 
 the suite), each selection with ``-x`` (a mutant is killed at its first failing test). A
 selection that starts a pipeline runs under ``--lock`` (``flock``), one at a time.
 
-A mutant is **killed** when some selection fails (pytest exit 1); **survived** when every
-selection passed; **error** when a selection could not run (collection error, no tests, time
-out). Writes ``report.json`` into ``--out``; prints a table.
+A mutant is **killed** only when a test of some selection fails on an assertion (an
+``AssertionError``, or pytest's ``Failed`` such as "DID NOT RAISE": an exactness oracle or the
+refusal a test expects); the report records which test and which message killed it.
+**error** when a selection fails otherwise (an engine crash, another exception, a fixture error)
+or could not run (collection error, no tests, time out): never counted as killed;
+**survived** when every selection passed. Writes ``report.json`` into ``--out``; prints a table.
 
     .venv/bin/python -m tests.lanes.mutants --lock /tmp/cpu-heavy.lock
     .venv/bin/python -m tests.lanes.mutants --only bit_flip,cap_disabled --baseline
@@ -52,6 +55,8 @@ class Mutant:
 
 
 CORE_CACHE = "tests/unit/test_core_cache.py"
+STEP_WRITE = "tests/unit/test_core_step_write.py"
+STAGE_MANAGER = "tests/unit/test_stage_manager.py"
 
 MUTANTS = (
     Mutant("foreign_block", "another request's rows served for a block (the last block of every hit)",
@@ -75,6 +80,19 @@ MUTANTS = (
            (("tests/unit/test_yoco_manager.py", "tests/unit/test_scheduler_cap.py",
              "tests/unit/test_core_coverage.py"),)),
     Mutant("bit_flip", "one bit flipped in a served row", ((CORE_CACHE,), (CACHE_EQ,))),
+    Mutant("decode_rows_corrupted", "a decode step's row stored with one bit flipped (the talker got the "
+           "right one; a later hit on the decode-filled block is served the wrong one)",
+           ((STEP_WRITE, STAGE_MANAGER), (CACHE_EQ, "-k", "served_rows"))),
+    Mutant("write_batch_shift", "a batched step's rows written one row late (start + 1)",
+           ((STEP_WRITE,), (CACHE_EQ, "-k", "served_rows"))),
+    Mutant("seam_off_by_one", "the hand-off repeats the last cached row at the seam with the fresh rows",
+           ((STAGE_MANAGER,), (CACHE_EQ, "-k", "builtin or cache_off or served_rows"))),
+    Mutant("ledger_check_off", "the ledger's block hash / fill check switched off",
+           ((CORE_CACHE, "tests/unit/test_core_ledger.py"),)),
+    Mutant("key_misaligned", "one hand-off key's served rows one KV slot off, the others right",
+           ((CORE_CACHE,), (CACHE_EQ, "-k", "served_rows"))),
+    Mutant("talker_seed_dropped", "talker block keys without speaker / language / salt",
+           (("tests/unit/test_talker_identity.py",),)),
 )
 assert {m.name for m in MUTANTS} == set(FAULTS), "every planted fault has a mutant and vice versa"
 
@@ -91,6 +109,8 @@ class SelectionRun:
     #: processes that planted the fault (the test process and each engine process that loaded
     #: the entry point: ``<log>.planted`` lists them)
     planted_in: int = 0
+    #: the first failed test and its message (pytest's short summary), when a test failed
+    killed_by: dict | None = None
 
 
 @dataclass
@@ -118,8 +138,9 @@ def run_selection(selection: tuple[str, ...], fault: str | None, plugin_dir: Pat
     env[EVIDENCE_ENV] = str(evidence)
     if fault:
         env[ENV] = fault
+    env["COLUMNS"] = "2000"  # pytest cuts its short summary lines (the killing message) to the terminal width
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir), str(REPO), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", "-p", "tests.mutants",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", "-p", "tests.mutants",
            *selection]
     # the time limit starts once the lock is held (``timeout`` inside ``flock``), and ends the
     # whole process group (pytest and the engine processes it started)
@@ -134,11 +155,33 @@ def run_selection(selection: tuple[str, ...], fault: str | None, plugin_dir: Pat
     secs = time.perf_counter() - t0
     log.write_text(out if isinstance(out, str) else out.decode(errors="replace"))
     failed = re.findall(r"^FAILED (\S+)", out, flags=re.M) if isinstance(out, str) else []
-    outcome = "failed" if rc == 1 else "passed" if rc == 0 else "error"
+    killed_by = assertion_failure(out) if rc == 1 else None
+    outcome = ("failed" if killed_by and killed_by["assertion"] else "error") if rc == 1 else \
+        "passed" if rc == 0 else "error"
     planted = len({line.split()[1] for line in evidence.read_text().splitlines()}) if evidence.exists() else 0
     if fault and outcome == "passed" and planted < (2 if _heavy(selection) else 1):
         outcome = "error"  # the fault never reached the engine processes: a pass proves nothing
-    return SelectionRun(" ".join(selection), outcome, rc, round(secs, 1), failed, pytest_seconds(out), planted)
+    return SelectionRun(" ".join(selection), outcome, rc, round(secs, 1), failed, pytest_seconds(out), planted,
+                        killed_by)
+
+
+#: exception names in pytest's short summary that count as a kill: a failed assertion, or
+#: pytest's own ``Failed`` (``pytest.raises``' "DID NOT RAISE", ``pytest.fail``)
+ASSERTION_TYPES = ("AssertionError", "Failed")
+
+
+def assertion_failure(output: str) -> dict | None:
+    """The first ``FAILED <test> - <Type>: <message>`` line of pytest's short summary (``-rf``)
+    as ``{"test", "type", "message" (≤ 300 chars), "assertion"}``, ``assertion`` true iff the
+    type is one of :data:`ASSERTION_TYPES`; ``None`` without a FAILED line (only errors)."""
+    m = re.search(r"^FAILED (\S+)(?: - (.*))?$", output, flags=re.M)
+    if m is None:
+        return None
+    summary = (m.group(2) or "").strip()
+    # a bare ``assert`` is summarised as its expression ("assert 8 == 4"), without the type
+    typ = "AssertionError" if summary.startswith("assert ") else \
+        summary.split(":", 1)[0].strip().rsplit(".", 1)[-1] if summary else ""
+    return {"test": m.group(1), "type": typ, "message": summary[:300], "assertion": typ in ASSERTION_TYPES}
 
 
 def pytest_seconds(output: str) -> float | None:

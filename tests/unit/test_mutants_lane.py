@@ -1,0 +1,32 @@
+"""The mutation run's verdicts (tests/lanes/mutants.py): a mutant is killed only by a failed
+assertion, never by a crash or another exception (issue 44, item 3)."""
+
+from __future__ import annotations
+
+from tests.lanes.mutants import MUTANTS, assertion_failure
+from tests.mutants import FAULTS
+
+
+def test_a_failed_assertion_kills_and_names_test_and_message():
+    out = ("....F\n=== short test summary info ===\n"
+           "FAILED tests/pipeline/test_cache_equality.py::test_served_rows_equal_their_writers_rows - "
+           "AssertionError: {'req-3': ['block 2 (rows 64-96): served rows differ']}\n1 failed, 4 passed in 9.1s\n")
+    k = assertion_failure(out)
+    assert k["assertion"] and k["type"] == "AssertionError"
+    assert k["test"].endswith("test_served_rows_equal_their_writers_rows") and "block 2" in k["message"]
+    refusal = "FAILED tests/unit/test_core_cache.py::test_stale - Failed: DID NOT RAISE <class 'StaleRowsError'>\n"
+    assert assertion_failure(refusal)["assertion"]
+    assert assertion_failure("FAILED tests/unit/test_core_cache.py::test_read - assert False\n")["assertion"]
+
+
+def test_a_crash_or_an_error_is_not_a_kill():
+    crash = "FAILED tests/unit/test_stage_manager.py::test_x - omni_cache.core.interface.StaleRowsError: block 1\n"
+    assert assertion_failure(crash)["assertion"] is False
+    engine = "FAILED tests/pipeline/test_cache_equality.py::test_y - RuntimeError: Engine core initialization failed\n"
+    assert assertion_failure(engine)["assertion"] is False
+    assert assertion_failure("ERROR tests/pipeline/test_cache_equality.py::test_z - KeyError: 'x'\n") is None
+
+
+def test_every_fault_has_a_mutant_with_a_selection():
+    assert {m.name for m in MUTANTS} == set(FAULTS) and all(m.selections for m in MUTANTS)
+    assert len(FAULTS) >= 16  # ten before issue 44, six classes it listed as not planted
