@@ -118,7 +118,11 @@ def test_abort_sweeps_without_the_stream_ending():
     _segment(f"{rid}_0_6")
     try:
         assert asyncio.run(engine.abort([rid])) == "aborted"
-        time.sleep(0.6)  # no loop runs now: the sweeper's own thread does it
+        # no loop runs now: the sweeper's own thread does it (0.1 s after the abort; waited for
+        # up to 10 s — a loaded CI host once needed more than 0.6 s)
+        deadline = time.monotonic() + 10
+        while _left(rid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _left(rid) == []
     finally:
         sweep_requests([rid])
