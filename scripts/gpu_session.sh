@@ -17,6 +17,8 @@
 #      one pipeline at a time
 #   G  the full-size table on a 4-GPU H200 host: the one-GPU config once per variant, each on its
 #      own card (--variant-devices), all three up at once; c = 1, 4, 16, 64
+#   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
+#      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
 set -u
 STAGE="$1"; OUT="$2"; COMMIT="$3"; shift 3
@@ -33,7 +35,7 @@ if [ ! -f /tmp/site/.omni_cache_installed ]; then
   touch /tmp/site/.omni_cache_installed
 fi
 log "models"
-$PY -m omni_cache.cli make-model --size full --thinker-layers 6 > "$OUT/models.log" 2>&1
+case " $* " in *" A "*|*" B "*) $PY -m omni_cache.cli make-model --size full --thinker-layers 6 > "$OUT/models.log" 2>&1 ;; esac
 $PY -m omni_cache.cli make-model >> "$OUT/models.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 L6=(--stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml
@@ -67,6 +69,19 @@ for step in "$@"; do
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,image,audio,chat \
          --requests 6 --repeats 1 --concurrency 1,4,16,64 --max-num-seqs 64 --alternation concurrent \
          --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name G > "$OUT/G.log" 2>&1 ;;
+    L) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
+       $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
+       # card: groups (the lane's measured seconds: ~700 s the longest slot on each card)
+       for spec in "0:equality-compiled,yoco-eager" "1:yoco-compiled,streaming" "2:serve,equality-default,main-job" \
+                   "3:stress,equality,unit"; do
+         dev=${spec%%:*}
+         CUDA_VISIBLE_DEVICES=$dev $PY -m tests.lanes.gpu_check --groups "${spec#*:}" --jobs 2 --out "$OUT/L$dev" \
+           --commit "$COMMIT" > "$OUT/L$dev.log" 2>&1 &
+       done
+       wait
+       $PY -m tests.lanes.gpu_check --groups "" --out "$OUT/L" --commit "$COMMIT" \
+         --merge "$OUT"/L0/report.json "$OUT"/L1/report.json "$OUT"/L2/report.json "$OUT"/L3/report.json \
+         > "$OUT/L.log" 2>&1 ;;
     *) log "unknown step $step" ;;
   esac
   log "step $step rc=$?"
