@@ -128,35 +128,32 @@ class _YocoThinkerMixin:
                 layers[i - 1].register_forward_hook(self._capture_layer_output(i))
 
     def _capture_layer_input(self, index: int):
-        buf, rows_of = self._capture_bufs[index], self._rows
+        buf, rows_of, arch = self._capture_bufs[index], self._rows, self.ARCH
 
         def hook(_module, args, kwargs):  # decoder layer (positions, hidden_states, ...)
             rows = rows_of(kwargs["hidden_states"] if "hidden_states" in kwargs else args[1])
+            _check_capture_dtype(arch, index, rows, buf)
             buf[: rows.shape[0]].copy_(rows)  # [num_tokens, hidden]
         return hook
 
     def _capture_layer_output(self, index: int):
-        buf, rows_of = self._capture_bufs[index], self._rows
+        buf, rows_of, arch = self._capture_bufs[index], self._rows, self.ARCH
 
         def hook(_module, _args, output):
             rows = rows_of(output)
+            _check_capture_dtype(arch, index, rows, buf)
             buf[: rows.shape[0]].copy_(rows)
         return hook
 
-    def _captured_layers(self, num_tokens: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    def _captured_layers(self, num_tokens: int) -> dict[int, torch.Tensor]:
         """The captured layers of the forward that just ran: ``{i: [num_tokens, hidden_size]}``
         (copies: the buffers are overwritten by the next forward, and the hand-off may read
-        them after it under async scheduling).
-
-        Raises:
-            RuntimeError: the buffers' dtype is not the model output's (a copy would have cast
-                the rows: never served altered).
-        """
-        layers = {i: b[:num_tokens].clone() for i, b in self._capture_bufs.items()}
-        if layers and next(iter(layers.values())).dtype != dtype:
-            raise RuntimeError(f"{self.ARCH}: captured-layer buffers are {next(iter(layers.values())).dtype}, "
-                               f"the model's rows {dtype}")
-        return layers
+        them after it under async scheduling). Their dtype is checked in the hooks, against the
+        layer's own rows (:func:`_check_capture_dtype`), not against the model's output: under
+        ``VLLM_BATCH_INVARIANT`` vLLM's Gemma-3n returns float32 rows from bf16 layers (its
+        AltUp unembedding's mean runs in vLLM's batch-invariant float32 ``mean``; the thinker
+        did not start on an H100 with the old check, 2026-11-27)."""
+        return {i: b[:num_tokens].clone() for i, b in self._capture_bufs.items()}
 
     def _count_forward(self, num_tokens: int) -> None:
         """Counters of how the cross-decoder ran (``yoco_counters``); with
@@ -210,8 +207,7 @@ class _YocoThinkerMixin:
         self._count_forward(num_tokens)
         if not self.is_staged_run:
             return hidden
-        out = hidden[0] if isinstance(hidden, tuple) else hidden
-        return hidden, {"hidden_states": {"layers": self._captured_layers(num_tokens, out.dtype)}}
+        return hidden, {"hidden_states": {"layers": self._captured_layers(num_tokens)}}
 
     def make_omni_output(self, model_outputs, **kwargs):
         from vllm_omni.model_executor.models.output_templates import OmniOutput
@@ -292,6 +288,16 @@ class OmniCacheGemma4Thinker(_YocoThinkerMixin, Gemma4ForConditionalGeneration):
         self.yoco_counters["encoder_tokens"] += int(sum(int(t.shape[0]) for t in items))
         self._publish(force=True)
         return out
+
+
+def _check_capture_dtype(arch: str, index: int, rows: torch.Tensor, buf: torch.Tensor) -> None:
+    """Raise ``RuntimeError`` when a captured layer's rows (``[num_tokens, hidden_size]``) are
+    not of its persistent buffer's dtype: the copy would cast them, and a served row is its
+    writer's row or is not served. A static check (dtypes are known when torch.compile traces
+    the hook): nothing of it enters the graph."""
+    if rows.dtype != buf.dtype:
+        raise RuntimeError(f"{arch}: captured layer {index}'s rows are {rows.dtype}, its buffer "
+                           f"{buf.dtype} (the model's dtype): a copy would cast them")
 
 
 def contiguous_linear_inputs(tower: torch.nn.Module | None) -> int:

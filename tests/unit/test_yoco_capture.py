@@ -74,17 +74,42 @@ def test_capture_hooks_compile_without_module_state_changes():
     x = torch.randn(5, HIDDEN)
     names = _compiled_names(m.body, torch.arange(5), x)
     assert not any("update" in n for n in names), names  # vLLM's check (cudagraph on) would refuse it
-    layers = m._captured_layers(5, torch.float32)
+    layers = m._captured_layers(5)
     with torch.no_grad():
         after1 = m.layers[1](None, hidden_states=m.layers[0](None, hidden_states=x))
     assert torch.equal(layers[0], x) and torch.equal(layers[2], after1)  # the writer's rows, bitwise
     # a shorter forward next: its rows, and copies that the next forward does not change
     y = torch.randn(3, HIDDEN)
     torch.compile(m.body, backend="eager")(torch.arange(3), y)
-    again = m._captured_layers(3, torch.float32)
+    again = m._captured_layers(3)
     assert torch.equal(again[0], y) and torch.equal(layers[0], x)
-    with pytest.raises(RuntimeError, match="captured-layer buffers are torch.float32"):
-        m._captured_layers(3, torch.bfloat16)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_layer_whose_rows_are_not_the_buffers_dtype_raises_not_casts(compiled):
+    """The dtype check is on each captured layer's own rows (a copy into the float32 buffer
+    would cast bf16 rows); the model's output dtype does not matter (vLLM's batch-invariant
+    Gemma-3n returns float32 from bf16 layers: the H100 run of 2026-11-27)."""
+    m = _Thinker()
+    m.layers[0].to(torch.bfloat16)  # layer 0 and 1 in bf16: layer 0's input and layer 1's output are bf16 rows
+    m.layers[1].to(torch.bfloat16)
+    body = torch.compile(m.body, backend="eager") if compiled else m.body
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(RuntimeError, match=r"layer \d's rows are torch.bfloat16, its buffer torch.float32"):
+            body(torch.arange(4), torch.randn(4, HIDDEN, dtype=torch.bfloat16))
+    finally:
+        torch._dynamo.reset()
+    # the model's output in another dtype than the captured rows' is fine
+    f = _Thinker()
+    f.layers[2] = _ToDouble()  # the uncaptured last layer: the output float64, the captured rows float32
+    assert f.body(torch.arange(4), torch.randn(4, HIDDEN)).dtype == torch.float64
+    assert f._captured_layers(4)[0].dtype == torch.float32
+
+
+class _ToDouble(nn.Module):
+    def forward(self, positions, hidden_states):
+        return hidden_states.double()
 
 
 def test_control_a_dict_storing_hook_trips_the_check():
