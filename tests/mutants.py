@@ -325,6 +325,31 @@ def _talker_seed_dropped() -> None:
              talker_block_keys)
 
 
+def _async_placeholders_unresolved() -> None:
+    """Under async scheduling the step's device input ids are not kept (the H200 defect of
+    22d261f): a decode-filled block's tokens stay placeholders on the host, so its hash is
+    never made and a later hit on it is not served (capped, or refused where no cap runs)."""
+    from omni_cache.engine.stage_manager import OmniCacheStageManager
+
+    OmniCacheStageManager.keep_async_inputs = lambda self, plan: None
+
+
+def _resume_rows_lost() -> None:
+    """Rows lost across preemption: a request resumed after preemption hands off only the rows
+    it recomputes, not its prefix hit's (the resumed view starts with no hit)."""
+    from omni_cache.engine.stage_manager import OmniCacheStageManager
+
+    orig = OmniCacheStageManager.new_step_starts
+
+    def new_step_starts(self, scheduler_output):
+        orig(self, scheduler_output)
+        for rid in getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", set()) or set():
+            if rid in self.reqs:
+                self.reqs[rid].hit_tokens = 0
+
+    OmniCacheStageManager.new_step_starts = new_step_starts
+
+
 #: fault name → what plants it
 FAULTS: dict[str, Callable[[], None]] = {
     "foreign_block": _foreign_block,
@@ -343,6 +368,8 @@ FAULTS: dict[str, Callable[[], None]] = {
     "ledger_check_off": _ledger_check_off,
     "key_misaligned": _key_misaligned,
     "talker_seed_dropped": _talker_seed_dropped,
+    "async_placeholders_unresolved": _async_placeholders_unresolved,
+    "resume_rows_lost": _resume_rows_lost,
 }
 
 
