@@ -17,6 +17,8 @@
 #      one pipeline at a time
 #   G  the full-size table on a 4-GPU H200 host: the one-GPU config once per variant, each on its
 #      own card (--variant-devices), all three up at once; c = 1, 4, 16, 64
+#   R  on one card, what changed since the lane run of 8aa0b18 (docs/gpu.md, "Fourth session"):
+#      yoco-eager, yoco-compiled and equality-compiled at once (OUT/R/report.json)
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -69,6 +71,8 @@ for step in "$@"; do
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,image,audio,chat \
          --requests 6 --repeats 1 --concurrency 1,4,16,64 --max-num-seqs 64 --alternation concurrent \
          --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name G > "$OUT/G.log" 2>&1 ;;
+    R) $PY -m tests.lanes.gpu_check --groups yoco-eager,yoco-compiled,equality-compiled --jobs 3 --out "$OUT/R" \
+         --commit "$COMMIT" > "$OUT/R.log" 2>&1 ;;
     L) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
        # card: groups (the lane's measured seconds: ~700 s the longest slot on each card)
