@@ -775,3 +775,13 @@ def test_each_variant_gets_its_own_cards_and_auto_alternation_runs_them_at_once(
     seen.clear()
     assert harness.main(base + ["--alternation", "restart", "--name", "plain"]) == 0
     assert set(seen.values()) == {"0,1,2,3"}  # without it every pipeline sees the launcher's devices
+
+
+def test_step_overhead_smoke(tmp_path):
+    """``benchmarks.step_overhead`` (docs/gpu.md, "Zero overhead"): one tiny round runs the stage
+    manager's seam calls and writes its result."""
+    from benchmarks import step_overhead
+
+    r = step_overhead.main(["--batch", "1,3", "--steps", "5", "--rounds", "1", "--out", str(tmp_path)])
+    assert set(r["batches"]) == {"1", "3"} and all(v["us_per_step_median"] > 0 for v in r["batches"].values())
+    assert (tmp_path / "result.json").exists()
