@@ -448,7 +448,8 @@ def test_gemma3n_fast_prefill_and_hits_equal_the_slow_path_bitwise(g3n_run):
     captured layers 0 and 4 (the active AltUp stream), TTS embeddings — with the same tokens
     and audio; and the run exercised what it claims: truncated forwards, fallback forwards for
     the slow requests, hits served by omni-cache (none refused). On CUDA a request with a hit
-    is held to oracle (c)'s stated precision instead (tests/device.py)."""
+    is held to oracle (c)'s stated precision against the slow path instead (tests/device.py),
+    and its served rows bitwise to their writer's (oracle (a), every device)."""
     d, runs, prompts = g3n_run
     # every hit as computed from token ids (a full hit: every whole block of the prompt bar
     # vLLM's last token; the chat's turn 2: turn 1's prompt and the answer blocks it filled)
@@ -465,6 +466,15 @@ def test_gemma3n_fast_prefill_and_hits_equal_the_slow_path_bitwise(g3n_run):
             assert "hidden" not in h and {"hidden_states.layer_0", "hidden_states.layer_4"} <= set(h), sorted(h)
             n_rows = r.num_prompt_tokens + len(r.token_ids) - 1  # the last sampled token is never fed back
             assert h["hidden_states.layer_4"].shape[0] == n_rows, (name, kind)
+            if kind == "hit" and not name.startswith("batch"):
+                # oracle (a), bitwise on every device: the hit's served rows are their writer's.
+                # The prompt's blocks were written by its ``fast`` request (sent first) or by the
+                # requests whose rows that one was served, so the hit's first rows equal what
+                # ``fast`` handed off (the batch's blocks may be its mates', computed in a batch)
+                hit, fast_h = r.num_cached_tokens, by_kind["fast"][1]
+                for k in ("hidden_states.layer_0", "hidden_states.layer_4"):
+                    assert torch.equal(h[k][:hit], fast_h[k][:hit]), \
+                        f"{name}: served rows of {k} differ from their writer's"
             if r.num_cached_tokens and not CACHE_OFF_BITWISE:
                 # CUDA (tests/device.py): a hit's suffix over cached KV, to oracle (c)'s stated
                 # precision (embedding rows bitwise); tokens may flip on near-ties. Fast prefill
