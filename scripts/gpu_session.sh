@@ -71,7 +71,9 @@ for step in "$@"; do
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,image,audio,chat \
          --requests 6 --repeats 1 --concurrency 1,4,16,64 --max-num-seqs 64 --alternation concurrent \
          --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name G > "$OUT/G.log" 2>&1 ;;
-    R) $PY -m tests.lanes.gpu_check --groups yoco-eager,yoco-compiled,equality-compiled --jobs 3 --out "$OUT/R" \
+    R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
+       $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
+       $PY -m tests.lanes.gpu_check --groups yoco-eager,yoco-compiled,equality-compiled --jobs 3 --out "$OUT/R" \
          --commit "$COMMIT" > "$OUT/R.log" 2>&1 ;;
     L) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
