@@ -32,6 +32,7 @@ class RequestResult:
         text: the thinker's decoded text.
         token_ids: the thinker's sampled token ids.
         num_prompt_tokens: thinker prompt length (tokens).
+        prompt_token_ids: the thinker's prompt token ids (vLLM's, placeholders expanded).
         num_cached_tokens: thinker prefix-hit length (tokens).
         audio: code2wav waveform, float32 ``[num_samples]`` (None when no audio stage ran).
         sample_rate: Hz.
@@ -49,6 +50,7 @@ class RequestResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     audio: np.ndarray | None = None
     sample_rate: int = 24_000
@@ -206,7 +208,8 @@ class OmniPipeline:
                 if comp is not None:
                     res.text = comp.text or ""
                     res.token_ids = list(comp.token_ids or [])
-                res.num_prompt_tokens = len(o.prompt_token_ids or [])
+                res.prompt_token_ids = list(o.prompt_token_ids or [])
+                res.num_prompt_tokens = len(res.prompt_token_ids)
                 res.num_cached_tokens = int(o.num_cached_tokens or 0)
                 if getattr(o, "prompt_logprobs", None) is not None:
                     res.prompt_logprobs = o.prompt_logprobs

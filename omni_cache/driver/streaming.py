@@ -168,7 +168,8 @@ class StreamingPipeline:
                         res.text += comp.text or ""
                     else:
                         res.token_ids, res.text = list(comp.token_ids), comp.text or ""
-                res.num_prompt_tokens = len(o.prompt_token_ids or []) or res.num_prompt_tokens
+                res.prompt_token_ids = list(o.prompt_token_ids or []) or res.prompt_token_ids
+                res.num_prompt_tokens = len(res.prompt_token_ids) or res.num_prompt_tokens
                 res.num_cached_tokens = max(res.num_cached_tokens, int(o.num_cached_tokens or 0))
             if o.final_output_type == "audio":
                 packet, res.sample_rate = _audio_of(o)

@@ -75,6 +75,9 @@ class OmniCacheRunnerMixin:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._restart_resumed_payloads(scheduler_output)
+        audit = self._talker_kv_audit()
+        if audit is not None:
+            audit.before_step(self, scheduler_output)
         cc = self.cache_config
         if not (cc.kv_sharing_fast_prefill and _batch_needs_full_prefill(self, scheduler_output)):
             out = super().execute_model(scheduler_output, *args, **kwargs)
@@ -87,7 +90,18 @@ class OmniCacheRunnerMixin:
             finally:
                 cc.kv_sharing_fast_prefill = True
         self._settle_ledger()
+        if audit is not None:
+            audit.after_step(self, scheduler_output)
         return out
+
+    def _talker_kv_audit(self):
+        """The talker's KV audit (:mod:`omni_cache.engine.talker_audit`; ``OMNI_CACHE_HIT_AUDIT``
+        on the talker stage), built at the first step; None elsewhere."""
+        if "_omni_talker_kv_audit" not in self.__dict__:
+            from omni_cache.engine.talker_audit import TalkerKVAudit
+
+            self.__dict__["_omni_talker_kv_audit"] = TalkerKVAudit.for_runner(self)
+        return self.__dict__["_omni_talker_kv_audit"]
 
     def _build_omni_model_runner_output_from_snapshot(self, **kwargs):
         """vLLM-Omni's payload builder (on its async-output thread under async scheduling,

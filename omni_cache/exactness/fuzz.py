@@ -46,7 +46,8 @@ def recording_stage_config(out_dir: str | Path, variant: str, *, streaming: bool
     """The CPU stage config (``base``; default the bundled ``qwen3_omni_cpu.yaml``) with
     hand-offs recorded (``out_dir/handoff``: thinker → talker; ``out_dir/codec``: talker →
     code2wav), cache counters in ``out_dir/metrics`` and served hits logged in
-    ``out_dir/audit`` (``OMNI_CACHE_HIT_AUDIT``), for ``variant``:
+    ``out_dir/audit`` (``OMNI_CACHE_HIT_AUDIT``: the thinker's ``hits-*`` / ``blocks-*``, the
+    talker's KV blocks ``talker-kv-*``), for ``variant``:
 
     - ``off``: the thinker's and the talker's prefix caches off;
     - ``builtin``: vLLM-Omni's own hidden-state cache on the thinker, the talker's off (as
@@ -85,7 +86,8 @@ def recording_stage_config(out_dir: str | Path, variant: str, *, streaming: bool
     return derive_stage_config(base or bundled_stage_config("qwen3_omni_cpu.yaml"),
                                out_dir / f"stage_config_{variant}.yaml", pipeline=RECORDING_PIPELINE,
                                top={"async_chunk": bool(streaming)}, stages=stages,
-                               env={0: env, 1: {settings.HANDOFF_DUMP.name: str(out_dir / "codec")}})
+                               env={0: env, 1: {settings.HANDOFF_DUMP.name: str(out_dir / "codec"),
+                                                  settings.HIT_AUDIT.name: str(out_dir / "audit")}})
 
 
 @dataclass

@@ -245,3 +245,50 @@ def served_rows_mismatches(reader: Mapping[str, torch.Tensor], hit_tokens: int, 
             if not torch.equal(r[lo:hi], rows[k][lo:hi]):
                 bad.append(f"block {i} ({k}, rows {lo}-{hi}): served rows differ from their writer {w}'s")
     return verified, unverified, bad
+
+
+@dataclass(frozen=True)
+class TalkerServedBlock:
+    """A talker KV block a prefix hit served, tied to its writer by
+    :func:`talker_kv_mismatches`: ``reader`` / ``writer`` (talker request ids), ``block`` (the
+    block's index in both requests)."""
+
+    reader: str
+    writer: str
+    block: int
+
+
+def talker_kv_mismatches(events: Sequence[Mapping]) -> tuple[list[str], list[TalkerServedBlock]]:
+    """Oracle (a) for the talker's KV: every block a talker prefix hit served holds, bitwise,
+    what its writer left in it.
+
+    ``events``: the talker stage's audit lines in the order logged
+    (:class:`omni_cache.engine.talker_audit.TalkerKVAudit`: ``kind`` ``write`` / ``read``,
+    ``request``, ``block``, ``block_id``, ``digest``). A read must follow a write of the same
+    KV block id (the last one before it: a block reused since then was rewritten) at the same
+    block index, with the same digest (the writer may be the reader itself, resumed after
+    preemption).
+
+    Returns:
+        ``(mismatches, served)``: one string per violation; one :class:`TalkerServedBlock` per
+        read that holds, so the caller can check that writer and reader had the same content
+        up to the block's last row (the key's claim, judged without the key code).
+    """
+    last: dict[int, Mapping] = {}
+    bad: list[str] = []
+    served: list[TalkerServedBlock] = []
+    for e in events:
+        if e["kind"] == "write":
+            last[int(e["block_id"])] = e
+            continue
+        w = last.get(int(e["block_id"]))
+        where = f"talker request {e['request']} block {e['block']} (KV block {e['block_id']})"
+        if w is None:
+            bad.append(f"{where}: served, never written")
+        elif int(w["block"]) != int(e["block"]):
+            bad.append(f"{where}: last written as block {w['block']} of {w['request']}")
+        elif w["digest"] != e["digest"]:
+            bad.append(f"{where}: KV changed since {w['request']} wrote it")
+        else:
+            served.append(TalkerServedBlock(str(e["request"]), str(w["request"]), int(e["block"])))
+    return bad, served

@@ -34,6 +34,7 @@ from tests.pipeline.workloads import (
     REPEAT,
     STEP_BUDGET,
     assert_served_rows,
+    assert_talker_kv_oracle,
     assert_talker_workload,
     expected_hits,
     expected_talker_blocks,
@@ -84,7 +85,8 @@ def runs(sync_omni):
     unseeded = [pipe.generate([build_request(FIRST_PROMPT)], sp)[0] for _ in range(2)]
     return {"dir": sync_omni.dir, "model_dir": model_dir, "sent": sent, "omni_cache": (named, t1_len, batch),
             "off": (off_named, t1_len, off_batch),
-            "talker-omni_cache": talker_on[:2], "talker-off": talker_off[:2], "unseeded": unseeded}
+            "talker-omni_cache": talker_on[:2], "talker-off": talker_off[:2], "unseeded": unseeded,
+            "all": [r for n, r in named + talker_on[0] + off_named + talker_off[0]] + batch + off_batch + unseeded}
 
 
 def test_hits_happen_and_omni_cache_served_them(runs):
@@ -226,6 +228,7 @@ def test_talker_prefix_cache_exact_and_content_keyed(runs):
     (on, keys), (off, _) = runs["talker-omni_cache"], runs["talker-off"]
     on, off = dict(on), dict(off)
     assert_talker_workload(on, off, keys, expected=expected_talker_blocks(runs["model_dir"]))
+    assert_talker_kv_oracle(runs["dir"], runs["all"], on, runs["model_dir"])
     alone = [(r_on, dict(runs["off"][0])[n]) for n, r_on in runs["omni_cache"][0]]
     alone += [(r_on, off[n]) for n, r_on in on.items() if not n.startswith("placeholder:")]
     for r_on, r_off in alone:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omni_cache.driver.inputs import build_request, sample_path
-from tests.util import placeholder_talker_keys
+from tests.util import placeholder_talker_keys, records_of
 
 BLOCK = 32
 SENTENCE = "Look carefully and listen to every detail before you answer my questions today. "
@@ -378,6 +380,83 @@ def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int
             shared += 1
         out[name] = (len(rows) + 9, shared)
     return out
+
+
+def talker_kv_served(out_dir, results, tok, block: int = BLOCK) -> tuple[int, dict[str, list[str]]]:
+    """Oracle (a) for the talker's served KV, with what each served block stands for.
+
+    Reads the talker's KV audit (``out_dir/audit/talker-kv-*.jsonl``,
+    :class:`omni_cache.engine.talker_audit.TalkerKVAudit`) and asserts
+    :func:`omni_cache.exactness.oracles.talker_kv_mismatches` finds nothing: every served talker
+    block is bitwise the KV its writer left in it. Then, without omni-cache's key code, each
+    served block's writer and reader must have had the same content up to the thinker position
+    ``t`` of the block's last talker row (:func:`talker_user_rows` on the reader's prompt ids):
+    the same thinker prompt ids ``[0, t]`` and the same embedding rows ``[0, t]`` in the
+    recorded thinker → talker hand-off (``hidden_states.layer_0`` / ``embed.prefill``: a text
+    token's embedding or a media item's encoder output, position-independent) — what the
+    talker's rows up to ``t`` are computed from.
+
+    ``results``: every :class:`~omni_cache.driver.pipeline.RequestResult` the engine answered
+    (a served block's reader or writer that is not among them fails the check).
+    Returns ``(blocks checked, {reader request id: [content mismatch, ...]})``.
+    """
+    import json
+
+    import torch
+
+    from omni_cache.exactness.oracles import EMBEDDING_KEYS, talker_kv_mismatches
+
+    files = sorted((Path(out_dir) / "audit").glob("talker-kv-*.jsonl"))
+    assert len(files) == 1, files  # one talker process
+    events = [json.loads(line) for line in files[0].read_text().splitlines()]
+    bad, served = talker_kv_mismatches(events)
+    assert not bad, bad[:5]
+    by_id = {r.request_id: r for r in results}
+
+    def result(talker_id: str):
+        ids = [rid for rid in by_id if talker_id == rid or talker_id.startswith(rid + "-")]
+        assert ids, f"talker request {talker_id}: not a request of this run"
+        return by_id[max(ids, key=len)]
+
+    def embedding(r):
+        rec = records_of(out_dir, r.request_id)[0]
+        return rec[next(k for k in rec if k in EMBEDDING_KEYS)]
+
+    content: dict[str, list[str]] = {}
+    for s in served:
+        reader, writer = result(s.reader), result(s.writer)
+        rows = talker_user_rows(tok, reader.prompt_token_ids)
+        end = (s.block + 1) * block
+        why = None
+        if end > len(rows):
+            why = f"block {s.block} is past the reader's {len(rows)} user rows"
+        else:
+            t = rows[end - 1] + 1
+            if reader.prompt_token_ids[:t] != writer.prompt_token_ids[:t]:
+                why = f"block {s.block}: prompt ids [0, {t}) differ from writer {writer.request_id}'s"
+            elif not torch.equal(embedding(reader)[:t], embedding(writer)[:t]):
+                why = f"block {s.block}: embedding rows [0, {t}) differ from writer {writer.request_id}'s"
+        if why is not None:
+            content.setdefault(reader.request_id, []).append(why)
+    return len(served), content
+
+
+def assert_talker_kv_oracle(out_dir, results, on: dict, model_dir, block: int = BLOCK) -> None:
+    """:func:`talker_kv_served` over every request of a run whose talker workload (``on``:
+    name → result) included the placeholder demo: every talker hit block of the run is checked
+    (none skipped), no reader's content differs from its writer's — except the demo's B:image
+    and B:words, whose index-only keys serve A's blocks past their first difference: the oracle
+    must name them (the fault it exists to catch, planted by the test itself)."""
+    from transformers import AutoTokenizer
+
+    checked, content = talker_kv_served(out_dir, results, AutoTokenizer.from_pretrained(model_dir), block)
+    hit_blocks = sum(r.talker_num_cached_tokens // block for r in results)
+    assert checked == hit_blocks > 0, (checked, hit_blocks)
+    demo = {on[f"placeholder:{b}"].request_id for b in ("B:image", "B:words")}
+    assert not {rid: why for rid, why in content.items() if rid not in demo}, content
+    assert demo <= set(content), ("the placeholder demo's foreign blocks were not named", content)
+    print(f"talker KV oracle (a): {checked} served blocks = their writers' KV, content = theirs; "
+          f"placeholder demo flagged: {sorted(content)}")
 
 
 def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK, *,
