@@ -111,7 +111,8 @@ HANDOFF_DUMP = Setting(
 HIT_AUDIT = Setting(
     "OMNI_CACHE_HIT_AUDIT", Kind.PATH, None, ReadBy.ENGINE, True,
     "log every served prefix hit there (`hits-<pid>.jsonl`: request, hit tokens, the request "
-    "that wrote each served block) — the exactness fuzzer's served-rows oracle")
+    "that wrote each served block) — the exactness fuzzer's served-rows oracle; on the talker "
+    "stage, a digest of each KV block at write and at hit (`talker-kv-<pid>.jsonl`)")
 YOCO_ACCEPT_LAYER = Setting(
     "OMNI_CACHE_YOCO_ACCEPT_LAYER", Kind.TEXT, None, ReadBy.ENGINE, True,
     "KV-shared thinker: the layer handed to the talker — a layer index, "

@@ -14,5 +14,6 @@ benchmarks (``tests/unit/test_layout.py``). Modules:
 - ``scheduler``: the AR scheduler that caps prefix hits to the hidden-state tier.
 - ``gemma_thinker``, ``handoff``: a KV-shared thinker model and stage hand-off functions.
 - ``plugin``: registers the pipeline variants and model classes (entry points).
-- ``metrics``: the per-process counter files.
+- ``metrics``: the per-process counter files; ``talker_audit``: the talker's KV blocks logged
+  at write and at prefix-hit read (audits only, ``OMNI_CACHE_HIT_AUDIT``).
 """

@@ -11,6 +11,8 @@ assert on them.
 (a) :func:`served_rows_mismatches` — every row served from the cache equals, bitwise, the row
     its writer computed (the writer: the request whose computation filled the block, logged
     by the engine with ``OMNI_CACHE_HIT_AUDIT``, :class:`omni_cache.engine.metrics.HitAudit`).
+    :func:`talker_kv_mismatches` is (a) for the talker's served KV blocks (a digest of each
+    block at its writer's step and at the read, :mod:`omni_cache.engine.talker_audit`).
 (b) :func:`handoff_mismatches` — omni-cache against vLLM-Omni's built-in cache: every hand-off
     tensor bitwise (and, by the caller, tokens and audio), where both served the same hit.
 (c) :func:`compare_prompt_rows` — against cache off: the embedding rows (position-independent:

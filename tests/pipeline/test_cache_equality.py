@@ -227,8 +227,8 @@ def test_talker_prefix_cache_exact_and_content_keyed(runs):
     the codec frames code2wav received equal cache off bitwise for every request sent alone."""
     (on, keys), (off, _) = runs["talker-omni_cache"], runs["talker-off"]
     on, off = dict(on), dict(off)
-    assert_talker_workload(on, off, keys, expected=expected_talker_blocks(runs["model_dir"]))
     assert_talker_kv_oracle(runs["dir"], runs["all"], on, runs["model_dir"])
+    assert_talker_workload(on, off, keys, expected=expected_talker_blocks(runs["model_dir"]))
     alone = [(r_on, dict(runs["off"][0])[n]) for n, r_on in runs["omni_cache"][0]]
     alone += [(r_on, off[n]) for n, r_on in on.items() if not n.startswith("placeholder:")]
     for r_on, r_off in alone:

@@ -43,6 +43,7 @@ from tests.pipeline.workloads import (
     REPEAT,
     STEP_BUDGET,
     assert_served_rows,
+    assert_talker_kv_oracle,
     assert_talker_workload,
     expected_hits,
     expected_talker_blocks,
@@ -76,7 +77,8 @@ def _run(engine, *, placeholder_demo: bool, forget_first: bool):
         sps = thinker_params(pipe, **{FORGET_ROWS: True}) if forget_first and k == 0 else None
         lost[name] = pipe.run(build_request(text), sampling_params_list=sps)
     return {"dir": engine.dir, "model_dir": model_dir,
-            "named": named, "t1_len": t1_len, "batch": batch, "talker": talker[:2], "lost": lost}
+            "named": named, "t1_len": t1_len, "batch": batch, "talker": talker[:2], "lost": lost,
+            "all": [r for _, r in named + talker[0]] + list(batch) + list(lost.values())}
 
 
 @pytest.fixture(scope="session")
@@ -257,6 +259,8 @@ def test_streamed_talker_prefix_cache_exact_and_content_keyed(stream_runs):
     received (what the talker computed from them) equal cache off's where that is bitwise."""
     (on, keys), (off, _) = stream_runs["omni_cache"]["talker"], stream_runs["off"]["talker"]
     on, off, bi = dict(on), dict(off), dict(stream_runs["builtin"]["talker"][0])
+    assert_talker_kv_oracle(stream_runs["omni_cache"]["dir"], stream_runs["omni_cache"]["all"], on,
+                            stream_runs["omni_cache"]["model_dir"])
     assert_talker_workload(on, off, keys, expected=expected_talker_blocks(stream_runs["omni_cache"]["model_dir"]))
     d_on, d_off, d_bi = (stream_runs[v]["dir"] for v in ("omni_cache", "off", "builtin"))
     # On CUDA's default kernels (the compiled group) the thinker's suffix after a hit rounds

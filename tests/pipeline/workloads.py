@@ -397,8 +397,9 @@ def talker_kv_served(out_dir, results, tok, block: int = BLOCK) -> tuple[int, di
     talker's rows up to ``t`` are computed from.
 
     ``results``: every :class:`~omni_cache.driver.pipeline.RequestResult` the engine answered
-    (a served block's reader or writer that is not among them fails the check).
-    Returns ``(blocks checked, {reader request id: [content mismatch, ...]})``.
+    (served blocks of other readers — another test's, on a shared engine — are held to the KV
+    check only; a writer that is not among them fails the check).
+    Returns ``(blocks of these readers checked, {reader request id: [content mismatch, ...]})``.
     """
     import json
 
@@ -423,7 +424,8 @@ def talker_kv_served(out_dir, results, tok, block: int = BLOCK) -> tuple[int, di
         return rec[next(k for k in rec if k in EMBEDDING_KEYS)]
 
     content: dict[str, list[str]] = {}
-    for s in served:
+    mine = [s for s in served if any(s.reader == rid or s.reader.startswith(rid + "-") for rid in by_id)]
+    for s in mine:  # the readers of this run (a shared engine also served other tests' requests)
         reader, writer = result(s.reader), result(s.writer)
         rows = talker_user_rows(tok, reader.prompt_token_ids)
         end = (s.block + 1) * block
@@ -438,7 +440,7 @@ def talker_kv_served(out_dir, results, tok, block: int = BLOCK) -> tuple[int, di
                 why = f"block {s.block}: embedding rows [0, {t}) differ from writer {writer.request_id}'s"
         if why is not None:
             content.setdefault(reader.request_id, []).append(why)
-    return len(served), content
+    return len(mine), content
 
 
 def assert_talker_kv_oracle(out_dir, results, on: dict, model_dir, block: int = BLOCK) -> None:
