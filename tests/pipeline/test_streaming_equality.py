@@ -143,13 +143,18 @@ def test_fixed_workload_streamed_talker_inputs_equal_cache_off_bitwise(stream_ru
                                           num_prompt_tokens=r_on.num_prompt_tokens, hit=r_on.num_cached_tokens,
                                           same_tokens=same_tokens)
         assert_audio_vs_cache_off(r_on, r_off, name, handoff_bitwise=same)
-    if not CACHE_OFF_BITWISE:  # the batch: its rows vs cache off are not bounded there (assert_batch_rows)
-        return
     # the batch (sorted by prompt length: A, B)
     (a_on, b_on), (a_off, b_off) = ([records_of(run["dir"], r.request_id) for r in run["batch"]] for run in (on, off))
+    hit = max(r.num_cached_tokens for r in on["batch"])
+    if not CACHE_OFF_BITWISE:
+        # CUDA: the batch's rows vs cache off are not bounded there (assert_batch_rows), so its
+        # oracle is (a): B's served rows are the rows A computed for them, bitwise
+        assert hit > 0, [r.num_cached_tokens for r in on["batch"]]
+        for k in ("embed.prefill", "hidden_states.output"):
+            assert torch.equal(b_on[0][k][:hit], a_on[0][k][:hit]), ("batch:B served rows", k)
+        return
     _assert_same_chunks_tail(a_on, a_off, "batch:A")
     _assert_same_chunks_tail(b_on, b_off, "batch:B")
-    hit = max(r.num_cached_tokens for r in on["batch"])
     for k in set(b_off[0]) - {"embed.prefill", "hidden_states.output"}:  # tts embeddings, ids, meta
         assert torch.equal(a_on[0][k], a_off[0][k]) and torch.equal(b_on[0][k], b_off[0][k]), k
     for k in ("embed.prefill", "hidden_states.output"):
