@@ -13,6 +13,8 @@ kind            request                                                         
 ``stream``      the same, ``stream=True``                                               text + audio chunks
 ``image``       a 64×64 photo + a question, ``modalities=["text"]``                     200, text
 ``audio-in``    1 s of speech + a question, ``modalities=["text", "audio"]``            200, a WAV
+``video``       a 1 s 64×64 clip (one of two) + a question, its audio track used every   200, text
+                other request (``use_audio_in_video``), ``modalities=["text"]``
 ``bad``         in turn: a WAV of 78 samples, audio that is not base64, a truncated     400
                 JPEG
 ``abort``       a streamed text + audio request the client closes after its first       (closed)
@@ -67,8 +69,8 @@ import numpy as np
 from benchmarks import lab
 
 SHM = Path("/dev/shm")
-KIND_WEIGHTS = {"text": 3, "text+audio": 2, "stream": 2, "image": 1, "audio-in": 1, "bad": 1, "abort": 1,
-                "realtime": 1}
+KIND_WEIGHTS = {"text": 3, "text+audio": 2, "stream": 2, "image": 1, "audio-in": 1, "video": 1, "bad": 1,
+                "abort": 1, "realtime": 1}
 QUESTIONS = ("What do you see?", "Say hello.", "Count to three.", "What is the weather like?",
              "Describe a cat.", "Tell me a story.", "Name a colour.", "What time is it?")
 
@@ -82,9 +84,40 @@ def _wav_b64(samples: np.ndarray, rate: int = 16_000) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def video_clip(pixel_seed: int, seconds: float = 2.0, size: int = 224, fps: int = 4) -> str:
+    """A ``seconds`` mp4 (MPEG-4 video, ``size`` × ``size`` random pixels drawn from
+    ``pixel_seed``; AAC audio: the bundled speech recording) as a data URL (``av``). Same
+    arguments but the seed: same length and size, so the same prompt token ids."""
+    import av
+    import soundfile as sf
+
+    from omni_cache.driver.inputs import sample_path
+
+    wav, sr = sf.read(sample_path("speech.wav"), dtype="float32")
+    wav = (wav.mean(axis=1) if wav.ndim > 1 else wav)[:int(seconds * sr)]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        v = c.add_stream("mpeg4", rate=fps)
+        v.width = v.height = size
+        v.pix_fmt = "yuv420p"
+        a = c.add_stream("aac", rate=sr)
+        a.layout = "mono"
+        rng = np.random.default_rng(pixel_seed)
+        for _ in range(int(seconds * fps)):
+            img = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+            for packet in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(packet)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wav[None, :]), format="flt", layout="mono")
+        frame.sample_rate = sr
+        for stream, item in ((v, None), (a, frame), (a, None)):
+            for packet in stream.encode(item):
+                c.mux(packet)
+    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def _media() -> dict[str, str]:
     """The request inputs: a 64×64 PNG data URL, 1 s of speech (WAV, base64), a 78-sample WAV,
-    a truncated JPEG data URL."""
+    a truncated JPEG data URL, two 1 s 64×64 video clips with their audio track (data URLs)."""
     from PIL import Image
 
     from omni_cache.driver.inputs import load_audio, sample_path
@@ -97,7 +130,8 @@ def _media() -> dict[str, str]:
     return {"image": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(),
             "speech": _wav_b64(np.asarray(audio)[:sr], sr),
             "short_wav": _wav_b64(np.zeros(78)),
-            "truncated_jpeg": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()}
+            "truncated_jpeg": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode(),
+            "video": [video_clip(seed, seconds=1.0, size=64, fps=2) for seed in (1, 2)]}
 
 
 def _bad_content(k: int, media: dict) -> list:
@@ -210,6 +244,12 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
             content = [{"type": "image_url", "image_url": {"url": media["image"]}}, {"type": "text", "text": q}]
             r = await client.chat.completions.create(messages=[{"role": "user", "content": content}],
                                                      modalities=["text"], **common)
+            rec["ok"] = bool(r.choices)
+        elif kind == "video":
+            content = [{"type": "video_url", "video_url": {"url": media["video"][k % 2]}}, {"type": "text", "text": q}]
+            r = await client.chat.completions.create(
+                messages=[{"role": "user", "content": content}], modalities=["text"],
+                extra_body={"mm_processor_kwargs": {"use_audio_in_video": bool(k % 2)}}, **common)
             rec["ok"] = bool(r.choices)
         elif kind in ("stream", "abort"):
             stream = await client.chat.completions.create(messages=[{"role": "user", "content": q}],

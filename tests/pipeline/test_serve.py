@@ -57,6 +57,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from benchmarks.soak import video_clip
 from omni_cache.driver.http_errors import MAX_MESSAGE_CHARS, dedupe_message
 from omni_cache.driver.inputs import sample_path
 from omni_cache.driver.server import OmniServer
@@ -483,34 +484,6 @@ def test_bad_requests_log_one_warning_each_and_no_traceback(server_on):
 VISION_START, AUDIO_PAD = 151652, 151675  # the real Qwen3-Omni ids (omni_cache.models.qwen3.SPECIAL_TOKENS)
 
 
-def _clip(pixel_seed: int, seconds: float = 2.0, size: int = 224, fps: int = 4) -> str:
-    """A ``seconds`` mp4 (MPEG-4 video, ``size`` × ``size`` random pixels drawn from
-    ``pixel_seed``; AAC audio: the bundled speech recording) as a data URL. Same arguments but
-    the seed: same length and size, so the same prompt token ids."""
-    import av
-
-    wav, sr = sf.read(sample_path("speech.wav"), dtype="float32")
-    wav = (wav.mean(axis=1) if wav.ndim > 1 else wav)[:int(seconds * sr)]
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as c:
-        v = c.add_stream("mpeg4", rate=fps)
-        v.width = v.height = size
-        v.pix_fmt = "yuv420p"
-        a = c.add_stream("aac", rate=sr)
-        a.layout = "mono"
-        rng = np.random.default_rng(pixel_seed)
-        for _ in range(int(seconds * fps)):
-            img = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-            for packet in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                c.mux(packet)
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wav[None, :]), format="flt", layout="mono")
-        frame.sample_rate = sr
-        for stream, item in ((v, None), (a, frame), (a, None)):
-            for packet in stream.encode(item):
-                c.mux(packet)
-    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def _video_chat(server: OmniServer, clip: str, audio_in_video: bool, reference: bool = False) -> dict:
     messages = [{"role": "system", "content": "Video. " + SYSTEM},
                 {"role": "user", "content": [{"type": "video_url", "video_url": {"url": clip}},
@@ -523,7 +496,7 @@ def _video_chat(server: OmniServer, clip: str, audio_in_video: bool, reference: 
 def video_chats(server_on):
     """Clip A with its audio track, clip B (other pixels, same size) with it, clip A again,
     clip A without it; then each as a cache-off reference."""
-    a, b = _clip(1), _clip(2)
+    a, b = video_clip(1), video_clip(2)
     cases = {"a": (a, True), "b": (b, True), "a again": (a, True), "a, no audio": (a, False)}
     on = {k: _video_chat(server_on, clip, audio) for k, (clip, audio) in cases.items()}
     off = {k: _video_chat(server_on, clip, audio, reference=True) for k, (clip, audio) in cases.items()}
