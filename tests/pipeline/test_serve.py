@@ -29,7 +29,7 @@ streaming path in ``test_streaming_equality.py``). Checked:
   2 s 224×224 clip with speech) and without it: each reply is bitwise equal to its cache-off
   reference; two same-size clips with other pixels (same token ids) share hits only up to the
   last whole block before the clip, the same clip again hits through it;
-- a 100-request slice of the soak (``benchmarks/soak.py``: text only, text + audio, photo and
+- a 100-request slice of the soak (``benchmarks/soak.py``: text only, text + audio, photo, video and
   speech in, bad media, streams closed after the first chunk), after everything else: no request
   lost, ``/dev/shm`` flat and drained, nothing of it left in ``/dev/shm`` after exit (issue 45);
 - the server stops cleanly (exit code 0, port closed).
@@ -57,7 +57,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from benchmarks.soak import video_clip
 from omni_cache.driver.http_errors import MAX_MESSAGE_CHARS, dedupe_message
 from omni_cache.driver.inputs import sample_path
 from omni_cache.driver.server import OmniServer
@@ -496,6 +495,8 @@ def _video_chat(server: OmniServer, clip: str, audio_in_video: bool, reference: 
 def video_chats(server_on):
     """Clip A with its audio track, clip B (other pixels, same size) with it, clip A again,
     clip A without it; then each as a cache-off reference."""
+    from benchmarks.soak import video_clip
+
     a, b = video_clip(1), video_clip(2)
     cases = {"a": (a, True), "b": (b, True), "a again": (a, True), "a, no audio": (a, False)}
     on = {k: _video_chat(server_on, clip, audio) for k, (clip, audio) in cases.items()}
@@ -565,7 +566,7 @@ def test_streamed_two_turn_chat_hit_and_equal_to_cache_off(streamed_on, chat_off
 @pytest.fixture(scope="module")
 def soak_slice(server_on, chat_off):
     """100 requests of the soak's mixed stream (``benchmarks/soak.py``: text only, text + audio
-    streamed and not, photo in, speech in, bad media, streams the client closes after the first
+    streamed and not, photo, video and speech in, bad media, streams the client closes after the first
     chunk), 4 at a time, after every other request of this module; ``/dev/shm`` and the process
     tree sampled every second."""
     from benchmarks.soak import drive
@@ -580,7 +581,7 @@ def test_soak_slice_keeps_dev_shm_flat(soak_slice):
     after the drain. Before the fixes every text-only request and most closed streams left a
     segment (and a lock file) until the server exited."""
     bars, counts = soak_slice["bars"], soak_slice["counts"]
-    assert counts["text"]["n"] >= 15 and counts["abort"]["n"] >= 5 and counts["bad"]["n"] >= 5, counts
+    assert counts["text"]["n"] >= 10 and min(counts[k]["n"] for k in ("abort", "bad", "video")) >= 5, counts
     assert bars["no_lost_requests"]["pass"], bars["no_lost_requests"]
     assert bars["server_alive_after_stream"]["pass"]
     assert bars["shm_segments_flat"]["pass"], bars["shm_segments_flat"]
