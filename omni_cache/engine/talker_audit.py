@@ -12,7 +12,9 @@ JSON line per event, in step order:
   ``request`` computed the last row of its block ``block`` (index in the request), stored in
   KV block ``block_id``; ``digest``: :func:`kv_block_digest` of that block in every layer;
 - ``{"kind": "read", ...}`` — the same for each block of a new request's prefix hit, before the
-  step that serves it.
+  step that serves it;
+- ``{"kind": "error", "message"}`` — a KV layout it cannot index (no single block dimension):
+  the audit stops there (a warning in the stage's log) and the oracle reports it.
 
 :func:`omni_cache.exactness.oracles.talker_kv_mismatches` then holds every read to the last
 write of its block id: same block index, same digest, another request — a served talker block
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,8 @@ from typing import Any
 import torch
 
 from omni_cache import settings
+
+logger = logging.getLogger(__name__)
 
 
 def _block_dim(kv: torch.Tensor, num_blocks: int) -> int:
@@ -88,11 +93,18 @@ class TalkerKVAudit:
         return cls(int(runner.cache_config.block_size))
 
     def _log(self, runner: Any, kind: str, events: list[tuple[str, int, int]]) -> None:
-        if not events:
+        if not events or self.path is None:
             return
-        num_blocks = int(runner.kv_cache_config.num_blocks)
-        digests = kv_block_digests(list(runner.kv_caches), [b for _, _, b in events], num_blocks)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            digests = kv_block_digests(list(runner.kv_caches), [b for _, _, b in events],
+                                       int(runner.kv_cache_config.num_blocks))
+        except ValueError as e:  # a KV layout this audit cannot index: say so in the log, stop auditing
+            logger.warning("omni-cache: talker KV audit stopped: %s", e)
+            with self.path.open("a") as f:
+                f.write(json.dumps({"kind": "error", "message": str(e)}) + "\n")
+            self.path = None
+            return
         with self.path.open("a") as f:
             f.writelines(json.dumps({"kind": kind, "request": rid, "block": i, "block_id": b, "digest": d}) + "\n"
                          for (rid, i, b), d in zip(events, digests))

@@ -20,9 +20,10 @@ equal, prompt rows within the tolerance.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,9 @@ class RequestVerdict:
         hit: omni-cache's thinker hit (tokens); ``builtin_hit``: the built-in's.
         talker_hit: omni-cache's talker hit (tokens).
         served_blocks_verified / served_blocks_unverified: oracle (a)'s blocks.
+        talker_blocks_verified / talker_blocks_unverified: oracle (a) on the talker's served KV
+            blocks (:func:`talker_served_report`); unverified: the KV held, the writer's content
+            not judged (its writer ran in an earlier group).
         vs_off: per key, how the prompt rows differ from cache off (:class:`~.oracles.RowDiff`).
         builtin_vs_off: the same for the built-in cache.
         concurrent: sent together with other requests (a batch of the group's schedule). Their
@@ -140,6 +144,8 @@ class RequestVerdict:
     talker_hit: int = 0
     served_blocks_verified: int = 0
     served_blocks_unverified: int = 0
+    talker_blocks_verified: int = 0
+    talker_blocks_unverified: int = 0
     vs_off: list[dict] = field(default_factory=list)
     builtin_vs_off: list[dict] = field(default_factory=list)
     concurrent: bool = False
@@ -304,6 +310,49 @@ def served_rows_report(engine_dir: str | Path, results: Iterable[Any], *, block_
     return out
 
 
+def talker_kv_lines(engine_dir: str | Path) -> list[dict]:
+    """The talker's KV audit lines (``engine_dir/audit/talker-kv-*.jsonl``,
+    :class:`omni_cache.engine.talker_audit.TalkerKVAudit`), in the order logged."""
+    out = []
+    for p in sorted((Path(engine_dir) / "audit").glob("talker-kv-*.jsonl")):
+        out += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return out
+
+
+def talker_served_report(engine_dir: str | Path, results: Iterable[Any], rows: Mapping[str, dict], chat,
+                         *, block_size: int = 32) -> dict[str, tuple[int, int, list[str]]]:
+    """Oracle (a) on the talker's served KV for the readers among ``results`` (``request_id``,
+    ``prompt_token_ids``): per reader ``(blocks verified, blocks unverified, mismatches)`` —
+    each served block bitwise the KV its writer left (:func:`~.oracles.talker_kv_mismatches`)
+    and, where the writer is among ``results``, the writer's content up to the block the
+    reader's (:func:`~.oracles.talker_content_mismatches`; ``rows``: request id → prompt rows,
+    their embedding key read). ``chat``: :class:`~.oracles.ChatTokens`."""
+    by_id = {r.request_id: r for r in results}
+    bad, served = oracles.talker_kv_mismatches(talker_kv_lines(engine_dir))
+    out: dict[str, tuple[int, int, list[str]]] = {}
+
+    def add(rid, v=0, u=0, msg=None):
+        v0, u0, b0 = out.get(rid, (0, 0, []))
+        out[rid] = (v0 + v, u0 + u, b0 + ([msg] if msg else []))
+
+    for reader, msg in bad:
+        rid = _owner(reader, by_id)
+        if rid is not None:
+            add(rid, msg=f"talker KV: {msg}")
+    for s in served:
+        rid, wid = _owner(s.reader, by_id), _owner(s.writer, by_id)
+        if rid is None:
+            continue
+        if wid is None:
+            add(rid, u=1)
+            continue
+        emb = [next(v for k, v in rows[x].items() if k in oracles.EMBEDDING_KEYS) for x in (rid, wid)]
+        why = oracles.talker_content_mismatches(s.block, by_id[rid].prompt_token_ids, by_id[wid].prompt_token_ids,
+                                                emb[0], emb[1], chat, block_size)
+        add(rid, v=why is None, msg=why and f"talker {why} ({wid})")
+    return out
+
+
 def judge(group: Group, engines: dict[str, FuzzEngine], results: dict[str, dict], cache: str, *,
           streaming: bool, block_size: int = 32) -> GroupResult:
     """Apply oracles (a), (b), (c) to every request of a group that ran (``results``:
@@ -316,14 +365,25 @@ def judge(group: Group, engines: dict[str, FuzzEngine], results: dict[str, dict]
             rows[name][key] = oracles.prompt_rows(recs[name][key], res.num_prompt_tokens)
     served = served_rows_report(engines["omni"].dir, results["omni"].values(), block_size=block_size,
                                 rows={res.request_id: rows["omni"][key] for key, res in results["omni"].items()})
-    verdicts = [_judge_request(group, key, results, rows, recs, served, cache) for key in sorted(results["omni"])]
+    talker = talker_served_report(engines["omni"].dir, results["omni"].values(),
+                                  {res.request_id: rows["omni"][key] for key, res in results["omni"].items()},
+                                  _chat_tokens(engines["omni"].pipe.model_dir), block_size=block_size)
+    verdicts = [_judge_request(group, key, results, rows, recs, served, cache, talker)
+                for key in sorted(results["omni"])]
     ids = {n: {f"{group.conversations[c].name}/{t}": res.request_id for (c, t), res in results[n].items()}
            for n in ENGINE_NAMES}
     return GroupResult(group.seed, group.knobs.as_dict(), cache, streaming, group.describe(), verdicts,
                        foreign_distances(group, rows["off"]), ids)
 
 
-def _judge_request(group, key, results, rows, recs, served, cache) -> RequestVerdict:
+@functools.cache
+def _chat_tokens(model_dir) -> oracles.ChatTokens:
+    from transformers import AutoTokenizer
+
+    return oracles.ChatTokens.of(AutoTokenizer.from_pretrained(model_dir))
+
+
+def _judge_request(group, key, results, rows, recs, served, cache, talker) -> RequestVerdict:
     off, bi, on = (results[n][key] for n in ENGINE_NAMES)
     v = RequestVerdict(group.conversations[key[0]].name, key[1], on.num_prompt_tokens, on.num_cached_tokens,
                        bi.num_cached_tokens, on.talker_num_cached_tokens)
@@ -333,6 +393,8 @@ def _judge_request(group, key, results, rows, recs, served, cache) -> RequestVer
         v.off_rerun_audio_equal = _same_audio(results[RERUN][key].audio, off.audio)
     # (a) served rows = their writer's
     v.served_blocks_verified, v.served_blocks_unverified, a = served.get(on.request_id, (0, 0, []))
+    v.talker_blocks_verified, v.talker_blocks_unverified, ta = talker.get(on.request_id, (0, 0, []))
+    a = a + ta
     # (b) omni-cache = built-in, where both served the same hit
     b = []
     if on.num_cached_tokens != bi.num_cached_tokens:

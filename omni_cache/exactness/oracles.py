@@ -260,7 +260,7 @@ class TalkerServedBlock:
     block: int
 
 
-def talker_kv_mismatches(events: Sequence[Mapping]) -> tuple[list[str], list[TalkerServedBlock]]:
+def talker_kv_mismatches(events: Sequence[Mapping]) -> tuple[list[tuple[str, str]], list[TalkerServedBlock]]:
     """Oracle (a) for the talker's KV: every block a talker prefix hit served holds, bitwise,
     what its writer left in it.
 
@@ -272,25 +272,83 @@ def talker_kv_mismatches(events: Sequence[Mapping]) -> tuple[list[str], list[Tal
     preemption).
 
     Returns:
-        ``(mismatches, served)``: one string per violation; one :class:`TalkerServedBlock` per
-        read that holds, so the caller can check that writer and reader had the same content
+        ``(mismatches, served)``: one ``(reader request id, what is wrong)`` per violation; one
+        :class:`TalkerServedBlock` per read that holds, so the caller can check that writer and reader had the same content
         up to the block's last row (the key's claim, judged without the key code).
     """
     last: dict[int, Mapping] = {}
-    bad: list[str] = []
+    bad: list[tuple[str, str]] = []
     served: list[TalkerServedBlock] = []
     for e in events:
+        if e["kind"] == "error":
+            bad.append(("", f"the talker's KV audit stopped: {e['message']}"))
+            continue
         if e["kind"] == "write":
             last[int(e["block_id"])] = e
             continue
         w = last.get(int(e["block_id"]))
         where = f"talker request {e['request']} block {e['block']} (KV block {e['block_id']})"
         if w is None:
-            bad.append(f"{where}: served, never written")
+            bad.append((str(e["request"]), f"{where}: served, never written"))
         elif int(w["block"]) != int(e["block"]):
-            bad.append(f"{where}: last written as block {w['block']} of {w['request']}")
+            bad.append((str(e["request"]), f"{where}: last written as block {w['block']} of {w['request']}"))
         elif w["digest"] != e["digest"]:
-            bad.append(f"{where}: KV changed since {w['request']} wrote it")
+            bad.append((str(e["request"]), f"{where}: KV changed since {w['request']} wrote it"))
         else:
             served.append(TalkerServedBlock(str(e["request"]), str(w["request"]), int(e["block"])))
     return bad, served
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """The chat template's token ids the talker's row layout is read from (Qwen3-Omni's
+    ``<|im_start|>``, ``user``, ``<|im_end|>``, ``\\n``); :meth:`of` reads them from a tokenizer."""
+
+    im_start: int
+    user: int
+    im_end: int
+    newline: int
+
+    @classmethod
+    def of(cls, tok) -> ChatTokens:
+        (user,), (nl,) = tok.encode("user"), tok.encode("\n")
+        return cls(tok.convert_tokens_to_ids("<|im_start|>"), user, tok.convert_tokens_to_ids("<|im_end|>"), nl)
+
+
+def talker_user_rows(ids: Sequence[int], chat: ChatTokens) -> list[int]:
+    """The thinker positions of the talker's prompt rows before its final assistant segment
+    (vLLM-Omni's layout, ``_compute_talker_prompt_ids_length`` in its ``qwen3_omni.py``, read
+    here without omni-cache's key code): the user segments' tokens, ``<|im_start|>user`` …
+    ``<|im_end|>\\n``, in order. The talker's prompt is these rows plus 9 assistant rows."""
+    pos, i = [], 0
+    while i < len(ids) - 1:
+        if ids[i] == chat.im_start and ids[i + 1] == chat.user:
+            end = next((j for j in range(i, len(ids) - 1) if ids[j] == chat.im_end and ids[j + 1] == chat.newline),
+                       len(ids) - 2) + 2
+            pos += range(i, end)
+            i = end
+        else:
+            i += 1
+    return pos
+
+
+def talker_content_mismatches(block: int, reader_ids: Sequence[int], writer_ids: Sequence[int],
+                              reader_emb: torch.Tensor, writer_emb: torch.Tensor, chat: ChatTokens,
+                              block_size: int) -> str | None:
+    """The content half of the talker's oracle (a): a served talker block ``block`` stands for
+    the reader's talker rows up to thinker position ``t`` (the last row of the block,
+    :func:`talker_user_rows` on ``reader_ids``); its writer must have had the same thinker prompt
+    ids ``[0, t]`` and the same embedding rows ``[0, t]`` (``hidden_states.layer_0`` /
+    ``embed.prefill`` ``[tokens, hidden_size]``: each text token's embedding, each media item's
+    encoder output), what the talker's rows up to ``t`` are computed from. Returns the
+    mismatch, or None."""
+    rows = talker_user_rows(reader_ids, chat)
+    end = (block + 1) * block_size
+    if end > len(rows):
+        return f"block {block} is past the reader's {len(rows)} user rows"
+    t = rows[end - 1] + 1
+    if list(reader_ids[:t]) != list(writer_ids[:t]):
+        return f"block {block}: prompt ids [0, {t}) differ from its writer's"
+    if not torch.equal(reader_emb[:t], writer_emb[:t]):
+        return f"block {block}: embedding rows [0, {t}) differ from its writer's"
+    return None

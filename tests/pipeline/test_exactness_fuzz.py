@@ -143,6 +143,11 @@ def test_fuzzed_conversations_hold_every_oracle(fuzz_slice):
         by_cache[res.cache] += res.requests
     assert any(r.talker_hit > 0 for r in by_cache["thinker+talker"])
     assert all(r.talker_hit == 0 for r in by_cache["thinker"])
+    # oracle (a) on the talker's served KV: every talker hit block checked — its KV bitwise its
+    # writer's, and (the writer in the group, as the salt keeps groups apart) its content
+    talker = [(r.conversation, r.turn, r.talker_hit, r.talker_blocks_verified, r.talker_blocks_unverified)
+              for r in by_cache["thinker+talker"]]
+    assert all(v == hit // BLOCK and u == 0 for _, _, hit, v, u in talker), talker
 
 
 def test_rows_that_must_not_be_served_mostly_exceed_the_tolerance(fuzz_slice):

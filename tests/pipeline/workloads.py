@@ -326,20 +326,12 @@ def recorded_by_request(out_dir, sub: str = "codec") -> list[list[dict]]:
 
 def talker_user_rows(tok, ids: list[int]) -> list[int]:
     """The thinker positions of the talker's prompt rows before its final assistant segment
-    (vLLM-Omni's layout, computed here without omni-cache's key code): the user segments'
-    tokens, ``<|im_start|>user`` … ``<|im_end|>\\n``, in order. The talker's prompt is these rows
-    plus 9 assistant rows; its full blocks of these rows are the ones another request can hit."""
-    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
-    (user,), (nl,) = tok.encode("user"), tok.encode("\n")
-    pos, i = [], 0
-    while i < len(ids) - 1:
-        if ids[i] == im_start and ids[i + 1] == user:
-            end = next(j for j in range(i, len(ids) - 1) if ids[j] == im_end and ids[j + 1] == nl) + 2
-            pos += range(i, end)
-            i = end
-        else:
-            i += 1
-    return pos
+    (:func:`omni_cache.exactness.oracles.talker_user_rows`: vLLM-Omni's layout, read without
+    omni-cache's key code); the talker's prompt is these rows plus 9 assistant rows."""
+    from omni_cache.exactness.oracles import ChatTokens
+    from omni_cache.exactness.oracles import talker_user_rows as rows
+
+    return rows(ids, ChatTokens.of(tok))
 
 
 def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int, int]]:
@@ -403,9 +395,8 @@ def talker_kv_served(out_dir, results, tok, block: int = BLOCK) -> tuple[int, di
     """
     import json
 
-    import torch
-
-    from omni_cache.exactness.oracles import EMBEDDING_KEYS, talker_kv_mismatches
+    from omni_cache.exactness.oracles import (EMBEDDING_KEYS, ChatTokens, talker_content_mismatches,
+                                              talker_kv_mismatches)
 
     files = sorted((Path(out_dir) / "audit").glob("talker-kv-*.jsonl"))
     assert len(files) == 1, files  # one talker process
@@ -425,21 +416,13 @@ def talker_kv_served(out_dir, results, tok, block: int = BLOCK) -> tuple[int, di
 
     content: dict[str, list[str]] = {}
     mine = [s for s in served if any(s.reader == rid or s.reader.startswith(rid + "-") for rid in by_id)]
+    chat = ChatTokens.of(tok)
     for s in mine:  # the readers of this run (a shared engine also served other tests' requests)
         reader, writer = result(s.reader), result(s.writer)
-        rows = talker_user_rows(tok, reader.prompt_token_ids)
-        end = (s.block + 1) * block
-        why = None
-        if end > len(rows):
-            why = f"block {s.block} is past the reader's {len(rows)} user rows"
-        else:
-            t = rows[end - 1] + 1
-            if reader.prompt_token_ids[:t] != writer.prompt_token_ids[:t]:
-                why = f"block {s.block}: prompt ids [0, {t}) differ from writer {writer.request_id}'s"
-            elif not torch.equal(embedding(reader)[:t], embedding(writer)[:t]):
-                why = f"block {s.block}: embedding rows [0, {t}) differ from writer {writer.request_id}'s"
+        why = talker_content_mismatches(s.block, reader.prompt_token_ids, writer.prompt_token_ids,
+                                        embedding(reader), embedding(writer), chat, block)
         if why is not None:
-            content.setdefault(reader.request_id, []).append(why)
+            content.setdefault(reader.request_id, []).append(f"{why} ({writer.request_id})")
     return len(mine), content
 
 

@@ -92,9 +92,23 @@ def _e(kind, req, block, block_id, digest):
 ])
 def test_oracle_names_each_violation(events, reason):
     bad, served = talker_kv_mismatches(events)
-    assert len(bad) == 1 and reason in bad[0] and not served
+    assert len(bad) == 1 and bad[0][0] == "r" and reason in bad[0][1] and not served
 
 
 def test_oracle_accepts_a_resumed_request_reading_its_own_blocks():
     bad, served = talker_kv_mismatches([_e("write", "w", 0, 3, "a"), _e("read", "w", 0, 3, "a")])
     assert not bad and served[0].writer == served[0].reader == "w"
+
+
+def test_audit_of_a_layout_it_cannot_index_stops_and_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_CACHE_HIT_AUDIT", str(tmp_path))
+    runner = SimpleNamespace(model_config=SimpleNamespace(model_stage="talker"), cache_config=SimpleNamespace(block_size=BS),
+                             kv_cache_config=SimpleNamespace(num_blocks=NUM_BLOCKS),
+                             kv_caches=[torch.zeros(2, NUM_BLOCKS * 2, BS)], requests={})
+    audit = TalkerKVAudit.for_runner(runner)
+    audit.before_step(runner, _so(new=[("r", [3], 4)]))
+    audit.before_step(runner, _so(new=[("s", [4], 4)]))  # stopped: nothing more is logged
+    events = [json.loads(line) for line in next(tmp_path.glob("talker-kv-*.jsonl")).read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["error"]
+    bad, _ = talker_kv_mismatches(events)
+    assert len(bad) == 1 and "audit stopped" in bad[0][1]
