@@ -2,16 +2,11 @@
 side: does it shorten the thinker's prefill while the streaming talker and code2wav wait for
 chunks? (issue 14 item 6)
 
-Two streaming CPU pipelines (``stage_configs/qwen3_omni_cpu.yaml``, omni-cache on) are up at
-once: ``backoff-0`` (vLLM's 1 ms engine-loop cadence in every stage: the setting at 0) and
-``backoff-N`` (the default, N = 8 ms). An idle pipeline costs no CPU (an engine core with no
-request blocks on its input queue; the polling this measures happens only while a stage holds
-a request waiting for its next chunk). Requests alternate between the two pipelines, the
-first pipeline of each round rotated, each a fresh prompt of ``--prompt-tokens`` tokens (a
-miss: the whole prompt is prefilled). Per request: TTFT (request sent → first thinker token:
-the thinker's prefill plus one decode step) and TTFP (→ first audio packet).
-``result.json``: every request, per variant median and spread (min-max) of TTFT and TTFP, and
-the ratio off/on of the medians; ``idle_backoff.png``.
+Two streaming CPU pipelines up at once, ``backoff-0`` (vLLM's 1 ms engine-loop cadence) and
+``backoff-N`` (``--backoff-ms``, default 8); requests alternate between them (first one rotated
+per round), each a fresh ``--prompt-tokens`` miss. Per request TTFT and TTFP (s);
+``result.json`` (every request, per variant median and min-max, the off/on ratios) and
+``idle_backoff.png``.
 
     .venv/bin/python -m benchmarks.idle_backoff_bench --model-size bench --rounds 5
 """

@@ -1,29 +1,13 @@
 """Routing simulation: prefix-aware vs vLLM-Omni's policies over 8-256 thinker replicas.
 
-Driven by the policy code itself (:mod:`omni_cache.routing`), no engine. Workload: ``N``
-conversations x ``M`` turns; each conversation opens with one of ``K`` shared system
-prompts (a hot prefix: picked with the same Zipf skew), then alternates user messages and
-answers. Turn ``t``'s prompt = system prompt + every earlier (user, answer) + user message
-``t`` (token ids; block hashes from :func:`omni_cache.routing.request_block_hashes`).
-
-Arrivals are Poisson; each arrival is the next turn of a conversation that has none in
-flight, picked with probability proportional to its popularity: uniform, or Zipf
-(``1 / rank^s``) over conversations (skewed: hot conversations talk in bursts, cold ones
-linger). Each replica serves up to ``batch`` requests at a time, FIFO beyond; a request's
-service time is ``t_fixed + t_block x uncached prompt blocks``; queue length = requests
-queued or running there (what vLLM-Omni's ``ReplicaInfo.queue_length`` reports).
-
-Ground truth per replica: an LRU KV cache of ``capacity`` blocks (prompt + answer full
-blocks cached when a request finishes). A turn >= 2 **hits** when, at the start of its
-service, its replica's KV holds at least the previous turn's prompt full blocks.
-
-Policies: ``prefix`` (the router's approximate record: what it routed),
-``prefix+events`` (also fed the replicas' stored / evicted blocks, as vLLM's KV-cache events
-would), ``random``, ``round-robin``, ``least-queue``.
-
-Reports per (replicas, skew, policy): turn >= 2 hit ratio, cached-block ratio, max/mean of
-requests per replica (``load_max_mean``) and of busy time. Bar: 64 replicas, Zipf: hit ratio
->= 0.9 with max/mean load <= 1.3 (prefix policy).
+Driven by the policy code itself (:mod:`omni_cache.routing`), no engine: ``N`` multi-turn
+conversations on ``K`` shared system prompts (Zipf-picked), Poisson arrivals of the next turn
+of a conversation with none in flight (uniform or Zipf popularity), per replica ``batch``
+requests at a time (FIFO beyond) of service time ``t_fixed + t_block x uncached blocks`` and
+an LRU KV cache of ``capacity`` blocks as ground truth: a turn >= 2 hits when its replica holds
+the previous turn's prompt blocks. Policies :data:`POLICIES`; per (replicas, skew, policy) the
+turn >= 2 hit ratio, cached-block ratio, max/mean requests and busy time per replica. Bar: 64
+replicas, Zipf: hit ratio >= 0.9 with max/mean load <= 1.3 (prefix). docs/routing.md, "Simulation".
 
     PYTHONPATH=. /work/main/.venv/bin/python benchmarks/routing_sim.py
 

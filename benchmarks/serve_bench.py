@@ -1,19 +1,13 @@
 """vLLM-Omni's own serving benchmark (``vllm-omni bench serve --omni``) against ``omni-cache serve``:
 omni-cache on vs the thinker's prefix cache off, streaming.
 
-The ecosystem's tool measures what vLLM-Omni publishes for its deploys — text TTFT / TPOT / E2EL
-and audio TTFP / RTF percentiles, request throughput — so these figures compare with theirs.
-Its ``prefix_repetition`` dataset (vLLM's) sends prompts that share one of
-``--num-prefixes`` random prefixes of ``--prefix-len`` tokens plus a distinct suffix: the
-shared-prefix load a prefix cache exists for. Each variant runs on a fresh server started by
-:class:`omni_cache.driver.server.OmniServer` from ``--stage-config`` (``on``: as given, omni-cache
-on the thinker; ``off``: the thinker's ``enable_prefix_caching: false``), one server at a time;
-``--cycles N`` repeats the order with fresh servers. The tool's own JSON per run is kept, and
-``result.json`` collects its headline figures per variant and the off / on ratios;
-``serve_bench.png`` plots TTFT and audio TTFP percentiles side by side.
-
-What stays in ``benchmarks/serve_load.py``: multi-turn chats with media and per-request hit
-accounting, which this tool's datasets do not generate.
+The tool's ``prefix_repetition`` dataset (prompts sharing one of ``--num-prefixes`` prefixes of
+``--prefix-len`` tokens, plus a distinct suffix) against a fresh server per variant (``on``:
+``--stage-config`` as given; ``off``: the thinker's ``enable_prefix_caching: false``), one at a
+time, ``--cycles`` rotations of ``--order``. The tool's JSON per run is kept; ``result.json``
+has its headline figures (:data:`HEADLINE`: text TTFT, audio TTFP, E2EL in ms, throughput,
+RTF) per variant and the off / on ratios; ``serve_bench.png``. docs/serving.md, "vLLM-Omni's own
+serving benchmark".
 
     .venv/bin/python -m benchmarks.serve_bench --model-size bench --num-prompts 24 --max-concurrency 4
 """

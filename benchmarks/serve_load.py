@@ -1,23 +1,14 @@
 """Load on vLLM-Omni's OpenAI-compatible server: omni-cache on vs thinker prefix cache off.
 
 Bursts of ``--concurrency`` streaming chat completions (text + audio out) that share one long
-system prompt and differ in the user question, sent all at once with the official ``openai``
-client (``AsyncOpenAI``). Each round uses a fresh system prompt (a round salt at its start),
-so the first requests of a burst miss and the rest can hit what they computed. Per request:
+system prompt (fresh per round) and differ in the question, sent at once with the ``openai``
+client. Per request: TTFT (s to the first text chunk with content), TTFP (s to the first
+``modality: "audio"`` chunk), e2e (s), thinker prompt / cached tokens
+(``usage.prompt_tokens_details``). One server at a time (:func:`benchmarks.lab.start`;
+``on``: ``--stage-config`` as given, ``off``: the thinker's ``enable_prefix_caching: false``),
+``--cycles`` repeats of ``--order``. Results: ``benchmarks/results/serve-load-<timestamp>/``,
+every sample, p50/p90/p99 and on/off ratios (docs/serving.md, "Load").
 
-- **TTFT**: seconds from sending to the first streamed text chunk with content;
-- **TTFP**: seconds to the first streamed audio packet (``modality: "audio"`` chunk);
-- e2e seconds, thinker prompt / cached tokens (``usage.prompt_tokens_details``).
-
-The variants run one after the other (one server at a time: two bench-size pipelines do not
-fit next to other work in 24 GiB), each on a server started by
-:class:`omni_cache.driver.server.OmniServer` from ``--stage-config`` (``on``: as given, omni-cache on
-the thinker; ``off``: the same file with the thinker's ``enable_prefix_caching: false``).
-``--cycles N`` repeats the whole on/off sequence (fresh servers) to expose run-order drift.
-Results: JSON under ``benchmarks/results/serve-load-<timestamp>/`` with every sample,
-percentiles (p50/p90/p99, linear interpolation) and on/off ratios.
-
-    /work/tools/with-slot --all .venv/bin/python -m benchmarks.serve_load   # on this shared machine
     .venv/bin/python -m benchmarks.serve_load --concurrency 16 --rounds 3 --model-size bench
 """
 

@@ -1,15 +1,11 @@
 """Pipeline start time: vLLM's default ``mp`` executor vs ``uni`` on every stage, side by side.
 
-Each sample starts ``--stage-config`` (default the bundled streaming CPU config,
-``stage_configs/qwen3_omni_cpu.yaml``) on the model of ``--size`` (default tiny) through
-:func:`benchmarks.lab.start` (``streaming``: the driver's ``StreamingPipeline``) in a fresh
-Python process — ``mp``: as shipped (vLLM's CPU platform spawns a worker process per stage);
-``uni``: ``distributed_executor_backend: uni`` on every stage (the worker inside the stage's
-engine-core process; the pipeline sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for the start,
-:func:`omni_cache.driver.pipeline.engine_start_environment`) — sends one request, and stops.
-Variants alternate (the order flips every round). Reported per variant: ``start_s`` (the
-pipeline's constructor, seconds), ``process_s`` (process launch → started, imports included),
-``request_s`` (the first request), ``close_s``; medians, IQRs and the ratio mp / uni; JSON and
+Each sample starts ``--stage-config`` on the model of ``--size`` (default tiny) through
+:func:`benchmarks.lab.start` in a fresh Python process, sends one request and stops — ``mp``:
+as shipped (a worker process per stage); ``uni``: ``distributed_executor_backend: uni`` on
+every stage (the worker inside the stage's engine-core process). Variants alternate. Per
+variant (s): ``start_s`` (the constructor), ``process_s`` (launch → started, imports
+included), ``request_s`` (the first request), ``close_s``; medians, IQRs and mp / uni; JSON and
 a plot in ``--out``.
 
     .venv/bin/python -m benchmarks.start_bench --rounds 3

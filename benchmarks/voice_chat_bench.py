@@ -1,26 +1,14 @@
 """Multi-turn voice chat: time to the first audio packet (TTFP) and the talker's prefill per
-turn, with no prefix cache, omni-cache on the thinker, and omni-cache on the thinker plus
-content-keyed talker prefix caching (issue 15).
+turn, with no prefix cache (``off``), omni-cache on the thinker (``thinker``), and omni-cache
+on the thinker plus the talker's content-keyed prefix cache (``thinker+talker``) (issue 15).
 
-Three streaming CPU pipelines (``stage_configs/qwen3_omni_cpu.yaml`` as the variants of
-:func:`omni_cache.driver.variants.variant_stage_config`: first audio packet only, one request
-at a time) are up at once:
-
-- ``off``: prefix caching off on the thinker and the talker;
-- ``thinker``: omni-cache's hidden-state prefix cache on the thinker, talker caching off;
-- ``thinker+talker``: the same plus the talker's content-keyed prefix cache.
-
-Each round is one conversation per variant of ``--turns`` speech turns (the bundled speech
-recording and a short question each; every turn's history is the conversation so far with
-the variant's own answers); the variants alternate turn by turn, the first variant of each
-turn rotated. Rounds use different system prompts, so nothing is shared across rounds.
-Per request: TTFP (request sent → first audio packet), the talker's prompt and prefix-hit
-tokens, and its prefill time (``prefill_s`` from omni-cache's talker scheduler metrics:
-``schedule()`` that admitted the request → ``update_from_output()`` with its first token).
-``result.json``: every request, per variant and turn the median and spread (min-max) over
-rounds, the ratios, and the issue's bars (turns >= 3: talker prefill >= 4x lower with the
-talker cache; TTFP lower than the thinker-only cache's on every turn >= 2);
-``voice_chat.png``.
+Three streaming CPU pipelines up at once; per round one conversation per variant of
+``--turns`` speech turns (the bundled recording and a question), the variants alternating turn
+by turn. Per request: TTFP (s), the talker's prompt and hit tokens and its prefill time
+(``prefill_s`` of omni-cache's talker scheduler metrics). ``result.json``: every request, per
+variant and turn the median and min-max over rounds, the ratios and the issue's bars (turns
+>= 3: talker prefill >= 4x lower with the talker cache; TTFP lower than thinker-only on every
+turn >= 2); ``voice_chat.png``. docs/benchmarks.md, "Voice chat".
 
     .venv/bin/python -m benchmarks.voice_chat_bench --model-size bench-voice --turns 6 --rounds 3
 """
