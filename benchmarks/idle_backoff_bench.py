@@ -13,7 +13,6 @@ per round), each a fresh ``--prompt-tokens`` miss. Per request TTFT and TTFP (s)
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import random
@@ -23,14 +22,12 @@ from benchmarks import lab
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    lab.add_options(ap, "idle-backoff")
+    ap = lab.parser(__doc__, "idle-backoff")
     ap.add_argument("--rounds", type=int, default=5, help="one request per variant per round")
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--backoff-ms", type=int, default=8, help="the 'on' variant's setting")
     args = ap.parse_args(argv)
 
-    import numpy as np
     from transformers import AutoTokenizer
 
     from omni_cache import settings
@@ -63,12 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                                     cached_tokens=r.num_cached_tokens, ttft_s=r.ttft_s, ttfp_s=r.ttfp_s))
                 print(f"round {rnd + 1}/{args.rounds} {name}: {r.num_prompt_tokens} tokens, "
                       f"TTFT {r.ttft_s:.2f} s, TTFP {r.ttfp_s:.2f} s", flush=True)
-    summary = {}
-    for name in names:
-        for metric in ("ttft_s", "ttfp_s"):
-            xs = [r[metric] for r in records if r["variant"] == name]
-            summary.setdefault(name, {})[metric] = dict(median=float(np.median(xs)), min=min(xs), max=max(xs),
-                                                        n=len(xs))
+    summary = {name: {m: lab.describe([r[m] for r in records if r["variant"] == name], "median", "min", "max")
+                      for m in ("ttft_s", "ttfp_s")} for name in names}
     off, on = names
     summary["ratios_off_over_on"] = {m: summary[off][m]["median"] / summary[on][m]["median"]
                                      for m in ("ttft_s", "ttfp_s")}

@@ -15,7 +15,6 @@ covers the previous prompt's whole blocks. ``result.json`` (every request; per p
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -40,12 +39,9 @@ def _next_prompt(tok, prev: list[int], answer: list[int], turn: int) -> list[int
     return prev + [t for t in answer if t != im_end] + [im_end] + tail
 
 
-def _pct(xs: list[float | None], q: float) -> float | None:
-    """Percentile ``q`` (0-100) of the non-None ``xs`` (numpy's linear interpolation)."""
-    import numpy as np
-
-    xs = [x for x in xs if x is not None]
-    return float(np.percentile(xs, q)) if xs else None
+def _pct(xs: list[float | None], q: int) -> float | None:
+    """Percentile ``q`` (0-100) of the non-None ``xs`` (:func:`benchmarks.lab.describe`)."""
+    return (lab.describe(xs, f"p{q}") or {}).get(f"p{q}")
 
 
 def summarize(records: list[dict]) -> dict:
@@ -94,8 +90,7 @@ def plot(records: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    lab.add_options(ap, "routing-bench")
+    ap = lab.parser(__doc__, "routing-bench")
     ap.add_argument("--conversations", type=int, default=3, help="per round (odd: see the module docstring)")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=4, help="policies alternate by round")

@@ -14,10 +14,8 @@ serving benchmark".
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +45,8 @@ def tool_command(args, base_url: str, model_name: str, tokenizer: Path, result_d
 
 
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path) -> dict:
+    from omni_cache.driver.realtime import prefix_cache_counters
+
     cfg = lab.prefix_cache_variant(args.stage_config, out_dir, variant)
     filename = f"vllm-omni-bench-{variant}-{cycle}.json"
     with lab.start("server", model_dir, cfg, log=out_dir / f"server-{variant}-{cycle}.log",
@@ -57,15 +57,11 @@ def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path)
         with open(log, "w") as fh:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=out_dir,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-        _, metrics = srv.get("/metrics")
+        counters = prefix_cache_counters(srv.url)
     if rc != 0:
         raise RuntimeError(f"vllm-omni bench serve failed (rc={rc}) for {variant} #{cycle}; see {log}")
     tool = json.loads((out_dir / filename).read_text())
-    hits = {}
-    for ln in metrics.decode().splitlines():
-        for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
-            if ln.startswith(name) and 'stage="0"' in ln:
-                hits[name] = hits.get(name, 0.0) + float(ln.rsplit(" ", 1)[1])
+    hits = {f"vllm:prefix_cache_{k}_total": counters.get(f"{k}_0", 0.0) for k in ("hits", "queries")}
     return {"variant": variant, "cycle": cycle, "ready_s": srv.ready_s, "exit_code": srv.exit_code, "command": cmd,
             "tool_result_file": filename, "stage0_prefix_cache": hits,
             "headline": {k: tool.get(k) for k in HEADLINE},
@@ -79,10 +75,7 @@ def summarize(runs: list[dict]) -> dict:
     out: dict = {}
     for v in sorted({r["variant"] for r in runs}):
         rs = [r for r in runs if r["variant"] == v]
-        fig = {}
-        for k in HEADLINE:
-            xs = [r["headline"][k] for r in rs if isinstance(r["headline"].get(k), (int, float))]
-            fig[k] = statistics.median(xs) if xs else None
+        fig = {k: (lab.describe([r["headline"].get(k) for r in rs], "median") or {}).get("median") for k in HEADLINE}
         q = sum(r["stage0_prefix_cache"].get("vllm:prefix_cache_queries_total", 0.0) for r in rs)
         h = sum(r["stage0_prefix_cache"].get("vllm:prefix_cache_hits_total", 0.0) for r in rs)
         out[v] = {**fig, "thinker_hit_ratio": h / q if q else 0.0, "completed": sum(r["completed"] or 0 for r in rs),
@@ -111,8 +104,7 @@ def plot(summary: dict, path: Path, title: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    lab.add_options(ap, "serve-bench")
+    ap = lab.parser(__doc__, "serve-bench")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-concurrency", type=int, default=4)
     ap.add_argument("--prefix-len", type=int, default=1536, help="shared prefix tokens (prefix_repetition)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import io
 import json
@@ -111,18 +112,9 @@ def tree_usage(pid: int) -> dict:
     import psutil
 
     rss = fds = n = 0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return {"rss": 0, "fds": 0, "processes": 0}
-    for p in procs:
-        try:
-            rss += p.memory_info().rss
-            fds += p.num_fds()
-            n += 1
-        except psutil.Error:
-            pass
+    for p in lab.process_tree(pid):
+        with contextlib.suppress(psutil.Error):
+            rss, fds, n = rss + p.memory_info().rss, fds + p.num_fds(), n + 1
     return {"rss": rss, "fds": fds, "processes": n}
 
 
@@ -278,25 +270,18 @@ def _bars(samples: list[dict], drained: dict, records: list[dict], warmup: int, 
 
 
 def _plot(samples: list[dict], out: Path, warmup: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = [s["requests_done"] for s in samples]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     panels = [("tagged_segments", "/dev/shm segments (this run)", 1), ("tagged_lockfiles", "lock files (this run)", 1),
               ("rss", "process tree RSS (MiB)", 2 ** 20), ("fds", "open file descriptors", 1)]
-    for ax, (key, title, scale) in zip(axes.flat, panels):
-        ax.plot(x, [s[key] / scale for s in samples], marker=".", lw=1)
-        ax.axvline(warmup, color="grey", ls=":", lw=1)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    for ax in axes[1]:
-        ax.set_xlabel("requests answered")
-    fig.suptitle("omni-cache serve soak (dotted: end of warm-up)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    with lab.figure(out, 2, 2, figsize=(11, 7), sharex=True, dpi=110,
+                    title="omni-cache serve soak (dotted: end of warm-up)") as (fig, axes):
+        for ax, (key, title, scale) in zip(axes.flat, panels):
+            ax.plot(x, [s[key] / scale for s in samples], marker=".", lw=1)
+            ax.axvline(warmup, color="grey", ls=":", lw=1)
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+        for ax in axes[1]:
+            ax.set_xlabel("requests answered")
 
 
 def _stop_timed(srv) -> dict:
@@ -304,7 +289,7 @@ def _stop_timed(srv) -> dict:
     workers) and the server itself are gone."""
     import psutil
 
-    kids = [p for p in psutil.Process(srv.proc.pid).children(recursive=True) if p.name().startswith("VLLM")]
+    kids = [p for p in lab.process_tree(srv.proc.pid)[1:] if p.name().startswith("VLLM")]
     t0 = time.perf_counter()
     srv.proc.send_signal(signal.SIGTERM)
     stages_down = None

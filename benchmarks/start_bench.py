@@ -13,7 +13,6 @@ a plot in ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -53,14 +52,8 @@ def _sample(cfg: Path, model: Path, log: Path) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def _stats(xs: list[float]) -> dict:
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "n": len(xs)}
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    lab.add_options(ap, "start", size="tiny")
+    ap = lab.parser(__doc__, "start", size="tiny")
     ap.add_argument("--rounds", type=int, default=3, help="samples per variant (alternated)")
     args = ap.parse_args(argv)
     from tqdm import tqdm
@@ -76,15 +69,15 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix_str(v)
                 samples[v].append(_sample(cfgs[v], model, out / f"log_{v}.txt"))
                 bar.update()
-    summary = {v: {k: _stats([s[k] for s in samples[v]]) for k in ("start_s", "process_s", "request_s", "close_s")}
-               for v in VARIANTS}
+    summary = {v: {k: lab.describe([s[k] for s in samples[v]], "median", "p25", "p75")
+                   for k in ("start_s", "process_s", "request_s", "close_s")} for v in VARIANTS}
     ratio = summary["mp"]["start_s"]["median"] / summary["uni"]["start_s"]["median"]
     lab.write_result(out, {**lab.stamp("benchmarks.start_bench", argv), "args": lab.jsonable(args),
                            "samples": samples, "summary": summary, "ratio_start_mp_over_uni": ratio}, "start.json")
     _plot(samples, out / "start.png")
     for v in VARIANTS:
-        s = summary[v]
-        print(f"{v:>4}: start {s['start_s']['median']:.1f} s (IQR {s['start_s']['q1']:.1f}-{s['start_s']['q3']:.1f}), "
+        s, st = summary[v], summary[v]["start_s"]
+        print(f"{v:>4}: start {st['median']:.1f} s (IQR {st['p25']:.1f}-{st['p75']:.1f}), "
               f"process {s['process_s']['median']:.1f} s, first request {s['request_s']['median']:.2f} s")
     print(f"start time mp / uni = {ratio:.2f}x   ({out})")
     return 0

@@ -15,7 +15,6 @@ turn >= 2); ``voice_chat.png``. docs/benchmarks.md, "Voice chat".
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import time
@@ -45,8 +44,7 @@ def _talker_record(metrics_dir: Path, request_id: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    lab.add_options(ap, "voice-chat", size="bench-voice", sizes=("tiny", "bench", "bench-voice"))
+    ap = lab.parser(__doc__, "voice-chat", size="bench-voice", sizes=("tiny", "bench", "bench-voice"))
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="conversations per variant")
     args = ap.parse_args(argv)
@@ -54,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--turns must be 1..{len(QUESTIONS)}")
 
     import os
-
-    import numpy as np
 
     from omni_cache import settings
     from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, build_request, sample_path
@@ -107,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{'?' if tp is None else f'{tp * 1e3:.1f} ms'}, TTFP {r.ttfp_s:.2f} s", flush=True)
 
     def cell(v: str, turn: int, metric: str) -> dict | None:
-        xs = [r[metric] for r in records if r["variant"] == v and r["turn"] == turn and r[metric] is not None]
-        if not xs:
-            return None
-        return dict(median=float(np.median(xs)), min=float(min(xs)), max=float(max(xs)), n=len(xs))
+        return lab.describe([r[metric] for r in records if r["variant"] == v and r["turn"] == turn],
+                            "median", "min", "max")
 
     turns = list(range(1, args.turns + 1))
     summary = {v: {t: {m: cell(v, t, m) for m in ("ttfp_s", "talker_prefill_s", "talker_cached_tokens",
