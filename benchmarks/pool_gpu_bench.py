@@ -251,6 +251,7 @@ def bench_cpu(reps: int, width: int = 2048) -> dict:
 
 
 def plot(res: dict, path: Path) -> None:
+    """Per tier and step size: GB/s (with the limits), host ms per call, fraction of the limit."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,25 +261,20 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for tier, color in (("DEVICE", "tab:blue"), ("PINNED_HOST", "tab:orange")):
         runs = [r for r in res["runs"] if r["tier"] == tier]
-        x = [r["tokens"] for r in runs]
-        axes[0].plot(x, [r["write_GBps"] for r in runs], "o-", color=color, label=f"{tier} write")
-        axes[0].plot(x, [r["read_GBps"] for r in runs], "s--", color=color, label=f"{tier} read")
-        axes[1].plot(x, [r["write_host_ms"] for r in runs], "o-", color=color, label=f"{tier} write")
-        axes[1].plot(x, [r["read_host_ms"] for r in runs], "s--", color=color, label=f"{tier} read")
-        axes[2].plot(x, [r["write_frac"] for r in runs], "o-", color=color, label=f"{tier} write")
-        axes[2].plot(x, [r["read_frac"] for r in runs], "s--", color=color, label=f"{tier} read")
+        for ax, what in zip(axes, ("GBps", "host_ms", "frac")):
+            for op, style in (("write", "o-"), ("read", "s--")):
+                ax.plot([r["tokens"] for r in runs], [r[f"{op}_{what}"] for r in runs], style, color=color,
+                        label=f"{tier} {op}")
     for name, ls in (("index_copy_rows", ":"), ("index_select_rows", "-."), ("pinned_h2d", ":")):
         axes[0].axhline(lim[name]["GBps"], color="gray", ls=ls, lw=1)
         axes[0].annotate(name, (STEP_TOKENS[0], lim[name]["GBps"]), fontsize=7, color="gray")
-    axes[0].set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="GB/s (payload, GPU time)",
-                title="bandwidth")
     axes[1].axhline(BARS["write_host_ms_8k"], color="red", ls=":", lw=1)
-    axes[1].set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="host ms per call",
-                title="host time (bar: write <= 0.2 ms at 8k)")
     axes[2].axhline(0.7, color="red", ls=":", lw=1)
-    axes[2].set(xscale="log", xlabel="tokens per step", ylabel="fraction of limit",
-                title="fraction of measured limit (bar 0.7)")
-    for ax in axes:
+    for ax, ylabel, title in zip(axes, ("GB/s (payload, GPU time)", "host ms per call", "fraction of limit"),
+                                 ("bandwidth", "host time (bar: write <= 0.2 ms at 8k)",
+                                  "fraction of measured limit (bar 0.7)")):
+        ax.set(xscale="log", yscale="linear" if ax is axes[2] else "log", xlabel="tokens per step", ylabel=ylabel,
+               title=title)
         ax.set_xticks(STEP_TOKENS, [f"{t // 1024}k" for t in STEP_TOKENS])
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
