@@ -211,6 +211,11 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
         return RealtimeSession(servers[v].realtime_url, instructions=_instructions(rnd, n, i, window),
                                extra_body={"omni_cache_window": window}, ping_interval=None)
 
+    def add(results: list[dict], sessions: list, **where) -> None:  # one record per session's turn
+        for i, r in enumerate(results):
+            records.append({**where, "session": i, "session_id": sessions[i].session_id, **r})
+            _print(records[-1])
+
     cold = {}
     for v in active:  # the throwaway first turn of each server
         only(v)
@@ -233,11 +238,8 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                     audios = [_clip(args.seconds, turn, rnd, i) for i in range(n)]
                     for v in active[k % len(active):] + active[:k % len(active)]:
                         only(v)
-                        for i, r in enumerate(await _turns(servers[v], live[v], audios)):
-                            rec = {"variant": v, "window": window, "round": rnd, "n_sessions": n, "session": i,
-                                   "turn": turn + 1, "session_id": live[v][i].session_id, **r}
-                            records.append(rec)
-                            _print(rec)
+                        add(await _turns(servers[v], live[v], audios), live[v], variant=v, window=window, round=rnd,
+                            n_sessions=n, turn=turn + 1)
                     k += 1
                 for v, ss in live.items():
                     only(v)
@@ -250,11 +252,8 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                         res = await _turns(servers[FLOOR_ON], fresh, [_clip(args.seconds, turn, rnd, i)
                                                                       for i in range(n)])
                         await asyncio.gather(*(s.close() for s in fresh))
-                        for i, r in enumerate(res):
-                            rec = {"variant": FLOOR, "window": window, "round": rnd, "n_sessions": n, "session": i,
-                                   "turn": turn + 1, "session_id": fresh[i].session_id, "server": FLOOR_ON, **r}
-                            records.append(rec)
-                            _print(rec)
+                        add(res, fresh, variant=FLOOR, window=window, round=rnd, n_sessions=n, turn=turn + 1,
+                            server=FLOOR_ON)
     for v in active:
         _pause(servers[v], False)
     return cold

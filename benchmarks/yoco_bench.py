@@ -21,7 +21,6 @@ docs/benchmarks.md ("Multimodal KV-shared (YOCO) thinker") have the runs.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -100,8 +99,8 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks import lab
     from benchmarks.prefill import harness
-    from omni_cache.models.gemma import default_gemma_dir
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pair = "--paired" in argv
@@ -112,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         size = _opt(argv, "--size")
         del argv[argv.index("--size"):argv.index("--size") + 2]
     if "--model" not in argv:
-        # built in a child process (importing torch here would grow this driver process, which
-        # stays up next to the pipelines)
-        subprocess.run([sys.executable, "-m", "omni_cache.cli", "make-model", "--family", "gemma4", "--size", size],
-                       check=True)
-        argv += ["--model", str(default_gemma_dir(size, family="gemma4"))]
+        argv += ["--model", str(lab.model_dir(size, family="gemma4", child=True))]
     for k, v in DEFAULTS.items():
         if k not in argv:
             argv += [k, v]
