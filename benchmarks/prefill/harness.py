@@ -672,7 +672,7 @@ METRIC_DEFINITIONS = {
             "one-at-a-time samples",
     "throughput_rps": "requests finished without error per second of a batch's wall time (first request sent -> "
                       "last output, driver clock); median over rounds. c = 1: requests / sum of their e2e_ms",
-    "p95": "95th percentile, linear interpolation between order statistics (summary._q)",
+    "p95": "95th percentile, linear interpolation between order statistics (numpy's default, lab.describe)",
     "gpu_bytes": "GPU memory used by the variant's process tree (NVML per-process used memory), bytes",
     "omni_cache_pinned_host_bytes": "bytes of omni-cache's hidden-state pools in pinned host memory "
                                     "(pool_pinned_bytes of its metrics files)",

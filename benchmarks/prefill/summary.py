@@ -129,18 +129,11 @@ FLOOR_BOUNDS = ("text", "image", "audio", "chat")
 
 
 def add_attainable(workloads: dict[str, dict[str, dict[str, Any]]], reference: str = "off") -> None:
-    """Add the attainable speedup to every cache variant of the shared-prefix workloads, in place.
-
-    With a ``floor`` workload (only the part a hit computes, see
-    :mod:`benchmarks.prefill.workloads`) measured on ``reference``: ``attainable_speedup`` =
-    median prefill of the workload on ``reference`` / median prefill of ``floor`` on
-    ``reference`` — the speedup of a prefix cache whose hit costs exactly a prefill of the
-    uncached suffix alone (the step's fixed cost included, no attention over the prefix);
-    ``fraction_of_attainable`` = ``speedup_vs_off`` / ``attainable_speedup``; ``floor_ms`` and
-    ``floor_prompt_tokens`` (to compare with ``computed_tokens`` of the hit); ``floor_ttfp_ms``
-    (the attainable TTFP) and ``ttfp_over_floor``. Without a floor on ``reference`` nothing
-    is added.
-    """
+    """Add, in place, to every cache variant of the shared-prefix workloads: ``attainable_speedup``
+    = median prefill on ``reference`` / that of the ``floor`` workload on ``reference`` (a hit
+    that costs a prefill of the suffix alone), ``fraction_of_attainable`` = ``speedup_vs_off`` /
+    it, ``floor_ms``, ``floor_prompt_tokens``, ``floor_ttfp_ms`` (the attainable TTFP) and
+    ``ttfp_over_floor``. Nothing without a floor measured on ``reference``."""
     floor = (workloads.get("floor") or {}).get(reference)
     if not floor or not floor.get("prefill_ms"):
         return
@@ -473,16 +466,11 @@ def _stat(s: dict | None, metric: str, key: str) -> float | None:
 
 
 def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, list[dict[str, Any]]]:
-    """The load bars for ``variant`` (``passed`` True / False, or None = n/a: a variant,
-    a sample or the precondition missing — never a pass without samples):
-
-    - ``chat`` at c = 4 (applies when the variant's median prefix hit ≥ 0.9): TTFP p50 /
-      the floor's TTFP p50 (workload ``floor`` on cache off at c = 4) ≤ 1.25, and TTFP p50 /
-      the built-in's ≤ 1 + 2 %.
-    - every workload but ``floor`` at c = 64: throughput (requests/s) / cache off's ≥ 1 − 2 %,
-      and TTFP p95 / the built-in's ≤ 1 + 2 %.
-
-    Only concurrencies that were run get checks."""
+    """The load bars for ``variant`` at the concurrencies that were run (the constants above;
+    ``passed`` None = n/a: a variant, a sample or the precondition missing, never a pass
+    without samples): ``chat`` at c = 4 where h ≥ 0.9, TTFP p50 / the floor's (``floor`` on
+    cache off at c = 4) and / the built-in's; every workload but ``floor`` at c = 64,
+    throughput / cache off's and TTFP p95 / the built-in's."""
     out: dict[str, list[dict[str, Any]]] = {}
     chat = (load.get("chat") or {}).get(str(LOAD_CHAT_C))
     if chat is not None:
@@ -585,16 +573,11 @@ def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
 
 def memory_per_variant(samples: list[dict], omni_metrics: list[dict], variants: list[str]) -> dict[str, Any]:
     """Per variant, from its last memory sample (``samples``: the harness's ``memory.samples``)
-    and omni-cache's metrics files (``omni_metrics``: rows with ``variant``):
-
-    - ``pss_bytes`` / ``rss_bytes``: the process tree's host memory (bytes);
-    - ``gpu_bytes``: GPU memory of the process tree (NVML), or None with ``gpu_reason``;
-    - ``omni_cache_pool_bytes`` and ``omni_cache_pinned_host_bytes``: omni-cache's hidden-state
-      pools (all tiers) and the part in pinned host memory, summed over its engine processes'
-      metrics files (bytes); None with ``pinned_reason`` where no file reports them (cache off,
-      built-in, or no metrics file). Pinned buffers of vLLM itself and omni-cache's 4 MiB index
-      staging ring are not counted.
-    """
+    and omni-cache's metrics files (``omni_metrics``: rows with ``variant``), in bytes: the
+    process tree's ``pss_bytes`` / ``rss_bytes``, its ``gpu_bytes`` (NVML; None with
+    ``gpu_reason``), omni-cache's pools ``omni_cache_pool_bytes`` and their pinned part
+    ``omni_cache_pinned_host_bytes`` (None with ``pinned_reason`` where no metrics file reports
+    them). docs/benchmarks.md, "Memory per variant", says what is not counted."""
     out: dict[str, Any] = {}
     for v in variants:
         mine = [s for s in samples if s.get("variant") == v]

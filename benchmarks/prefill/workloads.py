@@ -59,13 +59,10 @@ def load_requests(requests: int, concurrency: int) -> int:
 
 
 def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
-    """The request specs of ``workload`` in round ``r`` (in send order) at ``concurrency`` c.
-
-    c = 1: ``opts.requests`` requests (chat: one conversation of ``opts.requests`` turns).
-    c > 1: :func:`load_requests` requests; chat: c conversations (distinct sessions and
-    openings, so each one's turn 1 is a miss) of ``opts.requests`` turns each, listed turn by
-    turn (turn k of every conversation before turn k+1 of any). Prompts at c > 1 differ from
-    those at c = 1 and at any other c (:func:`_question`).
+    """The request specs of ``workload`` in round ``r`` (in send order) at ``concurrency`` c:
+    ``opts.requests`` requests at c = 1, :func:`load_requests` at c > 1; chat: one conversation
+    of ``opts.requests`` turns, at c > 1 c of them (each turn 1 a miss), listed turn by turn.
+    Prompts at one c repeat none of another c's (:func:`_question`).
 
     Raises:
         ValueError: unknown workload, or ``concurrency`` < 1.
