@@ -17,6 +17,7 @@ command; per-request row differences against cache off; the foreign-row distance
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -97,12 +98,14 @@ def summarize(report: dict) -> dict:
     served_differ = [r for r in hit if any(d["first_from_hit"] is not None and d["first_from_hit"] < 0
                                            for d in r["vs_off"])]
     foreign = fuzz.merge_foreign(g["foreign_ulps"] for g in report["groups"])
+    by_mode_cache: collections.Counter = collections.Counter()
+    for g in report["groups"]:  # requests per mode and cache
+        by_mode_cache[f"{'streaming' if g['streaming'] else 'non-streaming'}/{g['cache']}"] += len(g["requests"])
     ulps = [worst(r) for r in hit]
     return {
         "conversations": sum(len({r["conversation"] for r in g["requests"]}) for g in report["groups"]),
         "requests": len(reqs), "requests_with_hit": len(hit),
-        "by_mode_cache": {f"{'streaming' if g['streaming'] else 'non-streaming'}/{g['cache']}": 0
-                          for g in report["groups"]} | _count_by(report),
+        "by_mode_cache": dict(by_mode_cache),
         "violations": {o: sum(1 for m in report["mismatches"] if m["oracle"] == o) for o in "abc"},
         "b_skipped": sum(1 for r in reqs if r["b_skipped"]),
         "served_blocks_verified": sum(r["served_blocks_verified"] for r in reqs),
@@ -122,14 +125,6 @@ def summarize(report: dict) -> dict:
             "handoff_differs_from_builtin": sum(r.get("concurrent_handoff_equal") is False for r in reqs),
             "off_rerun_differs_from_off": sum(r["off_rerun_audio_equal"] is False for r in reqs)},
     }
-
-
-def _count_by(report: dict) -> dict:
-    out: dict[str, int] = {}
-    for g in report["groups"]:
-        k = f"{'streaming' if g['streaming'] else 'non-streaming'}/{g['cache']}"
-        out[k] = out.get(k, 0) + len(g["requests"])
-    return out
 
 
 def plot(report: dict, path: Path) -> None:

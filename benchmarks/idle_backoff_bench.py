@@ -2,23 +2,17 @@
 side: does it shorten the thinker's prefill while the streaming talker and code2wav wait for
 chunks? (issue 14 item 6)
 
-Two streaming CPU pipelines (``stage_configs/qwen3_omni_cpu.yaml``, omni-cache on) are up at
-once: ``backoff-0`` (vLLM's 1 ms engine-loop cadence in every stage: the setting at 0) and
-``backoff-N`` (the default, N = 8 ms). An idle pipeline costs no CPU (an engine core with no
-request blocks on its input queue; the polling this measures happens only while a stage holds
-a request waiting for its next chunk). Requests alternate between the two pipelines, the
-first pipeline of each round rotated, each a fresh prompt of ``--prompt-tokens`` tokens (a
-miss: the whole prompt is prefilled). Per request: TTFT (request sent → first thinker token:
-the thinker's prefill plus one decode step) and TTFP (→ first audio packet).
-``result.json``: every request, per variant median and spread (min-max) of TTFT and TTFP, and
-the ratio off/on of the medians; ``idle_backoff.png``.
+Two streaming CPU pipelines up at once, ``backoff-0`` (vLLM's 1 ms engine-loop cadence) and
+``backoff-N`` (``--backoff-ms``, default 8); requests alternate between them (first one rotated
+per round), each a fresh ``--prompt-tokens`` miss. Per request TTFT and TTFP (s);
+``result.json`` (every request, per variant median and min-max, the off/on ratios) and
+``idle_backoff.png``.
 
     .venv/bin/python -m benchmarks.idle_backoff_bench --model-size bench --rounds 5
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import random
@@ -28,14 +22,12 @@ from benchmarks import lab
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    lab.add_options(ap, "idle-backoff")
+    ap = lab.parser(__doc__, "idle-backoff")
     ap.add_argument("--rounds", type=int, default=5, help="one request per variant per round")
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--backoff-ms", type=int, default=8, help="the 'on' variant's setting")
     args = ap.parse_args(argv)
 
-    import numpy as np
     from transformers import AutoTokenizer
 
     from omni_cache import settings
@@ -68,12 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                                     cached_tokens=r.num_cached_tokens, ttft_s=r.ttft_s, ttfp_s=r.ttfp_s))
                 print(f"round {rnd + 1}/{args.rounds} {name}: {r.num_prompt_tokens} tokens, "
                       f"TTFT {r.ttft_s:.2f} s, TTFP {r.ttfp_s:.2f} s", flush=True)
-    summary = {}
-    for name in names:
-        for metric in ("ttft_s", "ttfp_s"):
-            xs = [r[metric] for r in records if r["variant"] == name]
-            summary.setdefault(name, {})[metric] = dict(median=float(np.median(xs)), min=min(xs), max=max(xs),
-                                                        n=len(xs))
+    summary = {name: {m: lab.describe([r[m] for r in records if r["variant"] == name], "median", "min", "max")
+                      for m in ("ttft_s", "ttfp_s")} for name in names}
     off, on = names
     summary["ratios_off_over_on"] = {m: summary[off][m]["median"] / summary[on][m]["median"]
                                      for m in ("ttft_s", "ttfp_s")}

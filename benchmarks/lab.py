@@ -2,9 +2,9 @@
 engine (``tests/unit/test_layout.py`` holds that no other benchmark module constructs a
 pipeline or a server).
 
-- :func:`add_options` / :func:`model_dir`: the shared options ``--model``, ``--size`` (alias
-  ``--model-size``), ``--stage-config``, ``--out``, and the model they name (the embedded
-  Qwen3-Omni of ``--size``, built on first use, unless ``--model`` is given);
+- :func:`parser` / :func:`add_options` / :func:`model_dir`: the shared options ``--model``,
+  ``--size`` (alias ``--model-size``), ``--stage-config``, ``--out``, and the model they name
+  (the embedded model of ``--size``, built on first use, unless ``--model`` is given);
   :func:`positive_int_list` for options like ``--concurrency 1,4,16``;
 - :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder
   (``benchmarks/results/<name>-<YYYYmmdd-HHMMSS>/``) and what every result records of where
@@ -17,6 +17,9 @@ pipeline or a server).
   :class:`~omni_cache.driver.server.OmniServer`), so a benchmark starts its stages as
   ``omni-cache run`` / ``serve`` do (start environment, ``OMNI_CACHE_PARALLEL_STAGE_INIT``,
   engine hooks);
+- :func:`process_tree` / :func:`pause_tree`: a pipeline's or server's processes, and pausing
+  the ones not being timed;
+- :func:`describe` / :func:`fmt` / :func:`figure`: summary statistics, table cells, plots;
 - :func:`random_text`: prompt filler of about N tokens.
 
 Nothing here imports torch, vLLM or vLLM-Omni at import time (the prefill harness's driver
@@ -29,6 +32,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import platform
 import random
@@ -48,6 +52,14 @@ KINDS = ("pipeline", "streaming", "server")
 
 
 # ---- options ------------------------------------------------------------------------------
+
+def parser(doc: str, name: str, **options: Any) -> argparse.ArgumentParser:
+    """An argument parser described by ``doc``'s first paragraph, with :func:`add_options`'
+    shared options (``options``: its keywords)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_options(ap, name, **options)
+    return ap
+
 
 def add_options(ap: argparse.ArgumentParser, name: str, *, size: str | None = "bench",
                 sizes: Sequence[str] = ("tiny", "bench"), stage_config: Path | None = BASE_CONFIG) -> None:
@@ -87,21 +99,30 @@ def positive_int_list(text: str, flag: str, example: str = "1,8") -> list[int]:
     return out
 
 
-def model_dir(size: str, model: str | os.PathLike | None = None, *, family: str = "qwen3-omni") -> Path:
+def model_dir(size: str, model: str | os.PathLike | None = None, *, family: str = "qwen3-omni",
+              child: bool = False) -> Path:
     """``model`` if given, else the embedded model of ``size`` and ``family`` (``qwen3-omni``,
-    ``gemma4`` or ``gemma3n``: :mod:`omni_cache.models`), built if missing or stale.
+    ``gemma4`` or ``gemma3n``: :mod:`omni_cache.models`), built if missing or stale — with
+    ``child`` by ``omni-cache make-model`` in a child process (importing torch would grow a
+    driver that stays up next to its pipelines).
 
     Raises:
         KeyError: unknown ``size`` or ``family``.
+        subprocess.CalledProcessError: the child's build failed.
     """
     if model is not None:
         return Path(model)
     from omni_cache.models import build_gemma_omni, build_qwen3_omni, default_gemma_dir, default_model_dir
 
     print(f"model {family} {size} (built on first use) ...", flush=True)
+    path = default_model_dir(size) if family == "qwen3-omni" else default_gemma_dir(size, family=family)
+    if child:
+        subprocess.run([sys.executable, "-m", "omni_cache.cli", "make-model", "--family", family, "--size", size],
+                       check=True)
+        return path
     if family == "qwen3-omni":
-        return build_qwen3_omni(default_model_dir(size), size)
-    return build_gemma_omni(default_gemma_dir(size, family=family), size, family=family)
+        return build_qwen3_omni(path, size)
+    return build_gemma_omni(path, size, family=family)
 
 
 # ---- results ------------------------------------------------------------------------------
@@ -268,7 +289,51 @@ def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
         yield pipe
 
 
+# ---- processes ------------------------------------------------------------------------------
+
+def process_tree(pid: int) -> list:
+    """``psutil`` processes of ``pid`` and all its descendants; ``[]`` once it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def pause_tree(pid: int, paused: bool) -> None:
+    """SIGSTOP (``paused``) or SIGCONT process ``pid`` and its descendants: an idle pipeline or
+    server still polls (~0.1 of a core), so the ones not being timed are paused."""
+    import psutil
+
+    tree = process_tree(pid)
+    for p in tree if paused else reversed(tree):
+        with contextlib.suppress(psutil.Error):
+            p.suspend() if paused else p.resume()
+
+
 # ---- plots and statistics ----------------------------------------------------------------
+
+def describe(xs: Sequence[float | None], *stats: str) -> dict[str, float] | None:
+    """``n`` and ``stats`` of the values of ``xs`` that are not None: ``median``, ``mean``,
+    ``min``, ``max`` or ``pNN`` (the NN-th percentile, linear interpolation between order
+    statistics: numpy's default); None when no value is left."""
+    import numpy as np
+
+    a = np.asarray([x for x in xs if x is not None], dtype=float)
+    if not a.size:
+        return None
+    fns = {"median": np.median, "mean": np.mean, "min": np.min, "max": np.max}
+    return {**{k: float(fns[k](a) if k in fns else np.percentile(a, float(k[1:]))) for k in stats}, "n": int(a.size)}
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    """A table cell: ``x`` formatted by ``spec``, ``-`` for None, ``inf`` for infinity."""
+    if x is None:
+        return "-"
+    return "inf" if isinstance(x, float) and math.isinf(x) else format(x, spec)
+
 
 @contextlib.contextmanager
 def figure(path: Path, *grid: int, title: str | None = None, title_size: float | None = None, dpi: int = 120,

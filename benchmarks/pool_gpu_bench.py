@@ -1,43 +1,18 @@
 """Hidden-state pool at GPU speed: per step size and tier, GPU time, host time, GB/s and the
-fraction of the machine's measured limits, in one run.
+fraction of the machine's measured limits, in one run (torch only: runs where vLLM is not
+installed). Three keys of the Qwen3-Omni-30B-A3B thinker width (2048, bf16), ``--block-size``
+16, a pool of ``--num-blocks`` blocks per key.
 
-torch-only (runs where vLLM is not installed, e.g. the lent GPU machine). Three keys of the
-Qwen3-Omni-30B-A3B thinker width (2048, bf16: final hidden, layer 0, accept_hidden_layer),
-``--block-size`` 16, a pool of ``--num-blocks`` blocks per key.
+1. Limits on the same GPU (:func:`measure_limits`): device-to-device copy, ``index_copy_`` /
+   ``index_select`` of 8,192 rows, pinned H2D / D2H.
+2. Per tier (``DEVICE``, ``PINNED_HOST``) and step size (1k..32k tokens): a prefill step's
+   ``write_request_rows`` and a hit's ``read_prefix`` (checked bitwise), timed by
+   :class:`GpuTimer` (GPU time by CUDA events behind a busy stream, host time without events,
+   idle-GPU latency); GB/s = payload bytes (tokens x keys x width x 2 B) / GPU time.
+3. The bars of issue 18 (:func:`bars`), printed PASS / FAIL.
 
-1. Limits, measured first on the same GPU: a 1 GiB device-to-device copy, ``index_copy_`` and
-   ``index_select`` of 8,192 rows x 2,048 bf16 at random slots of a 65,536-row pool, and a
-   96 MiB pinned host -> device (H2D) and device -> host (D2H) copy.
-2. For each tier (``DEVICE``: pool in GPU memory; ``PINNED_HOST``: pool in pinned host memory)
-   and each step size (1k..32k tokens): ``HiddenStateCache.write_request_rows`` of one prefill
-   step of that many tokens at random free blocks (block hashes as the ``{block index: hash}``
-   mapping the engine passes), then ``read_prefix`` of a hit of that many tokens back to the
-   GPU, checked bitwise against the written rows.
-
-   - GPU time: CUDA events around the call while the stream is kept busy by a sleep kernel
-     enqueued just before (longer than the call's host time), so the events time the device
-     work alone, not the host's enqueueing (as in a real step, where the model's forward keeps
-     the stream busy).
-   - host time: wall time of the call alone behind the same kind of busy stream, in a run of
-     its own without the events (recording a CUDA event costs tens of µs on the lent VM's host;
-     ``*_host_ms_with_events`` keeps the wall time of the event-timed run, events included); a
-     call that waited for the device anywhere would show the sleep here. Also for the write
-     with the array forms of its arguments (block table as a tensor, block hashes as
-     ``(first, uint64 array)``). Each timed write goes to fresh random blocks. The ledger
-     update a write defers (applied by the next lookup) is timed alone after it
-     (``write_settle_host_ms``: ``HiddenStateCache.settle``, same conditions).
-   - latency: wall time from the call to its rows having landed, idle GPU (call + synchronize).
-   - GB/s: payload bytes (tokens x keys x width x 2 B) / GPU time; DRAM traffic of a
-     device-to-device move is twice that.
-   - fraction: GB/s over the matching limit (payload bytes too): device write /
-     ``index_copy_`` rows, device read / ``index_select`` rows, pinned write / D2H, pinned
-     read / H2D.
-3. Bars of issue 18, printed as PASS/FAIL lines: write host time <= 0.2 ms per 8,192-token step
-   (both tiers), device-tier write >= 70 % of ``index_copy_``, pinned-host hit read of 8,192
-   tokens >= 70 % of pinned H2D.
-
-``--cpu-only`` runs only the CPU section (also part of a full run): host time of small steps on
-a ``HOST`` pool on the CPU (the CPU pipeline's path), to compare versions of the core.
+What each figure means and the measured results: docs/pool-gpu.md. ``--cpu-only``: only the
+host time of small steps on a ``HOST`` pool on the CPU (also part of a full run).
 
     python benchmarks/pool_gpu_bench.py --out benchmarks/results/pool_gpu_h100.json
     python benchmarks/pool_gpu_bench.py --cpu-only --out /tmp/pool_cpu.json
@@ -276,6 +251,7 @@ def bench_cpu(reps: int, width: int = 2048) -> dict:
 
 
 def plot(res: dict, path: Path) -> None:
+    """Per tier and step size: GB/s (with the limits), host ms per call, fraction of the limit."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -285,25 +261,20 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for tier, color in (("DEVICE", "tab:blue"), ("PINNED_HOST", "tab:orange")):
         runs = [r for r in res["runs"] if r["tier"] == tier]
-        x = [r["tokens"] for r in runs]
-        axes[0].plot(x, [r["write_GBps"] for r in runs], "o-", color=color, label=f"{tier} write")
-        axes[0].plot(x, [r["read_GBps"] for r in runs], "s--", color=color, label=f"{tier} read")
-        axes[1].plot(x, [r["write_host_ms"] for r in runs], "o-", color=color, label=f"{tier} write")
-        axes[1].plot(x, [r["read_host_ms"] for r in runs], "s--", color=color, label=f"{tier} read")
-        axes[2].plot(x, [r["write_frac"] for r in runs], "o-", color=color, label=f"{tier} write")
-        axes[2].plot(x, [r["read_frac"] for r in runs], "s--", color=color, label=f"{tier} read")
+        for ax, what in zip(axes, ("GBps", "host_ms", "frac")):
+            for op, style in (("write", "o-"), ("read", "s--")):
+                ax.plot([r["tokens"] for r in runs], [r[f"{op}_{what}"] for r in runs], style, color=color,
+                        label=f"{tier} {op}")
     for name, ls in (("index_copy_rows", ":"), ("index_select_rows", "-."), ("pinned_h2d", ":")):
         axes[0].axhline(lim[name]["GBps"], color="gray", ls=ls, lw=1)
         axes[0].annotate(name, (STEP_TOKENS[0], lim[name]["GBps"]), fontsize=7, color="gray")
-    axes[0].set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="GB/s (payload, GPU time)",
-                title="bandwidth")
     axes[1].axhline(BARS["write_host_ms_8k"], color="red", ls=":", lw=1)
-    axes[1].set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="host ms per call",
-                title="host time (bar: write <= 0.2 ms at 8k)")
     axes[2].axhline(0.7, color="red", ls=":", lw=1)
-    axes[2].set(xscale="log", xlabel="tokens per step", ylabel="fraction of limit",
-                title="fraction of measured limit (bar 0.7)")
-    for ax in axes:
+    for ax, ylabel, title in zip(axes, ("GB/s (payload, GPU time)", "host ms per call", "fraction of limit"),
+                                 ("bandwidth", "host time (bar: write <= 0.2 ms at 8k)",
+                                  "fraction of measured limit (bar 0.7)")):
+        ax.set(xscale="log", yscale="linear" if ax is axes[2] else "log", xlabel="tokens per step", ylabel=ylabel,
+               title=title)
         ax.set_xticks(STEP_TOKENS, [f"{t // 1024}k" for t in STEP_TOKENS])
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)

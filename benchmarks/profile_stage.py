@@ -1,25 +1,18 @@
 """Where a stage's prefill time goes: py-spy on one stage (default the thinker) of a bench pipeline, per workload.
 
-Starts one pipeline of ``--variant`` (the prefill benchmark's stage config derived from
-``--stage-config``: ``uni`` executor, so the model runner runs inside the thinker's
-engine-core process), warms each workload's shared prefix with an untimed request (as the
-benchmark does), then serves ``--requests`` requests of every workload in ``--workloads``,
-alternating workloads request by request, and records the engine-core process of
-``--stage`` (0 thinker, 1 talker, 2 code2wav) with py-spy
-(``--rate`` Hz, raw collapsed stacks, one recording per request, pooled per workload). Per
-workload it splits the samples taken inside ``execute_model`` / ``sample_tokens``: omni-cache's
-cache work (frames of ``omni_cache/core`` or the runner's cache methods), the model forward,
-``compute_logits``, and lists the heaviest leaf frames, so a hit can be set against the
-suffix alone (``floor``) or a miss::
+One pipeline of ``--variant`` (the prefill benchmark's stage config, ``uni`` executor: the
+model runner inside the stage's engine-core process) warms each workload, then serves
+``--requests`` requests per workload (alternated) while py-spy records the engine core of
+``--stage`` (0 thinker, 1 talker, 2 code2wav; ``--rate`` Hz, raw collapsed stacks).
+:func:`split_samples` splits the model-runner samples: omni-cache's cache work, the model
+forward, ``compute_logits``, the heaviest leaf frames. Needs ``py-spy``.
 
     .venv/bin/python -m benchmarks.profile_stage --workloads miss --variant omni_cache --requests 8
     .venv/bin/python -m benchmarks.profile_stage --stage-config stage_configs/gemma4_yoco_cpu.yaml \\
         --variant fast+omni_cache --workloads image,floor --media-copies 6 --requests 6
 
 Writes ``<out>/profile-<variant>-stage<N>.json`` (per workload: shares, sample counts, vLLM's
-per-request prefill times of the thinker and the talker) and the raw stacks
-``<out>/profile-<variant>-stage<N>-<workload>.txt``.
-Needs ``py-spy`` (installed by the setup).
+per-request prefill times of thinker and talker) and the raw stacks beside it.
 """
 
 from __future__ import annotations

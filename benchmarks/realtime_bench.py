@@ -1,64 +1,19 @@
 """Realtime voice sessions (vLLM-Omni's ``/v1/realtime?duplex=1``, OpenAI Realtime events over a
-websocket) per turn: time from the commit to the first audio and text delta, thinker and
-talker prefix hits, with no prefix cache, vLLM-Omni's built-in cache and omni-cache, each
-with vLLM-Omni's conversation window and omni-cache's (issue 30), for 1 and N sessions at once,
-against the floor — the turn's utterance in a fresh session with no history (issue 38).
+websocket) per turn: commit → first audio and first text delta (s), thinker and talker prefix
+hits (tokens), with no prefix cache (``off``), vLLM-Omni's built-in cache (``builtin``) and
+omni-cache (``omni_cache``), each with vLLM-Omni's conversation window and omni-cache's, for 1
+and N sessions at once, against the floor — the turn's utterance in a fresh session with no
+history, on the cache-off server.
 
-Three duplex servers, one per variant (``--stage-config``, default
-``stage_configs/qwen3_omni_cpu_duplex.yaml``, on the model, as
-:func:`omni_cache.exactness.fuzz.recording_stage_config` variants — every thinker → talker
-hand-off and every served hit recorded unless ``--no-record`` — each stage's worker in its
-engine process, vLLM's ``uni`` executor, as the other side-by-side benchmarks run them):
-
-- ``off``: prefix caching off on the thinker and the talker;
-- ``builtin``: vLLM-Omni's hidden-state cache on the thinker, talker caching off (as vLLM-Omni
-  ships it);
-- ``omni_cache``: omni-cache on the thinker, the talker's content-keyed cache on (the bundled
-  config).
-
-``--servers together`` (the default; the CPU): the three servers up at once, the two not being
-timed paused (SIGSTOP, unless ``--no-pause-idle``), the variants alternating turn by turn (the
-first one rotated). ``--servers one-at-a-time`` (a card that holds one server, e.g. the
-full-size model on one H200): one server up at a time, running its whole schedule; the
-variants then run one after another, not interleaved.
-
-Each server first answers one throwaway turn (its cold first turn, reported apart:
-``cold_first_turn``). Then per round, sessions count N (``--sessions``) and window
-(``stock``, ``omni_cache``: the session's ``extra_body.omni_cache_window``), N sessions per
-variant of ``--turns`` voice turns each (clips of the bundled speech recording; the same
-instructions and clips in every variant; instructions differ per round, N, window and
-session, so sessions share nothing but what a session shares with itself). Per turn the N
-sessions of one variant commit at once (asyncio); per session and turn: commit → first audio
-delta, commit → first text delta (seconds), and with N = 1 the thinker's and talker's prompt
-and hit tokens (the server's ``/metrics`` deltas; with N > 1 they span every session's turn,
-so they are not recorded: None, ``hits_note``).
-
-The floor: after a group's sessions closed, per turn N fresh sessions at once on the
-cache-off server, each with its session's instructions and that turn's clip and no history,
-timed the same way — what the turn would cost if its history cost nothing (the cache-off
-server: no hit of any kind, not even of an earlier floor turn or of the instructions).
-
-Then the oracles, on the recorded hand-offs:
-
-- (a) omni-cache's served blocks equal their writers' rows and tokens
-  (:func:`omni_cache.exactness.realtime.judge_session`), and every omni-cache turn got the hit
-  it should (whole shared blocks with an earlier prompt) — every N (hand-offs are recorded per
-  session);
-- (b) omni-cache = built-in, bitwise (hand-offs, transcript, audio) where both served the same
-  thinker hit — N = 1 only;
-- (c) tokens (prompt and transcript) = cache off's — N = 1 only.
-
-(b) and (c) compare two servers' answers; with N > 1 each server batches its sessions' steps
-as they arrive, and vLLM's kernels are not batch-invariant, so a transcript — and with it every
-later prompt of the session — may differ between variants without any cache fault.
-
-The bar (issue 38): for turns ≥ 4, omni-cache's commit → first audio p50 ≤ 1.25 × the floor's
-p50 and ≤ the built-in's p50, per window and N (``bars.floor_bar``: PASS / FAIL / n/a; n/a
-where a side has no sample).
-
-``result.json`` (every turn, per variant × window × N × turn p50/p95 and the floor's, bars,
-oracle counts) and ``realtime.png`` (first audio and first text p50 per turn, the floor as a
-line, one column per N).
+Three duplex servers derived from ``--stage-config`` (recording stage configs of
+:func:`omni_cache.exactness.fuzz.recording_stage_config`: every hand-off and served hit
+recorded unless ``--no-record``), up together (the idle ones paused) or one at a time
+(``--servers``). Then the oracles on the recorded hand-offs — (a) served blocks equal their
+writers' (every N), (b) omni-cache = built-in bitwise and (c) tokens = cache off's (N = 1
+only: with N > 1 a server batches its sessions' steps, and vLLM's kernels are not
+batch-invariant) — and the bar: for turns ≥ 4 omni-cache's first-audio p50 ≤ 1.25 × the
+floor's and ≤ the built-in's (:func:`floor_bar`). Flags, schedule and results:
+docs/benchmarks.md, "Realtime voice sessions". Writes ``result.json`` and ``realtime.png``.
 
     .venv/bin/python -m benchmarks.realtime_bench --model-size bench-voice --rounds 3 --turns 8 --sessions 1,8
 """
@@ -98,12 +53,7 @@ METRICS = ("first_audio_s", "first_text_s", "thinker_prompt", "thinker_hit", "ta
 # -- inputs --------------------------------------------------------------------------------------
 
 def parse_sessions(text: str) -> list[int]:
-    """``--sessions``: a comma list of positive session counts (``"1,8"`` → ``[1, 8]``;
-    duplicates dropped, order kept).
-
-    Raises:
-        ValueError: an empty list, or an item that is not a positive integer.
-    """
+    """``--sessions`` (:func:`benchmarks.lab.positive_int_list`)."""
     return lab.positive_int_list(text, "--sessions", "1,8")
 
 
@@ -199,23 +149,9 @@ def _clip(seconds: float, turn: int, rnd: int, session: int) -> bytes:
 # -- running ---------------------------------------------------------------------------------------
 
 def _pause(server, paused: bool) -> None:
-    """SIGSTOP (``paused``) or SIGCONT a server and its stage processes: an idle server still
-    polls (~0.06 of a core per stage process here), so the servers not being timed are paused,
-    as the prefill benchmark freezes its idle pipelines."""
-    import psutil
-
-    if server.proc is None:
-        return
-    try:
-        root = psutil.Process(server.proc.pid)
-        tree = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for p in (tree if paused else reversed(tree)):
-        try:
-            p.suspend() if paused else p.resume()
-        except psutil.Error:
-            pass
+    """Pause (``paused``) or continue a server and its stage processes (:func:`benchmarks.lab.pause_tree`)."""
+    if server.proc is not None:
+        lab.pause_tree(server.proc.pid, paused)
 
 
 async def _turn(server, session, audio: bytes, metrics: bool) -> dict:
@@ -252,15 +188,11 @@ async def _turns(server, sessions: list, audios: list[bytes]) -> list[dict]:
     return list(await asyncio.gather(*(_turn(server, s, a, False) for s, a in zip(sessions, audios))))
 
 
-def _fmt(x, spec=".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def _print(rec: dict) -> None:
     print(f"round {rec['round'] + 1} N={rec['n_sessions']} {rec['window']:>10} turn {rec['turn']} "
-          f"{rec['variant']:>10}#{rec['session']}: first audio {_fmt(rec['first_audio_s'])} s, text "
-          f"{_fmt(rec['first_text_s'])} s, thinker {_fmt(rec['thinker_hit'], '.0f')}/"
-          f"{_fmt(rec['thinker_prompt'], '.0f')}" + (f"  ERROR {rec['error']}" if rec.get("error") else ""),
+          f"{rec['variant']:>10}#{rec['session']}: first audio {lab.fmt(rec['first_audio_s'], '.2f')} s, text "
+          f"{lab.fmt(rec['first_text_s'], '.2f')} s, thinker {lab.fmt(rec['thinker_hit'], '.0f')}/"
+          f"{lab.fmt(rec['thinker_prompt'], '.0f')}" + (f"  ERROR {rec['error']}" if rec.get("error") else ""),
           flush=True)
 
 
@@ -279,13 +211,18 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
         return RealtimeSession(servers[v].realtime_url, instructions=_instructions(rnd, n, i, window),
                                extra_body={"omni_cache_window": window}, ping_interval=None)
 
+    def add(results: list[dict], sessions: list, **where) -> None:  # one record per session's turn
+        for i, r in enumerate(results):
+            records.append({**where, "session": i, "session_id": sessions[i].session_id, **r})
+            _print(records[-1])
+
     cold = {}
     for v in active:  # the throwaway first turn of each server
         only(v)
         async with RealtimeSession(servers[v].realtime_url, instructions="Warm up.", ping_interval=None) as s:
             cold[v] = await _turn(servers[v], s, speech_clip(args.seconds, 0.0), True)
-        print(f"cold first turn {v:>10}: first audio {_fmt(cold[v]['first_audio_s'])} s, "
-              f"first text {_fmt(cold[v]['first_text_s'])} s", flush=True)
+        print(f"cold first turn {v:>10}: first audio {lab.fmt(cold[v]['first_audio_s'], '.2f')} s, "
+              f"first text {lab.fmt(cold[v]['first_text_s'], '.2f')} s", flush=True)
     k = 0
     for rnd in range(args.rounds):
         for n in args.sessions:
@@ -301,11 +238,8 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                     audios = [_clip(args.seconds, turn, rnd, i) for i in range(n)]
                     for v in active[k % len(active):] + active[:k % len(active)]:
                         only(v)
-                        for i, r in enumerate(await _turns(servers[v], live[v], audios)):
-                            rec = {"variant": v, "window": window, "round": rnd, "n_sessions": n, "session": i,
-                                   "turn": turn + 1, "session_id": live[v][i].session_id, **r}
-                            records.append(rec)
-                            _print(rec)
+                        add(await _turns(servers[v], live[v], audios), live[v], variant=v, window=window, round=rnd,
+                            n_sessions=n, turn=turn + 1)
                     k += 1
                 for v, ss in live.items():
                     only(v)
@@ -318,11 +252,8 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                         res = await _turns(servers[FLOOR_ON], fresh, [_clip(args.seconds, turn, rnd, i)
                                                                       for i in range(n)])
                         await asyncio.gather(*(s.close() for s in fresh))
-                        for i, r in enumerate(res):
-                            rec = {"variant": FLOOR, "window": window, "round": rnd, "n_sessions": n, "session": i,
-                                   "turn": turn + 1, "session_id": fresh[i].session_id, "server": FLOOR_ON, **r}
-                            records.append(rec)
-                            _print(rec)
+                        add(res, fresh, variant=FLOOR, window=window, round=rnd, n_sessions=n, turn=turn + 1,
+                            server=FLOOR_ON)
     for v in active:
         _pause(servers[v], False)
     return cold
@@ -374,19 +305,10 @@ def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, ses
     return res
 
 
-def _cell(xs: list) -> dict | None:
-    """p50 / p95 / min / max / n of the samples that are not None (None: no sample)."""
-    import numpy as np
-
-    xs = [x for x in xs if x is not None]
-    return ({"p50": float(np.percentile(xs, 50)), "p95": float(np.percentile(xs, 95)), "min": float(min(xs)),
-             "max": float(max(xs)), "n": len(xs)} if xs else None)
-
-
 def summarize(records: list[dict], turns: int, sessions: list[int]) -> dict:
     """Per ``variant/window/N/turn`` (variants and :data:`FLOOR`), each of :data:`METRICS`:
-    :func:`_cell` over every session and round (seconds for the times, tokens for the hits;
-    None where there is no sample, e.g. hits with N > 1)."""
+    p50 / p95 / min / max / n over every session and round (seconds for the times, tokens for
+    the hits; None where there is no sample, e.g. hits with N > 1)."""
     out = {}
     for v in (*VARIANTS, FLOOR):
         for w in WINDOWS:
@@ -394,7 +316,8 @@ def summarize(records: list[dict], turns: int, sessions: list[int]) -> dict:
                 for t in range(1, turns + 1):
                     rs = [r for r in records if r["variant"] == v and r["window"] == w and r["n_sessions"] == n
                           and r["turn"] == t]
-                    out[f"{v}/{w}/{n}/{t}"] = {m: _cell([r.get(m) for r in rs]) for m in METRICS}
+                    out[f"{v}/{w}/{n}/{t}"] = {m: lab.describe([r.get(m) for r in rs], "p50", "p95", "min", "max")
+                                                for m in METRICS}
     return out
 
 

@@ -1,28 +1,20 @@
 """Prefix-aware routing vs vLLM-Omni's own routing over two real thinker replicas: hit ratio,
 TTFT and TTFP per policy (issue 17; docs/routing.md).
 
-One streaming CPU pipeline (``stage_configs/qwen3_omni_cpu.yaml`` with ``num_replicas: 2`` on
-the thinker, omni-cache on) runs both policies, alternated by round: in a ``prefix`` round
-omni-cache's router is installed on the engine (``ThinkerRouter.install``), in a ``vllm_omni``
-round it is taken off (``uninstall``) and vLLM-Omni's in-process round-robin routes. Each round
-sends its own ``--conversations`` conversations (fresh system prompts of ``--system-tokens``
-tokens, so nothing is shared with other rounds) for ``--turns`` turns, interleaved and one
-request at a time (an odd number of conversations makes round-robin send consecutive turns of
-a conversation to different replicas); turn t+1's prompt is turn t's prompt, its answer and
-a new question. Same process, same caches, same prompts' shape: only the routing differs.
-
-A turn >= 2 *hits* when its cached prefix covers the previous prompt's whole blocks.
-``result.json``: every request (round, policy, conversation, turn, TTFT, TTFP, prompt and cached
-tokens); per policy the hit ratio and TTFT / TTFP p50 / p95 over all requests and over turns
->= 2, per-round medians (spread), and the round-robin / prefix ratios. ``routing_bench.png``:
-TTFT and TTFP per policy, every request.
+One streaming CPU pipeline with ``num_replicas: 2`` on the thinker runs both policies,
+alternated by round (``prefix``: omni-cache's router installed; ``vllm_omni``: taken off, so
+vLLM-Omni's round-robin routes). Each round sends ``--conversations`` fresh conversations
+(system prompts of ``--system-tokens`` tokens) for ``--turns`` turns, interleaved, one request
+at a time (an odd count makes round-robin split a conversation's turns); turn t+1's prompt is
+turn t's prompt, its answer and a new question. A turn >= 2 *hits* when its cached prefix
+covers the previous prompt's whole blocks. ``result.json`` (every request; per policy
+:func:`summarize`) and ``routing_bench.png``.
 
     .venv/bin/python -m benchmarks.routing_bench --model-size bench
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -47,12 +39,9 @@ def _next_prompt(tok, prev: list[int], answer: list[int], turn: int) -> list[int
     return prev + [t for t in answer if t != im_end] + [im_end] + tail
 
 
-def _pct(xs: list[float | None], q: float) -> float | None:
-    """Percentile ``q`` (0-100) of the non-None ``xs`` (numpy's linear interpolation)."""
-    import numpy as np
-
-    xs = [x for x in xs if x is not None]
-    return float(np.percentile(xs, q)) if xs else None
+def _pct(xs: list[float | None], q: int) -> float | None:
+    """Percentile ``q`` (0-100) of the non-None ``xs`` (:func:`benchmarks.lab.describe`)."""
+    return (lab.describe(xs, f"p{q}") or {}).get(f"p{q}")
 
 
 def summarize(records: list[dict]) -> dict:
@@ -101,8 +90,7 @@ def plot(records: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    lab.add_options(ap, "routing-bench")
+    ap = lab.parser(__doc__, "routing-bench")
     ap.add_argument("--conversations", type=int, default=3, help="per round (odd: see the module docstring)")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=4, help="policies alternate by round")

@@ -1,29 +1,13 @@
 """Routing simulation: prefix-aware vs vLLM-Omni's policies over 8-256 thinker replicas.
 
-Driven by the policy code itself (:mod:`omni_cache.routing`), no engine. Workload: ``N``
-conversations x ``M`` turns; each conversation opens with one of ``K`` shared system
-prompts (a hot prefix: picked with the same Zipf skew), then alternates user messages and
-answers. Turn ``t``'s prompt = system prompt + every earlier (user, answer) + user message
-``t`` (token ids; block hashes from :func:`omni_cache.routing.request_block_hashes`).
-
-Arrivals are Poisson; each arrival is the next turn of a conversation that has none in
-flight, picked with probability proportional to its popularity: uniform, or Zipf
-(``1 / rank^s``) over conversations (skewed: hot conversations talk in bursts, cold ones
-linger). Each replica serves up to ``batch`` requests at a time, FIFO beyond; a request's
-service time is ``t_fixed + t_block x uncached prompt blocks``; queue length = requests
-queued or running there (what vLLM-Omni's ``ReplicaInfo.queue_length`` reports).
-
-Ground truth per replica: an LRU KV cache of ``capacity`` blocks (prompt + answer full
-blocks cached when a request finishes). A turn >= 2 **hits** when, at the start of its
-service, its replica's KV holds at least the previous turn's prompt full blocks.
-
-Policies: ``prefix`` (the router's approximate record: what it routed),
-``prefix+events`` (also fed the replicas' stored / evicted blocks, as vLLM's KV-cache events
-would), ``random``, ``round-robin``, ``least-queue``.
-
-Reports per (replicas, skew, policy): turn >= 2 hit ratio, cached-block ratio, max/mean of
-requests per replica (``load_max_mean``) and of busy time. Bar: 64 replicas, Zipf: hit ratio
->= 0.9 with max/mean load <= 1.3 (prefix policy).
+Driven by the policy code itself (:mod:`omni_cache.routing`), no engine: ``N`` multi-turn
+conversations on ``K`` shared system prompts (Zipf-picked), Poisson arrivals of the next turn
+of a conversation with none in flight (uniform or Zipf popularity), per replica ``batch``
+requests at a time (FIFO beyond) of service time ``t_fixed + t_block x uncached blocks`` and
+an LRU KV cache of ``capacity`` blocks as ground truth: a turn >= 2 hits when its replica holds
+the previous turn's prompt blocks. Policies :data:`POLICIES`; per (replicas, skew, policy) the
+turn >= 2 hit ratio, cached-block ratio, max/mean requests and busy time per replica. Bar: 64
+replicas, Zipf: hit ratio >= 0.9 with max/mean load <= 1.3 (prefix). docs/routing.md, "Simulation".
 
     PYTHONPATH=. /work/main/.venv/bin/python benchmarks/routing_sim.py
 
@@ -48,6 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks import lab  # noqa: E402
+from omni_cache.core.block_hashes import chained_block_hashes  # noqa: E402
 from omni_cache.routing import (  # noqa: E402
     LeastQueuePolicy,
     PrefixAwarePolicy,
@@ -119,12 +105,7 @@ class _LRU:
         self.cap, self.d = capacity, OrderedDict()
 
     def leading_hits(self, hashes: list[int]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.d:
-                break
-            n += 1
-        return n
+        return next((i for i, h in enumerate(hashes) if h not in self.d), len(hashes))
 
     def store(self, hashes: list[int]) -> list[int]:
         for h in hashes:
@@ -157,8 +138,9 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
         def extend(upto: list[int], known: list[int]) -> list[int]:
             n = len(known)
             tail = upto[n * bs:]
-            return known + request_block_hashes(tail, bs) if n == 0 else \
-                known + _chain(tail, bs, known[-1])
+            if n == 0:
+                return request_block_hashes(tail, bs)
+            return known + chained_block_hashes(tail, bs, parent=known[-1])
 
         turns = []
         for _ in range(w.turns):
@@ -170,12 +152,6 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
             hashes = full
         convs.append(turns)
     return convs
-
-
-def _chain(tail: list[int], block_size: int, parent: int) -> list[int]:
-    from omni_cache.core.block_hashes import chained_block_hashes
-
-    return chained_block_hashes(tail, block_size, parent=parent)
 
 
 def make_policy(name: str, w: Workload):
@@ -303,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
         for skew, s in (("uniform", 0.0), ("zipf", args.zipf_s)):
             w = Workload(replicas=R, conversations=R * args.conversations_per_replica,
                          turns=args.turns, zipf_s=s)
-            t0 = time.perf_counter()
             convs = build_conversations(w)
             for p in args.policies:
                 t1 = time.perf_counter()
@@ -313,7 +288,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"hit(turn>=2)={row['turn2_hit_ratio']:.3f} cached={row['cached_block_ratio']:.3f} "
                       f"load max/mean={row['load_max_mean']:.2f} busy max/mean={row['busy_max_mean']:.2f} "
                       f"({time.perf_counter() - t1:.1f}s)", flush=True)
-            del t0
     if args.pressure_capacity:
         w = Workload(replicas=64, conversations=64 * args.conversations_per_replica, turns=args.turns,
                      zipf_s=args.zipf_s, capacity_blocks=args.pressure_capacity)
@@ -347,32 +321,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for j, skew in enumerate(("uniform", "zipf")):
-        for p in POLICIES:
-            rs = sorted((r for r in rows if r["skew"] == skew and r["policy"] == p), key=lambda r: r["replicas"])
-            if not rs:
-                continue
-            x = [r["replicas"] for r in rs]
-            axes[0][j].plot(x, [r["turn2_hit_ratio"] for r in rs], marker="o", label=p)
-            axes[1][j].plot(x, [r["load_max_mean"] for r in rs], marker="o", label=p)
-        axes[0][j].set_title(f"{skew} conversation popularity")
-        axes[0][j].set_ylabel("turn >= 2 hit ratio")
-        axes[0][j].set_ylim(0, 1.05)
-        axes[1][j].set_ylabel("max / mean requests per replica")
-        axes[1][j].set_xlabel("thinker replicas")
-        axes[1][j].set_xscale("log", base=2)
-        axes[0][j].axhline(0.9, color="grey", ls=":", lw=1)
-        axes[1][j].axhline(1.3, color="grey", ls=":", lw=1)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("Routing simulation (omni_cache.routing): prefix-aware vs vLLM-Omni's policies")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    title = "Routing simulation (omni_cache.routing): prefix-aware vs vLLM-Omni's policies"
+    with lab.figure(path, 2, 2, figsize=(11, 7), sharex=True, dpi=110, title=title) as (fig, axes):
+        for j, skew in enumerate(("uniform", "zipf")):
+            for p in POLICIES:
+                rs = sorted((r for r in rows if r["skew"] == skew and r["policy"] == p), key=lambda r: r["replicas"])
+                if not rs:
+                    continue
+                x = [r["replicas"] for r in rs]
+                axes[0][j].plot(x, [r["turn2_hit_ratio"] for r in rs], marker="o", label=p)
+                axes[1][j].plot(x, [r["load_max_mean"] for r in rs], marker="o", label=p)
+            axes[0][j].set_title(f"{skew} conversation popularity")
+            axes[0][j].set_ylabel("turn >= 2 hit ratio")
+            axes[0][j].set_ylim(0, 1.05)
+            axes[1][j].set_ylabel("max / mean requests per replica")
+            axes[1][j].set_xlabel("thinker replicas")
+            axes[1][j].set_xscale("log", base=2)
+            axes[0][j].axhline(0.9, color="grey", ls=":", lw=1)
+            axes[1][j].axhline(1.3, color="grey", ls=":", lw=1)
+        axes[0][0].legend(fontsize=8)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,21 @@
 """vLLM-Omni's own serving benchmark (``vllm-omni bench serve --omni``) against ``omni-cache serve``:
 omni-cache on vs the thinker's prefix cache off, streaming.
 
-The ecosystem's tool measures what vLLM-Omni publishes for its deploys — text TTFT / TPOT / E2EL
-and audio TTFP / RTF percentiles, request throughput — so these figures compare with theirs.
-Its ``prefix_repetition`` dataset (vLLM's) sends prompts that share one of
-``--num-prefixes`` random prefixes of ``--prefix-len`` tokens plus a distinct suffix: the
-shared-prefix load a prefix cache exists for. Each variant runs on a fresh server started by
-:class:`omni_cache.driver.server.OmniServer` from ``--stage-config`` (``on``: as given, omni-cache
-on the thinker; ``off``: the thinker's ``enable_prefix_caching: false``), one server at a time;
-``--cycles N`` repeats the order with fresh servers. The tool's own JSON per run is kept, and
-``result.json`` collects its headline figures per variant and the off / on ratios;
-``serve_bench.png`` plots TTFT and audio TTFP percentiles side by side.
-
-What stays in ``benchmarks/serve_load.py``: multi-turn chats with media and per-request hit
-accounting, which this tool's datasets do not generate.
+The tool's ``prefix_repetition`` dataset (prompts sharing one of ``--num-prefixes`` prefixes of
+``--prefix-len`` tokens, plus a distinct suffix) against a fresh server per variant (``on``:
+``--stage-config`` as given; ``off``: the thinker's ``enable_prefix_caching: false``), one at a
+time, ``--cycles`` rotations of ``--order``. The tool's JSON per run is kept; ``result.json``
+has its headline figures (:data:`HEADLINE`: text TTFT, audio TTFP, E2EL in ms, throughput,
+RTF) per variant and the off / on ratios; ``serve_bench.png``. docs/serving.md, "vLLM-Omni's own
+serving benchmark".
 
     .venv/bin/python -m benchmarks.serve_bench --model-size bench --num-prompts 24 --max-concurrency 4
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +45,8 @@ def tool_command(args, base_url: str, model_name: str, tokenizer: Path, result_d
 
 
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path) -> dict:
+    from omni_cache.driver.realtime import prefix_cache_counters
+
     cfg = lab.prefix_cache_variant(args.stage_config, out_dir, variant)
     filename = f"vllm-omni-bench-{variant}-{cycle}.json"
     with lab.start("server", model_dir, cfg, log=out_dir / f"server-{variant}-{cycle}.log",
@@ -63,15 +57,11 @@ def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path)
         with open(log, "w") as fh:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=out_dir,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-        _, metrics = srv.get("/metrics")
+        counters = prefix_cache_counters(srv.url)
     if rc != 0:
         raise RuntimeError(f"vllm-omni bench serve failed (rc={rc}) for {variant} #{cycle}; see {log}")
     tool = json.loads((out_dir / filename).read_text())
-    hits = {}
-    for ln in metrics.decode().splitlines():
-        for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
-            if ln.startswith(name) and 'stage="0"' in ln:
-                hits[name] = hits.get(name, 0.0) + float(ln.rsplit(" ", 1)[1])
+    hits = {f"vllm:prefix_cache_{k}_total": counters.get(f"{k}_0", 0.0) for k in ("hits", "queries")}
     return {"variant": variant, "cycle": cycle, "ready_s": srv.ready_s, "exit_code": srv.exit_code, "command": cmd,
             "tool_result_file": filename, "stage0_prefix_cache": hits,
             "headline": {k: tool.get(k) for k in HEADLINE},
@@ -85,10 +75,7 @@ def summarize(runs: list[dict]) -> dict:
     out: dict = {}
     for v in sorted({r["variant"] for r in runs}):
         rs = [r for r in runs if r["variant"] == v]
-        fig = {}
-        for k in HEADLINE:
-            xs = [r["headline"][k] for r in rs if isinstance(r["headline"].get(k), (int, float))]
-            fig[k] = statistics.median(xs) if xs else None
+        fig = {k: (lab.describe([r["headline"].get(k) for r in rs], "median") or {}).get("median") for k in HEADLINE}
         q = sum(r["stage0_prefix_cache"].get("vllm:prefix_cache_queries_total", 0.0) for r in rs)
         h = sum(r["stage0_prefix_cache"].get("vllm:prefix_cache_hits_total", 0.0) for r in rs)
         out[v] = {**fig, "thinker_hit_ratio": h / q if q else 0.0, "completed": sum(r["completed"] or 0 for r in rs),
@@ -117,8 +104,7 @@ def plot(summary: dict, path: Path, title: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    lab.add_options(ap, "serve-bench")
+    ap = lab.parser(__doc__, "serve-bench")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-concurrency", type=int, default=4)
     ap.add_argument("--prefix-len", type=int, default=1536, help="shared prefix tokens (prefix_repetition)")

@@ -1,36 +1,24 @@
 """Load on vLLM-Omni's OpenAI-compatible server: omni-cache on vs thinker prefix cache off.
 
 Bursts of ``--concurrency`` streaming chat completions (text + audio out) that share one long
-system prompt and differ in the user question, sent all at once with the official ``openai``
-client (``AsyncOpenAI``). Each round uses a fresh system prompt (a round salt at its start),
-so the first requests of a burst miss and the rest can hit what they computed. Per request:
+system prompt (fresh per round) and differ in the question, sent at once with the ``openai``
+client. Per request: TTFT (s to the first text chunk with content), TTFP (s to the first
+``modality: "audio"`` chunk), e2e (s), thinker prompt / cached tokens
+(``usage.prompt_tokens_details``). One server at a time (:func:`benchmarks.lab.start`;
+``on``: ``--stage-config`` as given, ``off``: the thinker's ``enable_prefix_caching: false``),
+``--cycles`` repeats of ``--order``. Results: ``benchmarks/results/serve-load-<timestamp>/``,
+every sample, p50/p90/p99 and on/off ratios (docs/serving.md, "Load").
 
-- **TTFT**: seconds from sending to the first streamed text chunk with content;
-- **TTFP**: seconds to the first streamed audio packet (``modality: "audio"`` chunk);
-- e2e seconds, thinker prompt / cached tokens (``usage.prompt_tokens_details``).
-
-The variants run one after the other (one server at a time: two bench-size pipelines do not
-fit next to other work in 24 GiB), each on a server started by
-:class:`omni_cache.driver.server.OmniServer` from ``--stage-config`` (``on``: as given, omni-cache on
-the thinker; ``off``: the same file with the thinker's ``enable_prefix_caching: false``).
-``--cycles N`` repeats the whole on/off sequence (fresh servers) to expose run-order drift.
-Results: JSON under ``benchmarks/results/serve-load-<timestamp>/`` with every sample,
-percentiles (p50/p90/p99, linear interpolation) and on/off ratios.
-
-    /work/tools/with-slot --all .venv/bin/python -m benchmarks.serve_load   # on this shared machine
     .venv/bin/python -m benchmarks.serve_load --concurrency 16 --rounds 3 --model-size bench
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 from benchmarks import lab
 
@@ -39,12 +27,7 @@ PARAGRAPH = ("You are a careful assistant for a museum of natural history. Visit
 
 
 def _percentiles(xs: list[float]) -> dict:
-    if not xs:
-        return {"n": 0}
-    a = np.asarray(xs, dtype=float)
-    return {"n": int(a.size), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "min": float(a.min()),
-            "max": float(a.max())}
+    return lab.describe(xs, "p50", "p90", "p99", "mean", "min", "max") or {"n": 0}
 
 
 def _system_prompt(tokenizer, round_idx: int, target_tokens: int) -> str:
@@ -107,6 +90,8 @@ async def _burst(base_url: str, model: str, system: str, concurrency: int, max_t
 
 
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path, tokenizer) -> dict:
+    from omni_cache.driver.realtime import prefix_cache_counters
+
     cfg = lab.prefix_cache_variant(args.stage_config, out_dir, variant)
     with lab.start("server", model_dir, cfg, log=out_dir / f"server-{variant}-{cycle}.log",
                    label=f"{variant} #{cycle}") as srv:
@@ -122,11 +107,9 @@ def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path,
                   f"{_percentiles([x['ttft_s'] for x in ok]).get('p50', float('nan')):.2f} s", flush=True)
             recs += rr
             walls.append(wall)
-        _, metrics = srv.get("/metrics")
-    hits = [ln for ln in metrics.decode().splitlines()
-            if ln.startswith(("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")) and 'stage="0"' in ln]
+        hits = prefix_cache_counters(srv.url)
     return {"variant": variant, "cycle": cycle, "ready_s": srv.ready_s, "exit_code": srv.exit_code,
-            "round_wall_s": walls, "requests": recs, "stage0_prefix_cache_metrics": hits}
+            "round_wall_s": walls, "requests": recs, "prefix_cache_counters": hits}
 
 
 def _summary(runs: list[dict]) -> dict:
@@ -152,8 +135,7 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    lab.add_options(ap, "serve-load")
+    ap = lab.parser(__doc__, "serve-load")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="bursts per server (fresh system prompt each)")
     ap.add_argument("--system-tokens", type=int, default=2000, help="length of the shared system prompt")

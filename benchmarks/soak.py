@@ -1,47 +1,16 @@
 """Soak: a long mixed stream of requests on ``omni-cache serve``, with ``/dev/shm``, RSS and open
 files sampled over time (issue 45).
 
-One server (:class:`omni_cache.driver.server.OmniServer`, as ``omni-cache serve`` starts it;
-the bundled CPU stage config by default) gets ``--requests`` requests, ``--concurrency`` at a
-time, drawn (seeded) from this mix:
-
-==============  ======================================================================  ==========
-kind            request                                                                 expected
-==============  ======================================================================  ==========
-``text``        a question, ``modalities=["text"]``                                     200, text
-``text+audio``  a question, ``modalities=["text", "audio"]``, not streamed              200, a WAV
-``stream``      the same, ``stream=True``                                               text + audio chunks
-``image``       a 64×64 photo + a question, ``modalities=["text"]``                     200, text
-``audio-in``    1 s of speech + a question, ``modalities=["text", "audio"]``            200, a WAV
-``video``       a 1 s 64×64 clip (one of two) + a question, its audio track used every   200, text
-                other request (``use_audio_in_video``), ``modalities=["text"]``
-``bad``         in turn: a WAV of 78 samples, audio that is not base64, a truncated     400
-                JPEG
-``abort``       a streamed text + audio request the client closes after its first       (closed)
-                chunk
-``realtime``    one voice turn on ``/v1/realtime`` (only with a duplex stage config,    audio
-                e.g. ``qwen3_omni_cpu_duplex.yaml``)
-==============  ======================================================================  ==========
-
-Every ``--sample-s`` seconds a sampler records: the ``/dev/shm`` entries that appeared since
-the server started (segments and bytes; the connector's empty ``*_lockfile.lock`` files
-counted apart), those among them named after this run's request ids (``X-Request-Id: soak-…``;
-the machine's other users' entries are not), the server process tree's RSS (sum over the
-processes) and open file descriptors (``psutil``). After the stream it waits ``--drain-s``,
-samples again, stops the server (SIGTERM; the seconds until every stage process and the server
-are gone are recorded) and lists what is left in ``/dev/shm``.
-
-Bars (``summary.bars``, PASS/FAIL; issue 45), over the samples after the first ``--warmup``
-requests: the tagged segments are flat — the median of the last quarter of the samples at most
-``--shm-slack`` above the first quarter's, and back to (at most) the post-warm-up count after
-the drain (the peak in flight is recorded); the bytes back after the drain; RSS of the tree
-grows < 2 % (median of the last tenth of the samples vs. the first tenth); open descriptors
-end within ``--shm-slack`` of where they started; 0 lost requests (a good request that did not
-answer as expected, a bad one that was not a 400); 0 entries of this run in ``/dev/shm`` after
-the server exited.
-
-Results: ``benchmarks/results/soak-<timestamp>/result.json`` (every sample, every request's
-kind / status / seconds, the bars) and ``soak.png``.
+One server (the bundled CPU stage config by default) gets ``--requests`` requests,
+``--concurrency`` at a time, drawn (seeded) from :data:`KIND_WEIGHTS`: text, text + audio,
+streamed, a 64×64 photo, 1 s of speech in, two 1 s video clips (their audio track every other
+request), bad media (must be a 400), streams closed after their first chunk, realtime turns
+(with a duplex config). Every ``--sample-s`` seconds the
+:class:`Sampler` records this run's ``/dev/shm`` entries (named after its ``X-Request-Id``
+``<tag>-<i>-<kind>``), the server tree's RSS (bytes) and open file descriptors; after a
+``--drain-s`` pause the server is stopped (timed) and what is left in ``/dev/shm`` listed.
+Bars (:func:`_bars`, :func:`after_exit`) and what they mean: docs/serving.md, "Shared memory
+and the soak". Writes ``benchmarks/results/soak-<timestamp>/result.json`` and ``soak.png``.
 
     .venv/bin/python -m benchmarks.soak --requests 2000            # the issue's bar
     .venv/bin/python -m benchmarks.soak --requests 120 --warmup 20 # a short run
@@ -53,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import io
 import json
@@ -175,18 +145,9 @@ def tree_usage(pid: int) -> dict:
     import psutil
 
     rss = fds = n = 0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return {"rss": 0, "fds": 0, "processes": 0}
-    for p in procs:
-        try:
-            rss += p.memory_info().rss
-            fds += p.num_fds()
-            n += 1
-        except psutil.Error:
-            pass
+    for p in lab.process_tree(pid):
+        with contextlib.suppress(psutil.Error):
+            rss, fds, n = rss + p.memory_info().rss, fds + p.num_fds(), n + 1
     return {"rss": rss, "fds": fds, "processes": n}
 
 
@@ -348,25 +309,18 @@ def _bars(samples: list[dict], drained: dict, records: list[dict], warmup: int, 
 
 
 def _plot(samples: list[dict], out: Path, warmup: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = [s["requests_done"] for s in samples]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     panels = [("tagged_segments", "/dev/shm segments (this run)", 1), ("tagged_lockfiles", "lock files (this run)", 1),
               ("rss", "process tree RSS (MiB)", 2 ** 20), ("fds", "open file descriptors", 1)]
-    for ax, (key, title, scale) in zip(axes.flat, panels):
-        ax.plot(x, [s[key] / scale for s in samples], marker=".", lw=1)
-        ax.axvline(warmup, color="grey", ls=":", lw=1)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    for ax in axes[1]:
-        ax.set_xlabel("requests answered")
-    fig.suptitle("omni-cache serve soak (dotted: end of warm-up)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    with lab.figure(out, 2, 2, figsize=(11, 7), sharex=True, dpi=110,
+                    title="omni-cache serve soak (dotted: end of warm-up)") as (fig, axes):
+        for ax, (key, title, scale) in zip(axes.flat, panels):
+            ax.plot(x, [s[key] / scale for s in samples], marker=".", lw=1)
+            ax.axvline(warmup, color="grey", ls=":", lw=1)
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+        for ax in axes[1]:
+            ax.set_xlabel("requests answered")
 
 
 def _stop_timed(srv) -> dict:
@@ -374,7 +328,7 @@ def _stop_timed(srv) -> dict:
     workers) and the server itself are gone."""
     import psutil
 
-    kids = [p for p in psutil.Process(srv.proc.pid).children(recursive=True) if p.name().startswith("VLLM")]
+    kids = [p for p in lab.process_tree(srv.proc.pid)[1:] if p.name().startswith("VLLM")]
     t0 = time.perf_counter()
     srv.proc.send_signal(signal.SIGTERM)
     stages_down = None

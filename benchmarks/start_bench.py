@@ -1,15 +1,11 @@
 """Pipeline start time: vLLM's default ``mp`` executor vs ``uni`` on every stage, side by side.
 
-Each sample starts ``--stage-config`` (default the bundled streaming CPU config,
-``stage_configs/qwen3_omni_cpu.yaml``) on the model of ``--size`` (default tiny) through
-:func:`benchmarks.lab.start` (``streaming``: the driver's ``StreamingPipeline``) in a fresh
-Python process — ``mp``: as shipped (vLLM's CPU platform spawns a worker process per stage);
-``uni``: ``distributed_executor_backend: uni`` on every stage (the worker inside the stage's
-engine-core process; the pipeline sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for the start,
-:func:`omni_cache.driver.pipeline.engine_start_environment`) — sends one request, and stops.
-Variants alternate (the order flips every round). Reported per variant: ``start_s`` (the
-pipeline's constructor, seconds), ``process_s`` (process launch → started, imports included),
-``request_s`` (the first request), ``close_s``; medians, IQRs and the ratio mp / uni; JSON and
+Each sample starts ``--stage-config`` on the model of ``--size`` (default tiny) through
+:func:`benchmarks.lab.start` in a fresh Python process, sends one request and stops — ``mp``:
+as shipped (a worker process per stage); ``uni``: ``distributed_executor_backend: uni`` on
+every stage (the worker inside the stage's engine-core process). Variants alternate. Per
+variant (s): ``start_s`` (the constructor), ``process_s`` (launch → started, imports
+included), ``request_s`` (the first request), ``close_s``; medians, IQRs and mp / uni; JSON and
 a plot in ``--out``.
 
     .venv/bin/python -m benchmarks.start_bench --rounds 3
@@ -17,7 +13,6 @@ a plot in ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -57,14 +52,8 @@ def _sample(cfg: Path, model: Path, log: Path) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def _stats(xs: list[float]) -> dict:
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "n": len(xs)}
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    lab.add_options(ap, "start", size="tiny")
+    ap = lab.parser(__doc__, "start", size="tiny")
     ap.add_argument("--rounds", type=int, default=3, help="samples per variant (alternated)")
     args = ap.parse_args(argv)
     from tqdm import tqdm
@@ -80,15 +69,15 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix_str(v)
                 samples[v].append(_sample(cfgs[v], model, out / f"log_{v}.txt"))
                 bar.update()
-    summary = {v: {k: _stats([s[k] for s in samples[v]]) for k in ("start_s", "process_s", "request_s", "close_s")}
-               for v in VARIANTS}
+    summary = {v: {k: lab.describe([s[k] for s in samples[v]], "median", "p25", "p75")
+                   for k in ("start_s", "process_s", "request_s", "close_s")} for v in VARIANTS}
     ratio = summary["mp"]["start_s"]["median"] / summary["uni"]["start_s"]["median"]
     lab.write_result(out, {**lab.stamp("benchmarks.start_bench", argv), "args": lab.jsonable(args),
                            "samples": samples, "summary": summary, "ratio_start_mp_over_uni": ratio}, "start.json")
     _plot(samples, out / "start.png")
     for v in VARIANTS:
-        s = summary[v]
-        print(f"{v:>4}: start {s['start_s']['median']:.1f} s (IQR {s['start_s']['q1']:.1f}-{s['start_s']['q3']:.1f}), "
+        s, st = summary[v], summary[v]["start_s"]
+        print(f"{v:>4}: start {st['median']:.1f} s (IQR {st['p25']:.1f}-{st['p75']:.1f}), "
               f"process {s['process_s']['median']:.1f} s, first request {s['request_s']['median']:.2f} s")
     print(f"start time mp / uni = {ratio:.2f}x   ({out})")
     return 0

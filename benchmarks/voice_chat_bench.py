@@ -1,33 +1,20 @@
 """Multi-turn voice chat: time to the first audio packet (TTFP) and the talker's prefill per
-turn, with no prefix cache, omni-cache on the thinker, and omni-cache on the thinker plus
-content-keyed talker prefix caching (issue 15).
+turn, with no prefix cache (``off``), omni-cache on the thinker (``thinker``), and omni-cache
+on the thinker plus the talker's content-keyed prefix cache (``thinker+talker``) (issue 15).
 
-Three streaming CPU pipelines (``stage_configs/qwen3_omni_cpu.yaml`` as the variants of
-:func:`omni_cache.driver.variants.variant_stage_config`: first audio packet only, one request
-at a time) are up at once:
-
-- ``off``: prefix caching off on the thinker and the talker;
-- ``thinker``: omni-cache's hidden-state prefix cache on the thinker, talker caching off;
-- ``thinker+talker``: the same plus the talker's content-keyed prefix cache.
-
-Each round is one conversation per variant of ``--turns`` speech turns (the bundled speech
-recording and a short question each; every turn's history is the conversation so far with
-the variant's own answers); the variants alternate turn by turn, the first variant of each
-turn rotated. Rounds use different system prompts, so nothing is shared across rounds.
-Per request: TTFP (request sent → first audio packet), the talker's prompt and prefix-hit
-tokens, and its prefill time (``prefill_s`` from omni-cache's talker scheduler metrics:
-``schedule()`` that admitted the request → ``update_from_output()`` with its first token).
-``result.json``: every request, per variant and turn the median and spread (min-max) over
-rounds, the ratios, and the issue's bars (turns >= 3: talker prefill >= 4x lower with the
-talker cache; TTFP lower than the thinker-only cache's on every turn >= 2);
-``voice_chat.png``.
+Three streaming CPU pipelines up at once; per round one conversation per variant of
+``--turns`` speech turns (the bundled recording and a question), the variants alternating turn
+by turn. Per request: TTFP (s), the talker's prompt and hit tokens and its prefill time
+(``prefill_s`` of omni-cache's talker scheduler metrics). ``result.json``: every request, per
+variant and turn the median and min-max over rounds, the ratios and the issue's bars (turns
+>= 3: talker prefill >= 4x lower with the talker cache; TTFP lower than thinker-only on every
+turn >= 2); ``voice_chat.png``. docs/benchmarks.md, "Voice chat".
 
     .venv/bin/python -m benchmarks.voice_chat_bench --model-size bench-voice --turns 6 --rounds 3
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import time
@@ -57,8 +44,7 @@ def _talker_record(metrics_dir: Path, request_id: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    lab.add_options(ap, "voice-chat", size="bench-voice", sizes=("tiny", "bench", "bench-voice"))
+    ap = lab.parser(__doc__, "voice-chat", size="bench-voice", sizes=("tiny", "bench", "bench-voice"))
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="conversations per variant")
     args = ap.parse_args(argv)
@@ -66,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--turns must be 1..{len(QUESTIONS)}")
 
     import os
-
-    import numpy as np
 
     from omni_cache import settings
     from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, build_request, sample_path
@@ -119,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{'?' if tp is None else f'{tp * 1e3:.1f} ms'}, TTFP {r.ttfp_s:.2f} s", flush=True)
 
     def cell(v: str, turn: int, metric: str) -> dict | None:
-        xs = [r[metric] for r in records if r["variant"] == v and r["turn"] == turn and r[metric] is not None]
-        if not xs:
-            return None
-        return dict(median=float(np.median(xs)), min=float(min(xs)), max=float(max(xs)), n=len(xs))
+        return lab.describe([r[metric] for r in records if r["variant"] == v and r["turn"] == turn],
+                            "median", "min", "max")
 
     turns = list(range(1, args.turns + 1))
     summary = {v: {t: {m: cell(v, t, m) for m in ("ttfp_s", "talker_prefill_s", "talker_cached_tokens",

@@ -1,46 +1,26 @@
 """Per-modality thinker prefill and TTFP of the multimodal KV-shared (YOCO) thinker:
 {fast prefill off/on} x {omni-cache off/on}.
 
-The embedded bench-size Gemma-4-style thinker (``omni-cache make-model --family gemma4 --size
-bench``: hidden 768, 14 layers of which 8 KV-shared = 57 % like Gemma 4 E2B's 20 of 35, vision
-tower 384 x 4 layers with 280 soft tokens per image, audio tower 384 x 4 layers) runs as stage
-0 of the real streaming pipeline (``stage_configs/gemma4_yoco_cpu.yaml``: talker + code2wav of
-the bench Qwen3-Omni) in the four variants of
-:data:`omni_cache.driver.variants.YOCO_VARIANTS` — ``off`` (the slow path), ``fast``,
-``omni_cache``, ``fast+omni_cache`` — through the prefill benchmark's harness
-(:mod:`benchmarks.prefill.harness`: all pipelines up at once when memory allows, every request
-sent to each variant in turn with the order rotated, idle pipelines frozen; else — as with
-this bench model on a 24 GiB machine — one pipeline at a time, restarted every round in a
-rotated order; several rounds; medians, spreads, JSON and a plot). Workloads
-(:mod:`benchmarks.prefill.workloads`): ``text`` (a long shared document + a distinct
-question), ``image`` / ``audio`` (``--media-copies`` items of the bundled photo / speech, each
-copy its own content, + a distinct question; ``--modalities ...,floor`` adds the suffix-alone
-reference). Per workload the summary states speedup(fast prefill),
-speedup(cache), speedup(both) of the median thinker prefill vs ``off`` (and of TTFP), and the
-bar: at h >= 0.9, speedup(both) >= 0.9 x speedup(cache) x speedup(fast prefill)
-(:func:`benchmarks.prefill.summary.yoco_checks`).
+The embedded Gemma-4-style thinker (``omni-cache make-model --family gemma4``) runs as stage 0
+of the streaming pipeline (``stage_configs/gemma4_yoco_cpu.yaml``) in the four variants of
+:data:`omni_cache.driver.variants.YOCO_VARIANTS` through the prefill benchmark's harness
+(:mod:`benchmarks.prefill.harness`), defaults :data:`DEFAULTS`; per workload the bar
+speedup(both) >= 0.9 x speedup(cache) x speedup(fast prefill) at h >= 0.9
+(:func:`benchmarks.prefill.summary.yoco_checks`). Any other ``python -m benchmarks.prefill``
+option passes through.
+
+``--paired``: the composition is (omni_cache / fast+omni_cache) / (off / fast); when the four
+pipelines do not fit side by side, each of the two ratios is measured in a run of its own pair
+(``<name>-miss``: off, fast; ``<name>-hit``: omni_cache, fast+omni_cache) and the runs are
+summarized together into ``<name>`` (:func:`combine_pairs`). docs/yoco.md and
+docs/benchmarks.md ("Multimodal KV-shared (YOCO) thinker") have the runs.
 
     .venv/bin/python -m benchmarks.yoco_bench              # = --requests 3 --repeats 2 --modalities text,image,audio
     .venv/bin/python -m benchmarks.yoco_bench --paired --modalities image,floor --repeats 3
-
-``--paired``: the bar is a ratio of two ratios, both / (fast x cache) = (omni_cache /
-fast+omni_cache) / (off / fast): fast prefill's gain on a hit over its gain on a miss. When the
-four pipelines do not fit beside each other, ``--paired`` measures each of those two ratios
-side by side instead of across restarted pipelines: one harness run of ``off`` and ``fast``,
-then one of ``omni_cache`` and ``fast+omni_cache`` (each pair up at once, requests alternated
-— two bench pipelines fit in 24 GiB where four do not), written as ``<name>-miss`` and
-``<name>-hit``; the two runs' samples are then summarized together into ``<name>``
-(``result.json`` with both runs' paths, ``prefill.png``). The composition is exactly the
-product of the two in-run ratios (the medians of ``off`` cancel); speedup(cache) and
-speedup(both) alone set one run's medians against the other's (reported, no bar on them).
-
-Any other ``python -m benchmarks.prefill`` option passes through (``--alternation``,
-``--prefix-words``, ...). Writes ``benchmarks/results/<name>/result.json`` and ``prefill.png``.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -119,8 +99,8 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks import lab
     from benchmarks.prefill import harness
-    from omni_cache.models.gemma import default_gemma_dir
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pair = "--paired" in argv
@@ -131,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         size = _opt(argv, "--size")
         del argv[argv.index("--size"):argv.index("--size") + 2]
     if "--model" not in argv:
-        # built in a child process (importing torch here would grow this driver process, which
-        # stays up next to the pipelines)
-        subprocess.run([sys.executable, "-m", "omni_cache.cli", "make-model", "--family", "gemma4", "--size", size],
-                       check=True)
-        argv += ["--model", str(default_gemma_dir(size, family="gemma4"))]
+        argv += ["--model", str(lab.model_dir(size, family="gemma4", child=True))]
     for k, v in DEFAULTS.items():
         if k not in argv:
             argv += [k, v]

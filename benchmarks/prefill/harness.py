@@ -3,30 +3,16 @@ built-in cache vs omni-cache, on the real three-stage pipeline.
 
 Each variant's pipeline runs in its own process (:mod:`benchmarks.prefill.worker`); the stage
 configs differ only in the thinker's prefix cache (:mod:`omni_cache.driver.variants`).
-Workloads: :mod:`benchmarks.prefill.workloads`. Metrics and bars: :mod:`benchmarks.prefill.summary`
-and ``docs/benchmarks.md``.
-
-Concurrency (``--concurrency 1,4,16,64``): c = 1 sends one request at a time (the numbers and
-vLLM stage breakdown above); each c > 1 adds, per round and workload, one batch per variant run
-as a closed loop with c requests in flight (the worker's ``run_concurrent``), summarized under
-``load`` in the result JSON (driver-clock TTFT / TTFP / E2E p50 and p95 in ms, throughput in
-requests/s), with its own bars (``load_bar_checks``) and plot (``load.png``).
-
-Alternation (recorded in the result JSON under ``alternation``):
-
-- ``concurrent``: all variants are up at once; every request is sent to each variant in turn,
-  the order rotated per request, so slow drift of the machine hits all variants alike.
-- ``restart``: one pipeline at a time; every round starts each variant afresh, in an order
-  rotated per round (with repeats a multiple of the variant count each variant goes first
-  equally often), so the first-variant-is-fastest drift is spread over all variants.
-- ``auto`` (default): start one pipeline, measure its memory (PSS of the driver and stage
-  processes after warm-up) and go ``concurrent`` if the others fit in the memory available
-  with ``--mem-margin`` to spare, else ``restart``.
+Workloads: :mod:`benchmarks.prefill.workloads`; metrics and bars:
+:mod:`benchmarks.prefill.summary`; concurrency (``--concurrency``), alternation
+(``concurrent`` / ``restart`` / ``auto``, recorded under ``alternation``) and every number:
+docs/benchmarks.md, "How to run the prefill benchmark".
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -120,42 +106,22 @@ class Variant:
         ans = self.call({"op": "mem"}, timeout=120)
         return ans["mem"], ans.get("gpu") or {"gpu_bytes": None, "reason": "not reported by the worker"}
 
-    def _tree(self):
-        import psutil
-
-        try:
-            root = psutil.Process(self.proc.pid)
-            return [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-
     def cpu_s(self) -> float:
         """CPU seconds used so far by the worker and its stage processes."""
         total = 0.0
-        for p in self._tree():
-            try:
-                ct = p.cpu_times()
-                total += ct.user + ct.system
-            except Exception:
-                pass
+        for p in lab.process_tree(self.proc.pid):
+            with contextlib.suppress(Exception):
+                total += sum(p.cpu_times()[:2])  # user + system
         return total
 
     def freeze(self) -> None:
-        """SIGSTOP the worker and its stage processes (an idle pipeline still polls: ~0.1–0.2
-        of a core), so they do not compete with the pipeline being timed."""
-        for p in self._tree():
-            try:
-                p.suspend()
-            except Exception:
-                pass
+        """Pause the worker and its stage processes (:func:`benchmarks.lab.pause_tree`), so
+        they do not compete with the pipeline being timed."""
+        lab.pause_tree(self.proc.pid, True)
         self.frozen = True
 
     def thaw(self) -> None:
-        for p in reversed(self._tree()):
-            try:
-                p.resume()
-            except Exception:
-                pass
+        lab.pause_tree(self.proc.pid, False)
         self.frozen = False
 
     def close(self) -> None:
@@ -219,13 +185,21 @@ def mem_total(rows: list[dict]) -> dict[str, int]:
     return {k: sum(r.get(k, 0) for r in rows) for k in ("rss", "pss", "uss", "cpu_s")}
 
 
-def parse_concurrency(text: str) -> list[int]:
-    """``--concurrency``: a comma list of request concurrencies, each an integer ≥ 1 (e.g.
-    ``1,4,16,64``); duplicates dropped, order kept.
+@contextlib.contextmanager
+def awake(var):
+    """``var`` thawed for the block if it was frozen, frozen again after it."""
+    frozen = var.frozen
+    if frozen:
+        var.thaw()
+    try:
+        yield var
+    finally:
+        if frozen:
+            var.freeze()
 
-    Raises:
-        ValueError: an empty list, a value that is no integer, or one < 1.
-    """
+
+def parse_concurrency(text: str) -> list[int]:
+    """``--concurrency`` (:func:`benchmarks.lab.positive_int_list`)."""
     return lab.positive_int_list(text, "--concurrency", "1,4,16,64")
 
 
@@ -306,15 +280,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="concurrent: SIGSTOP the pipelines not being timed (default on)")
     ap.add_argument("--idle-probe-s", type=float, default=10.0,
                     help="concurrent: seconds to measure the CPU use of idle pipelines before timing")
-    ap.add_argument("--thinker-kv-mib", type=int, default=None,
-                    help=f"thinker KV cache, MiB (default: {MemorySettings.thinker_kv_bytes // MiB} on the CPU; on a "
-                         "GPU host the stage config's kv_cache_memory_bytes / gpu_memory_utilization)")
-    ap.add_argument("--talker-kv-mib", type=int, default=None,
-                    help=f"talker KV cache, MiB (default: {MemorySettings.talker_kv_bytes // MiB} on the CPU; the "
-                         "stage config's on a GPU host)")
-    ap.add_argument("--code2wav-kv-mib", type=int, default=None,
-                    help=f"code2wav KV cache, MiB (default: {MemorySettings.code2wav_kv_bytes // MiB} on the CPU; "
-                         "the stage config's on a GPU host)")
+    for stage in ("thinker", "talker", "code2wav"):
+        ap.add_argument(f"--{stage}-kv-mib", type=int, default=None,
+                        help=f"{stage} KV cache, MiB (default: {getattr(MemorySettings, stage + '_kv_bytes') // MiB} "
+                             "on the CPU; on a GPU host the stage config's kv_cache_memory_bytes / "
+                             "gpu_memory_utilization)")
     ap.add_argument("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs,
                     help="max_num_seqs of every stage (default for one request at a time; under load give "
                          ">= the largest --concurrency)")
@@ -361,33 +331,32 @@ def _memory_settings(args, gpu_host: bool) -> MemorySettings:
                           cpu_executor=args.cpu_executor or (None if gpu_host else d.cpu_executor))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from omni_cache.driver.inputs import InputError
-
     workloads = [w.strip() for w in args.modalities.split(",") if w.strip()]
-    bad = [w for w in workloads if w not in WORKLOADS]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad_v = [v for v in variants if v not in VARIANTS + YOCO_VARIANTS]
-    if bad or bad_v or not workloads or not variants or args.requests < 1 or args.repeats < 1:
-        print(f"error: unknown workloads {bad} / variants {bad_v}, or empty selection, or requests/repeats < 1",
-              file=sys.stderr)
-        return 2
-    try:
+    opts = WorkloadOptions(requests=args.requests, prefix_words=args.prefix_words, image=args.image,
+                           audio=args.audio, media_doc_words=args.media_doc_words,
+                           chat_answer_tokens=args.chat_answer_tokens, media_copies=args.media_copies)
+    try:  # everything checked before a model is built or a pipeline starts
+        bad = [w for w in workloads if w not in WORKLOADS] + [v for v in variants if v not in VARIANTS + YOCO_VARIANTS]
+        if bad or not workloads or not variants or args.requests < 1 or args.repeats < 1:
+            raise ValueError(f"unknown workloads / variants {bad}, or empty selection, or requests/repeats < 1")
         conc = parse_concurrency(args.concurrency)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
         devices = parse_variant_devices(args.variant_devices, variants)
-    except ValueError as exc:
+        loads = [c for c in conc if c > 1]
+        if loads and args.no_stream:
+            raise ValueError(f"--concurrency {','.join(map(str, loads))} needs streaming (AsyncOmni); --no-stream "
+                             "(synchronous Omni) sends one request at a time")
+        if "chat" in workloads and args.requests < 2:
+            raise ValueError("the chat workload needs --requests ≥ 2 (turn 1 is a miss and is not timed)")
+        check_media(opts)
+        if args.model and not (Path(args.model) / "config.json").is_file():
+            raise ValueError(f"--model {Path(args.model).resolve()}: no config.json (build one with "
+                             "`omni-cache make-model`)")
+    except ValueError as exc:  # omni_cache.driver.inputs.InputError included
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    loads = [c for c in conc if c > 1]
-    if loads and args.no_stream:
-        print(f"error: --concurrency {','.join(map(str, loads))} needs streaming (AsyncOmni); --no-stream "
-              "(synchronous Omni) sends one request at a time", file=sys.stderr)
         return 2
     load_note = None
     if loads and max(loads) > args.max_num_seqs:
@@ -395,33 +364,12 @@ def run(args: argparse.Namespace) -> int:
                      f"{args.max_num_seqs} requests at once, the rest wait in vLLM's queue (their TTFP includes "
                      f"the wait); pass --max-num-seqs >= {max(loads)} to have every request of the loop scheduled")
         print(f"note: {load_note}", file=sys.stderr)
-    if "chat" in workloads and args.requests < 2:
-        print("error: the chat workload needs --requests ≥ 2 (turn 1 is a miss and is not timed)", file=sys.stderr)
-        return 2
-    opts = WorkloadOptions(requests=args.requests, prefix_words=args.prefix_words, image=args.image,
-                           audio=args.audio, media_doc_words=args.media_doc_words,
-                           chat_answer_tokens=args.chat_answer_tokens, media_copies=args.media_copies)
-    try:
-        check_media(opts)
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.model:
-        model = str(Path(args.model).resolve())
-        if not (Path(model) / "config.json").is_file():
-            print(f"error: --model {model}: no config.json (build one with `omni-cache make-model`)", file=sys.stderr)
-            return 2
-    else:
-        from omni_cache.models import default_model_dir
-
-        # built (if missing or stale) in a child process: importing torch here would add ~0.7 GiB
-        # to this driver, which stays up next to the pipelines for the whole run
-        subprocess.run([sys.executable, "-m", "omni_cache.cli", "make-model", "--size", args.size], check=True)
-        model = str(default_model_dir(args.size))
+    model = str(lab.model_dir(args.size, args.model and Path(args.model).resolve(), child=True))
 
     out = Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     gpus = gpu_inventory()
+    stamp = lab.stamp("benchmarks.prefill", argv, gpus=gpus)
     mem = _memory_settings(args, gpu_host=bool(gpus))
     cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
                                     talker_prefix_caching=_talker_cache(args, v))
@@ -488,16 +436,11 @@ def run(args: argparse.Namespace) -> int:
     def rewarm(var: Variant, w: str) -> None:
         """Untimed request of ``w`` before its timed requests: it puts ``w``'s shared prefix back
         in the cache (another workload, e.g. ``miss``, may have evicted it from the thinker's KV)
-        and takes the first request after a pipeline was frozen or idle — on an H100 the first
-        timed request of a run took 1,056 ms TTFT (p50 31 ms), in whichever variant came first
-        (docs/benchmarks.md, "Zero overhead on an H100")."""
+        and takes the first request after a pipeline was frozen or idle (on an H100 the first
+        timed request of a run took 1,056 ms TTFT, p50 31 ms: docs/benchmarks.md)."""
         if w in ("text", "image", "audio", "floor", "miss"):
-            frozen = var.frozen
-            if frozen:
-                var.thaw()
-            warm[var.name].extend(var.run([rewarm_specs[w]]))
-            if frozen:
-                var.freeze()
+            with awake(var):
+                warm[var.name].extend(var.run([rewarm_specs[w]]))
 
     def record(v: str, rows: list[dict]) -> None:
         for row in rows:
@@ -526,12 +469,9 @@ def run(args: argparse.Namespace) -> int:
         load_checks = S.load_checks(load) if "omni_cache" in variants else {}
         mem_per_variant = S.memory_per_variant(memory["samples"], metrics, variants)
         result = {
-            "command": " ".join(sys.argv),
+            **stamp,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
             "duration_s": time.time() - t_start,
-            "machine": lab.machine(gpus),
-            "versions": lab.versions(),
-            "git": lab.git(),
             "model": model,
             "config": {"args": vars(args), "memory_settings": mem.to_dict(), "workload_options": opts.__dict__,
                        "stage_configs": {v: cfgs[v].read_text() for v in variants}},
@@ -553,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
             "aborted": aborted,
             "complete": final and not aborted,
         }
-        (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
+        lab.write_result(out, result)
         png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {Path(model).name}, {alternation['mode']}, "
                                                       f"N={args.requests} R={args.repeats}")
         load_png = (S.plot_load(load, out / "load.png", title=f"under load, {Path(model).name}, {alternation['mode']}, "
@@ -628,23 +568,16 @@ def run(args: argparse.Namespace) -> int:
                     for i, spec in enumerate(round_specs[(w, r)]):
                         for var in _rotate(live, r + i):
                             bar.set_postfix_str(f"round {r} {w} {var.name}")
-                            if args.freeze_idle:
-                                var.thaw()
-                            record(var.name, var.run([spec]))
-                            if args.freeze_idle:
-                                var.freeze()
+                            with awake(var):
+                                record(var.name, var.run([spec]))
                     for k, c in enumerate(loads):  # one batch per variant, order rotated per round
                         for var in _rotate(live, r + k):
-                            if args.freeze_idle:
-                                var.thaw()
-                            run_load(var, w, r, c)
-                            if args.freeze_idle:
-                                var.freeze()
+                            with awake(var):
+                                run_load(var, w, r, c)
                     checkpoint()
             for var in live:
                 if var.frozen:
                     var.thaw()
-            for var in live:
                 sample_mem(var, "end")
             # idle pipelines must not steal CPU from the one being timed: CPU seconds each
             # pipeline used during the timed phase vs the wall time of its own requests
@@ -739,7 +672,7 @@ METRIC_DEFINITIONS = {
             "one-at-a-time samples",
     "throughput_rps": "requests finished without error per second of a batch's wall time (first request sent -> "
                       "last output, driver clock); median over rounds. c = 1: requests / sum of their e2e_ms",
-    "p95": "95th percentile, linear interpolation between order statistics (summary._q)",
+    "p95": "95th percentile, linear interpolation between order statistics (numpy's default, lab.describe)",
     "gpu_bytes": "GPU memory used by the variant's process tree (NVML per-process used memory), bytes",
     "omni_cache_pinned_host_bytes": "bytes of omni-cache's hidden-state pools in pinned host memory "
                                     "(pool_pinned_bytes of its metrics files)",
@@ -761,7 +694,7 @@ METRIC_DEFINITIONS = {
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prefill_bench", description=__doc__.splitlines()[0])
     add_arguments(ap)
-    return run(ap.parse_args(argv))
+    return run(ap.parse_args(argv), argv)
 
 
 if __name__ == "__main__":

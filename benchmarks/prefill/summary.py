@@ -15,6 +15,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks import lab
+
 METRICS = ("prefill_ms", "ttft_ms", "vllm_ttft_ms", "ttfp_ms", "e2e_ms", "stage_0_gen_ms",
            "talker_prefill_ms", "talker_decode_ms", "code2wav_ms", "handoff_ms")
 #: TTFP = TTFT + these + hand-off (per request; see benchmarks.prefill.worker)
@@ -43,25 +45,13 @@ def metric(row: dict, name: str) -> float | None:
     return parts[0] - sum(parts[1:])
 
 
-def _q(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if len(xs) == 1:
-        return xs[0]
-    pos = q * (len(xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def describe(xs: list[float]) -> dict[str, float] | None:
-    """median, min, max, p25, p75, relative IQR (``(p75−p25)/median``) and n; None if empty."""
-    xs = [float(x) for x in xs if x is not None]
-    if not xs:
-        return None
-    med = statistics.median(xs)
-    p25, p75 = _q(xs, 0.25), _q(xs, 0.75)
-    return {"median": med, "min": min(xs), "max": max(xs), "p25": p25, "p75": p75,
-            "rel_iqr": (p75 - p25) / med if med else 0.0, "n": len(xs)}
+def describe(xs: list[float | None]) -> dict[str, float] | None:
+    """median (= p50), min, max, p25, p75, p95 (:func:`benchmarks.lab.describe`), relative IQR
+    (``(p75−p25)/median``) and n of the values that are not None; None if there are none."""
+    d = lab.describe(xs, "median", "min", "max", "p25", "p75", "p95")
+    if d is not None:
+        d["rel_iqr"] = (d["p75"] - d["p25"]) / d["median"] if d["median"] else 0.0
+    return d
 
 
 def bootstrap_median_ci(xs: list[float], level: float = 0.95, resamples: int = 4000,
@@ -139,18 +129,11 @@ FLOOR_BOUNDS = ("text", "image", "audio", "chat")
 
 
 def add_attainable(workloads: dict[str, dict[str, dict[str, Any]]], reference: str = "off") -> None:
-    """Add the attainable speedup to every cache variant of the shared-prefix workloads, in place.
-
-    With a ``floor`` workload (only the part a hit computes, see
-    :mod:`benchmarks.prefill.workloads`) measured on ``reference``: ``attainable_speedup`` =
-    median prefill of the workload on ``reference`` / median prefill of ``floor`` on
-    ``reference`` — the speedup of a prefix cache whose hit costs exactly a prefill of the
-    uncached suffix alone (the step's fixed cost included, no attention over the prefix);
-    ``fraction_of_attainable`` = ``speedup_vs_off`` / ``attainable_speedup``; ``floor_ms`` and
-    ``floor_prompt_tokens`` (to compare with ``computed_tokens`` of the hit); ``floor_ttfp_ms``
-    (the attainable TTFP) and ``ttfp_over_floor``. Without a floor on ``reference`` nothing
-    is added.
-    """
+    """Add, in place, to every cache variant of the shared-prefix workloads: ``attainable_speedup``
+    = median prefill on ``reference`` / that of the ``floor`` workload on ``reference`` (a hit
+    that costs a prefill of the suffix alone), ``fraction_of_attainable`` = ``speedup_vs_off`` /
+    it, ``floor_ms``, ``floor_prompt_tokens``, ``floor_ttfp_ms`` (the attainable TTFP) and
+    ``ttfp_over_floor``. Nothing without a floor measured on ``reference``."""
     floor = (workloads.get("floor") or {}).get(reference)
     if not floor or not floor.get("prefill_ms"):
         return
@@ -210,61 +193,60 @@ def ttfp_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str = "
         return []
     a = med(s)
     if workload == "miss":
-        b = med(off)
-        ratio = a / b if b else None
-        return [{"check": f"miss TTFP: {variant} / off ≤ {1 + MISS_TOLERANCE:.2f}", "value": ratio,
-                 "target": 1 + MISS_TOLERANCE, "passed": None if ratio is None else ratio <= 1 + MISS_TOLERANCE}]
+        return [_at_most(f"miss TTFP: {variant} / off", _ratio(a, med(off)), 1 + MISS_TOLERANCE)]
     out = []
     h = s.get("hit_ratio")
     if workload in TTFP_BAR_WORKLOADS and h is not None and h >= HIGH_HIT:
-        sp = med(off) / a if med(off) else None
-        out.append({"check": f"TTFP speedup vs off ≥ {TTFP_SPEEDUP:g} (h={h:.3f})", "value": sp,
-                    "target": TTFP_SPEEDUP, "passed": None if sp is None else sp >= TTFP_SPEEDUP})
-    b = med(bi)
-    ratio = a / b if b else None
-    out.append({"check": f"TTFP: {variant} / builtin ≤ {1 + BUILTIN_TOLERANCE:.2f}", "value": ratio,
-                "target": 1 + BUILTIN_TOLERANCE, "passed": None if ratio is None else ratio <= 1 + BUILTIN_TOLERANCE})
-    return out
+        out.append(_check(f"TTFP speedup vs off ≥ {TTFP_SPEEDUP:g} (h={h:.3f})", _ratio(med(off), a), TTFP_SPEEDUP,
+                          lambda x: x >= TTFP_SPEEDUP))
+    return [*out, _at_most(f"TTFP: {variant} / builtin", _ratio(a, med(bi)), 1 + BUILTIN_TOLERANCE)]
 
 
 def _prefill_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str) -> list[dict[str, Any]]:
     s, off, bi = summ.get(variant), summ.get("off"), summ.get("builtin")
-    checks: list[dict[str, Any]] = []
 
     def med(x):
         return x["prefill_ms"]["median"] if x and x.get("prefill_ms") else None
 
     if workload == "floor":
-        return checks  # a reference measurement, no bar
+        return []  # a reference measurement, no bar
     if workload == "miss":
-        a, b = med(s), med(off)
-        ratio = a / b if a and b else None
         ci = (s or {}).get("speedup_paired_ci95")
-        checks.append({"check": f"miss: {variant} / off ≤ {1 + MISS_TOLERANCE:.2f}", "value": ratio,
-                       "target": 1 + MISS_TOLERANCE, "passed": None if ratio is None else ratio <= 1 + MISS_TOLERANCE,
-                       # paired per-request ratio variant / off: its 95 % interval says whether
-                       # the run can resolve the 2 % at all
-                       "paired_ratio_ci95": [1 / ci[1], 1 / ci[0]] if ci else None})
-        return checks
+        # paired per-request ratio variant / off: its 95 % interval says whether the run can
+        # resolve the 2 % at all
+        return [{**_at_most(f"miss: {variant} / off", _ratio(med(s), med(off)), 1 + MISS_TOLERANCE),
+                 "paired_ratio_ci95": [1 / ci[1], 1 / ci[0]] if ci else None}]
     h = s["hit_ratio"] if s else None
     sp = s.get("speedup_vs_off") if s else None
     target = bar_target(h) if h is not None else None
-    checks.append({"check": f"speedup vs off ≥ target(h={h:.3f})" if h is not None else "speedup vs off",
-                   "value": sp, "target": target, "passed": None if sp is None or target is None else sp >= target})
-    a, b = med(s), med(bi)
-    ratio = a / b if a and b else None
-    checks.append({"check": f"{variant} / builtin ≤ {1 + BUILTIN_TOLERANCE:.2f}", "value": ratio,
-                   "target": 1 + BUILTIN_TOLERANCE,
-                   "passed": None if ratio is None else ratio <= 1 + BUILTIN_TOLERANCE})
-    return checks
+    return [{"check": f"speedup vs off ≥ target(h={h:.3f})" if h is not None else "speedup vs off",
+             "value": sp, "target": target, "passed": None if sp is None or target is None else sp >= target},
+            _at_most(f"{variant} / builtin", _ratio(med(s), med(bi)), 1 + BUILTIN_TOLERANCE)]
 
 
-def _f(x: Any, fmt: str = "{:.1f}") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf"
-    return fmt.format(x)
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _check(name: str, value: float | None, target: float, ok) -> dict[str, Any]:
+    return {"check": name, "value": value, "target": target, "passed": None if value is None else bool(ok(value))}
+
+
+def _at_most(name: str, value: float | None, target: float) -> dict[str, Any]:
+    """The check ``name: value ≤ target`` (``passed`` None without a value)."""
+    return _check(f"{name} ≤ {target:.2f}", value, target, lambda x: x <= target)
+
+
+def _check_lines(checks: dict[str, list[dict]]) -> list[str]:
+    """One PASS / FAIL / n/a line per bar check (``checks``: per workload)."""
+    lines = []
+    for w, cs in checks.items():
+        for c in cs:
+            ci = c.get("paired_ratio_ci95")
+            lines.append(f"  {({True: 'PASS', False: 'FAIL', None: 'n/a '})[c['passed']]}  {w:6} {c['check']}: value "
+                         f"{lab.fmt(c['value'], '.3f')} (target {lab.fmt(c['target'], '.3f')})"
+                         + (f"; paired per-request ratio 95% CI [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""))
+    return lines
 
 
 #: the composition bar of a KV-shared thinker (issue 16): at h >= YOCO_MIN_HIT,
@@ -307,51 +289,33 @@ def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[s
         for v, s in summ.items():
             pre = s.get("prefill_ms") or {}
             lines.append(
-                f"{w:8} {v:10} {_f((s.get('num_prompt_tokens') or {}).get('median'), '{:.0f}'):>6} "
-                f"{s['hit_ratio']:6.3f} {_f(pre.get('median')):>10} "
-                f"{_f(100 * pre['rel_iqr'] if pre else None, '{:.0f}'):>5} "
-                f"{_f((s.get('ttft_ms') or {}).get('median')):>8} {_f((s.get('ttfp_ms') or {}).get('median')):>8} "
-                f"{_f((s.get('e2e_ms') or {}).get('median')):>8} {_f(s.get('speedup_vs_off'), '{:.2f}'):>7} "
-                f"{_f(s.get('ideal_speedup'), '{:.2f}'):>6} {_f(s.get('fraction_of_ideal'), '{:.2f}'):>8} "
-                f"{_f(s.get('attainable_speedup'), '{:.2f}'):>7} {_f(s.get('fraction_of_attainable'), '{:.2f}'):>7}")
-    lines.append("")
-    lines.append("attain. = off / floor: the speedup of a hit that costs a prefill of the suffix alone "
-                 "(workload 'floor'); of att. = speedup / attain.")
-    parts = [(w, v, s) for w, summ in workloads.items() for v, s in summ.items()
-             if (s.get("ttfp_ms") or {}).get("median")]
+                f"{w:8} {v:10} {lab.fmt(_stat(s, 'num_prompt_tokens', 'median'), '.0f'):>6} "
+                f"{s['hit_ratio']:6.3f} {lab.fmt(pre.get('median')):>10} "
+                f"{lab.fmt(100 * pre['rel_iqr'] if pre else None, '.0f'):>5} "
+                + " ".join(f"{lab.fmt(_stat(s, m, 'median')):>8}" for m in ("ttft_ms", "ttfp_ms", "e2e_ms"))
+                + f" {lab.fmt(s.get('speedup_vs_off'), '.2f'):>7} {lab.fmt(s.get('ideal_speedup'), '.2f'):>6} "
+                f"{lab.fmt(s.get('fraction_of_ideal'), '.2f'):>8} {lab.fmt(s.get('attainable_speedup'), '.2f'):>7} "
+                f"{lab.fmt(s.get('fraction_of_attainable'), '.2f'):>7}")
+    lines += ["", "attain. = off / floor: the speedup of a hit that costs a prefill of the suffix alone "
+                  "(workload 'floor'); of att. = speedup / attain."]
+    parts = [(w, v, s) for w, summ in workloads.items() for v, s in summ.items() if _stat(s, "ttfp_ms", "median")]
     if parts:
-        lines.append("")
-        lines.append("TTFP and its parts (medians, ms): TTFT + talker prefill + talker decode (rest of the first "
-                     "codec chunk) + code2wav + hand-off")
+        lines += ["", "TTFP and its parts (medians, ms): TTFT + talker prefill + talker decode (rest of the first "
+                      "codec chunk) + code2wav + hand-off"]
         for w, v, s in parts:
-            vals = " ".join(f"{k.replace('_ms', '')} {_f((s.get(k) or {}).get('median'))}"
+            vals = " ".join(f"{k.replace('_ms', '')} {lab.fmt(_stat(s, k, 'median'))}"
                             for k in ("ttfp_ms",) + TTFP_PARTS + ("handoff_ms",))
             extra = (f"; floor TTFP {s['floor_ttfp_ms']:.1f} ({s['ttfp_over_floor']:.2f}x)"
                      if s.get("ttfp_over_floor") else "")
             lines.append(f"  {w:8} {v:10} {vals}{extra}")
-    lines.append("")
-    lines.append("bar checks (omni-cache; thinker prefill time, then TTFP):")
-    for w, cs in checks.items():
-        for c in cs:
-            verdict = {True: "PASS", False: "FAIL", None: "n/a "}[c["passed"]]
-            ci = c.get("paired_ratio_ci95")
-            extra = f"; paired per-request ratio 95% CI [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
-            lines.append(f"  {verdict}  {w:6} {c['check']}: value {_f(c['value'], '{:.3f}')} "
-                         f"(target {_f(c['target'], '{:.3f}')}){extra}")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", "bar checks (omni-cache; thinker prefill time, then TTFP):", *_check_lines(checks)])
 
 
-def _save_figure(fig, path: str | Path, title: str = "") -> Path:
-    """Title (if any), tight layout, PNG at 120 dpi into ``path``; closes the figure."""
-    import matplotlib.pyplot as plt
-
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+#: a variant's colour in every plot; the parts of TTFP in the stacked bars
+COLORS = {"off": "#888888", "builtin": "#4c72b0", "omni_cache": "#dd8452", "fast": "#8172b3",
+          "fast+omni_cache": "#c44e52"}
+PART_COLORS = {"ttft_ms": "#4c72b0", "talker_prefill_ms": "#dd8452", "talker_decode_ms": "#55a868",
+               "code2wav_ms": "#c44e52", "handoff_ms": "#937860"}
 
 
 def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, title: str = "") -> Path:
@@ -360,74 +324,61 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
     was measured, a second row beside it: per variant the medians of TTFP's parts stacked
     (TTFT, talker prefill, talker decode, code2wav, hand-off), a black tick at the
     median TTFP and a dotted line at the floor's TTFP (the attainable). PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(workloads)
-    with_ttfp = any((s.get("ttfp_ms") or {}).get("median") for summ in workloads.values() for s in summ.values())
-    nrows = 2 if with_ttfp else 1
-    fig, axes = plt.subplots(nrows, max(len(names), 1), figsize=(3.2 * max(len(names), 1), 3.6 * nrows),
-                             squeeze=False)
-    colors = {"off": "#888888", "builtin": "#4c72b0", "omni_cache": "#dd8452", "fast": "#8172b3",
-              "fast+omni_cache": "#c44e52"}
-    for ax, w in zip(axes[0], names):
-        summ = workloads[w]
-        vs = [v for v in summ if summ[v].get("prefill_ms")]
-        meds = [summ[v]["prefill_ms"]["median"] for v in vs]
-        lo = [summ[v]["prefill_ms"]["median"] - summ[v]["prefill_ms"]["p25"] for v in vs]
-        hi = [summ[v]["prefill_ms"]["p75"] - summ[v]["prefill_ms"]["median"] for v in vs]
-        ax.bar(range(len(vs)), meds, yerr=[lo, hi], capsize=3, color=[colors.get(v, "#55a868") for v in vs])
-        off = summ.get("off", {}).get("prefill_ms")
-        for k, v in enumerate(vs):
-            if v != "off" and off and math.isfinite(summ[v]["ideal_speedup"]):
-                ideal = off["median"] / summ[v]["ideal_speedup"]
-                ax.hlines(ideal, k - 0.4, k + 0.4, colors="k", linestyles="--", linewidth=1, zorder=3,
-                          label="ideal 1/(1−h)" if k == 1 else None)
-            if v != "off" and summ[v].get("floor_ms"):
-                ax.hlines(summ[v]["floor_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5,
-                          zorder=3,
-                          label="floor (suffix alone)" if k == 1 else None)
-            sp = summ[v].get("speedup_vs_off")
-            ax.text(k, meds[k] + hi[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
-                    ha="center", va="bottom", fontsize=7)
-        if vs:
-            ax.set_ylim(0, 1.3 * max(m + e for m, e in zip(meds, hi)))
-        h = max((summ[v]["hit_ratio"] for v in vs), default=0.0)
-        ax.set_title(f"{w} (h={h:.2f})", fontsize=9)
-        ax.set_xticks(range(len(vs)))
-        ax.set_xticklabels(_tick_labels(vs), fontsize=8)
-        ax.set_ylabel("thinker prefill, ms (median)" if ax is axes[0][0] else "")
-        if any(v != "off" for v in vs):
-            ax.legend(fontsize=7, loc="upper right")
-    if with_ttfp:
-        for ax, w in zip(axes[1], names):
-            _ttfp_panel(ax, workloads[w], w, first=ax is axes[1][0])
-    return _save_figure(fig, path, title)
+    with_ttfp = any(_stat(s, "ttfp_ms", "median") for summ in workloads.values() for s in summ.values())
+    nrows, ncols = 2 if with_ttfp else 1, max(len(names), 1)
+    with lab.figure(Path(path), nrows, ncols, figsize=(3.2 * ncols, 3.6 * nrows), squeeze=False, title=title,
+                    title_size=9) as (fig, axes):
+        for ax, w in zip(axes[0], names):
+            _prefill_panel(ax, workloads[w], w, first=ax is axes[0][0])
+        if with_ttfp:
+            for ax, w in zip(axes[1], names):
+                _ttfp_panel(ax, workloads[w], w, first=ax is axes[1][0])
+    return Path(path)
 
 
-def _tick_labels(variants: list[str]) -> list[str]:
-    """Variant names for x ticks, a combined variant (``fast+omni_cache``) on two lines so
-    neighbouring labels do not overlap."""
-    return [v.replace("+", "+\n") for v in variants]
+def _variant_axis(ax, vs: list[str]) -> None:
+    """Variant names as x ticks, a combined variant (``fast+omni_cache``) on two lines."""
+    ax.set_xticks(range(len(vs)))
+    ax.set_xticklabels([v.replace("+", "+\n") for v in vs], fontsize=8)
 
 
-_PART_COLORS = {"ttft_ms": "#4c72b0", "talker_prefill_ms": "#dd8452", "talker_decode_ms": "#55a868",
-                "code2wav_ms": "#c44e52", "handoff_ms": "#937860"}
+def _prefill_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> None:
+    vs = [v for v in summ if summ[v].get("prefill_ms")]
+    pre = [summ[v]["prefill_ms"] for v in vs]
+    meds, hi = [p["median"] for p in pre], [p["p75"] - p["median"] for p in pre]
+    ax.bar(range(len(vs)), meds, yerr=[[p["median"] - p["p25"] for p in pre], hi], capsize=3,
+           color=[COLORS.get(v, "#55a868") for v in vs])
+    off = summ.get("off", {}).get("prefill_ms")
+    for k, v in enumerate(vs):
+        if v != "off" and off and math.isfinite(summ[v]["ideal_speedup"]):
+            ax.hlines(off["median"] / summ[v]["ideal_speedup"], k - 0.4, k + 0.4, colors="k", linestyles="--",
+                      linewidth=1, zorder=3, label="ideal 1/(1−h)" if k == 1 else None)
+        if v != "off" and summ[v].get("floor_ms"):
+            ax.hlines(summ[v]["floor_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5,
+                      zorder=3, label="floor (suffix alone)" if k == 1 else None)
+        sp = summ[v].get("speedup_vs_off")
+        ax.text(k, meds[k] + hi[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
+                ha="center", va="bottom", fontsize=7)
+    if vs:
+        ax.set_ylim(0, 1.3 * max(m + e for m, e in zip(meds, hi)))
+    ax.set_title(f"{w} (h={max((summ[v]['hit_ratio'] for v in vs), default=0.0):.2f})", fontsize=9)
+    _variant_axis(ax, vs)
+    ax.set_ylabel("thinker prefill, ms (median)" if first else "")
+    if any(v != "off" for v in vs):
+        ax.legend(fontsize=7, loc="upper right")
 
 
 def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> None:
-    vs = [v for v in summ if (summ[v].get("ttfp_ms") or {}).get("median")]
+    vs = [v for v in summ if _stat(summ[v], "ttfp_ms", "median")]
     for k, v in enumerate(vs):
         bottom = 0.0
         for part in TTFP_PARTS + ("handoff_ms",):
-            m = (summ[v].get(part) or {}).get("median")
-            if m is None or m <= 0:
-                continue
-            ax.bar(k, m, bottom=bottom, color=_PART_COLORS[part], width=0.6,
-                   label=part.replace("_ms", "") if k == 0 else None)
-            bottom += m
+            m = _stat(summ[v], part, "median")
+            if m is not None and m > 0:
+                ax.bar(k, m, bottom=bottom, color=PART_COLORS[part], width=0.6,
+                       label=part.replace("_ms", "") if k == 0 else None)
+                bottom += m
         t = summ[v]["ttfp_ms"]["median"]
         ax.hlines(t, k - 0.35, k + 0.35, colors="k", linewidth=2, zorder=3)
         sp = summ[v].get("ttfp_ms_speedup_vs_off")
@@ -438,8 +389,7 @@ def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> Non
                       zorder=3)
     if vs:
         ax.set_ylim(0, 1.3 * max(summ[v]["ttfp_ms"]["median"] for v in vs))
-    ax.set_xticks(range(len(vs)))
-    ax.set_xticklabels(_tick_labels(vs), fontsize=8)
+    _variant_axis(ax, vs)
     ax.set_title(f"{w}: TTFP and its parts", fontsize=9)
     if first:
         ax.set_ylabel("time to first audio packet, ms (median)")
@@ -461,15 +411,6 @@ LOAD_HIGH_C = 64
 LOAD_TOLERANCE = BUILTIN_TOLERANCE
 
 
-def describe_p95(xs: list[float]) -> dict[str, float] | None:
-    """:func:`describe` plus ``p95`` (95th percentile, :func:`_q`); None if empty."""
-    xs = [float(x) for x in xs if x is not None]
-    d = describe(xs)
-    if d is not None:
-        d["p95"] = _q(xs, 0.95)
-    return d
-
-
 def one_at_a_time_batches(rows: list[dict]) -> list[dict]:
     """The c = 1 samples (one request at a time) as one batch per round, so they sit on the
     same axes as the load batches: ``wall_s`` = the sum of the round's e2e times (s) and
@@ -487,7 +428,7 @@ def one_at_a_time_batches(rows: list[dict]) -> list[dict]:
 
 def summarize_batches(batches: list[dict]) -> dict[str, Any]:
     """One variant at one concurrency: ``ttft_ms`` / ``ttfp_ms`` / ``e2e_ms`` statistics
-    (:func:`describe_p95`: median = p50, p95, p25, p75, n; ms) over the timed requests
+    (:func:`describe`: median = p50, p95, p25, p75, n; ms) over the timed requests
     (``measure`` true, no error) of all batches; ``throughput_rps`` = ``{"median": requests/s
     over rounds, "per_round": [...]}``; ``hit_ratio`` = median of cached / prompt tokens of
     the thinker; ``n_errors``; ``wall_s`` per round (s)."""
@@ -495,7 +436,7 @@ def summarize_batches(batches: list[dict]) -> dict[str, Any]:
     ok = [r for r in rows if r.get("measure", True) and not r.get("error")]
     s: dict[str, Any] = {"n": len(ok), "n_requests": len(rows), "n_errors": sum(1 for r in rows if r.get("error"))}
     for m in LOAD_METRICS:
-        s[m] = describe_p95([r.get(m) for r in ok])
+        s[m] = describe([r.get(m) for r in ok])
     hs = [r["num_cached_tokens"] / r["num_prompt_tokens"] for r in ok if r.get("num_prompt_tokens")]
     s["hit_ratio"] = statistics.median(hs) if hs else None
     tps = [b["throughput_rps"] for b in batches if b.get("throughput_rps") is not None]
@@ -524,21 +465,12 @@ def _stat(s: dict | None, metric: str, key: str) -> float | None:
     return ((s or {}).get(metric) or {}).get(key)
 
 
-def _check(name: str, value: float | None, target: float, ok) -> dict[str, Any]:
-    return {"check": name, "value": value, "target": target, "passed": None if value is None else bool(ok(value))}
-
-
 def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, list[dict[str, Any]]]:
-    """The load bars for ``variant`` (``passed`` True / False, or None = n/a: a variant,
-    a sample or the precondition missing — never a pass without samples):
-
-    - ``chat`` at c = 4 (applies when the variant's median prefix hit ≥ 0.9): TTFP p50 /
-      the floor's TTFP p50 (workload ``floor`` on cache off at c = 4) ≤ 1.25, and TTFP p50 /
-      the built-in's ≤ 1 + 2 %.
-    - every workload but ``floor`` at c = 64: throughput (requests/s) / cache off's ≥ 1 − 2 %,
-      and TTFP p95 / the built-in's ≤ 1 + 2 %.
-
-    Only concurrencies that were run get checks."""
+    """The load bars for ``variant`` at the concurrencies that were run (the constants above;
+    ``passed`` None = n/a: a variant, a sample or the precondition missing, never a pass
+    without samples): ``chat`` at c = 4 where h ≥ 0.9, TTFP p50 / the floor's (``floor`` on
+    cache off at c = 4) and / the built-in's; every workload but ``floor`` at c = 64,
+    throughput / cache off's and TTFP p95 / the built-in's."""
     out: dict[str, list[dict[str, Any]]] = {}
     chat = (load.get("chat") or {}).get(str(LOAD_CHAT_C))
     if chat is not None:
@@ -586,88 +518,66 @@ def format_load_table(load: dict[str, Any], checks: dict[str, list[dict]]) -> st
         for c, by_v in by_c.items():
             for v, s in by_v.items():
                 lines.append(
-                    f"{w:8} {c:>3} {v:10} {s['n']:>4} {_f(s.get('hit_ratio'), '{:.3f}'):>6} "
-                    + " ".join(f"{_f(_stat(s, m, 'median')):>8} {_f(_stat(s, m, 'p95')):>7}" for m in LOAD_METRICS)
-                    + f" {_f((s.get('throughput_rps') or {}).get('median'), '{:.2f}'):>7} {s['n_errors']:>3}")
-    lines.append("")
-    lines.append("load bar checks (omni-cache):")
-    for w, cs in checks.items():
-        for c in cs:
-            verdict = {True: "PASS", False: "FAIL", None: "n/a "}[c["passed"]]
-            lines.append(f"  {verdict}  {w:6} {c['check']}: value {_f(c['value'], '{:.3f}')} "
-                         f"(target {_f(c['target'], '{:.3f}')})")
+                    f"{w:8} {c:>3} {v:10} {s['n']:>4} {lab.fmt(s.get('hit_ratio'), '.3f'):>6} "
+                    + " ".join(f"{lab.fmt(_stat(s, m, 'median')):>8} {lab.fmt(_stat(s, m, 'p95')):>7}"
+                               for m in LOAD_METRICS)
+                    + f" {lab.fmt(_stat(s, 'throughput_rps', 'median'), '.2f'):>7} {s['n_errors']:>3}")
+    lines += ["", "load bar checks (omni-cache):", *_check_lines(checks)]
     if not any(checks.values()):
         lines.append(f"  (none: the bars need chat at c={LOAD_CHAT_C} or c={LOAD_HIGH_C})")
     return "\n".join(lines)
-
-
-_COLORS = {"off": "#888888", "builtin": "#4c72b0", "omni_cache": "#dd8452", "fast": "#8172b3",
-           "fast+omni_cache": "#c44e52"}
 
 
 def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
     """One column per workload: top, TTFP p50 (solid) and p95 (dashed) vs concurrency per
     variant (TTFT where no variant has a TTFP); bottom, throughput (requests/s, median over
     rounds) vs concurrency. Log-scaled concurrency axis. PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(load) or [""]
-    fig, axes = plt.subplots(2, len(names), figsize=(3.4 * len(names), 6.4), squeeze=False)
-    for k, w in enumerate(names):
-        by_c = load.get(w, {})
-        cs = sorted(by_c, key=int)
-        variants = list(dict.fromkeys(v for c in cs for v in by_c[c]))
-        metric = "ttfp_ms" if any(_stat(by_c[c][v], "ttfp_ms", "median") for c in cs for v in by_c[c]) else "ttft_ms"
-        top, bot = axes[0][k], axes[1][k]
-        for v in variants:
-            col = _COLORS.get(v, "#55a868")
-            pts = [(int(c), by_c[c].get(v)) for c in cs]
-            for key, style in (("median", "-"), ("p95", "--")):
-                xy = [(c, _stat(s, metric, key)) for c, s in pts if _stat(s, metric, key) is not None]
+    with lab.figure(Path(path), 2, len(names), figsize=(3.4 * len(names), 6.4), squeeze=False, title=title,
+                    title_size=9) as (fig, axes):
+        for k, w in enumerate(names):
+            by_c = load.get(w, {})
+            cs = sorted(by_c, key=int)
+            ttfp = any(_stat(by_c[c][v], "ttfp_ms", "median") for c in cs for v in by_c[c])
+            metric = "ttfp_ms" if ttfp else "ttft_ms"
+            top, bot = axes[0][k], axes[1][k]
+            for v in dict.fromkeys(v for c in cs for v in by_c[c]):
+                pts = [(int(c), by_c[c].get(v)) for c in cs]
+                for key, style in (("median", "-"), ("p95", "--")):
+                    xy = [(c, _stat(s, metric, key)) for c, s in pts if _stat(s, metric, key) is not None]
+                    if xy:
+                        top.plot(*zip(*xy), style, marker="o", ms=3, color=COLORS.get(v, "#55a868"),
+                                 label=f"{v} {'p50' if key == 'median' else 'p95'}")
+                xy = [(c, _stat(s, "throughput_rps", "median")) for c, s in pts
+                      if _stat(s, "throughput_rps", "median") is not None]
                 if xy:
-                    top.plot(*zip(*xy), style, marker="o", ms=3, color=col,
-                             label=f"{v} {'p50' if key == 'median' else 'p95'}")
-            xy = [(c, ((s or {}).get("throughput_rps") or {}).get("median")) for c, s in pts]
-            xy = [(c, t) for c, t in xy if t is not None]
-            if xy:
-                bot.plot(*zip(*xy), "-", marker="o", ms=3, color=col, label=v)
-        for ax in (top, bot):
-            if cs:
-                ax.set_xscale("log", base=2)
-                ax.set_xticks([int(c) for c in cs])
-                ax.set_xticklabels(cs, fontsize=8)
-            ax.set_xlabel("concurrency" if ax is bot else "")
-        top.set_title(f"{w}: {metric.replace('_ms', '').upper()} p50 / p95", fontsize=9)
-        bot.set_title(f"{w}: throughput", fontsize=9)
-        if k == 0:
-            top.set_ylabel(f"{metric.replace('_ms', '').upper()}, ms")
-            bot.set_ylabel("requests/s (median over rounds)")
-            if top.lines:
-                top.legend(fontsize=6)
-            if bot.lines:
-                bot.legend(fontsize=6)
-        top.set_ylim(bottom=0)
-        bot.set_ylim(bottom=0)
-    return _save_figure(fig, path, title)
+                    bot.plot(*zip(*xy), "-", marker="o", ms=3, color=COLORS.get(v, "#55a868"), label=v)
+            name = metric.replace("_ms", "").upper()
+            for ax, what in ((top, f"{name} p50 / p95"), (bot, "throughput")):
+                if cs:
+                    ax.set_xscale("log", base=2)
+                    ax.set_xticks([int(c) for c in cs])
+                    ax.set_xticklabels(cs, fontsize=8)
+                ax.set_xlabel("concurrency" if ax is bot else "")
+                ax.set_title(f"{w}: {what}", fontsize=9)
+                ax.set_ylim(bottom=0)
+                if k == 0 and ax.lines:
+                    ax.legend(fontsize=6)
+            if k == 0:
+                top.set_ylabel(f"{name}, ms")
+                bot.set_ylabel("requests/s (median over rounds)")
+    return Path(path)
 
 
 # ---- memory per variant ----------------------------------------------------------------------
 
 def memory_per_variant(samples: list[dict], omni_metrics: list[dict], variants: list[str]) -> dict[str, Any]:
     """Per variant, from its last memory sample (``samples``: the harness's ``memory.samples``)
-    and omni-cache's metrics files (``omni_metrics``: rows with ``variant``):
-
-    - ``pss_bytes`` / ``rss_bytes``: the process tree's host memory (bytes);
-    - ``gpu_bytes``: GPU memory of the process tree (NVML), or None with ``gpu_reason``;
-    - ``omni_cache_pool_bytes`` and ``omni_cache_pinned_host_bytes``: omni-cache's hidden-state
-      pools (all tiers) and the part in pinned host memory, summed over its engine processes'
-      metrics files (bytes); None with ``pinned_reason`` where no file reports them (cache off,
-      built-in, or no metrics file). Pinned buffers of vLLM itself and omni-cache's 4 MiB index
-      staging ring are not counted.
-    """
+    and omni-cache's metrics files (``omni_metrics``: rows with ``variant``), in bytes: the
+    process tree's ``pss_bytes`` / ``rss_bytes``, its ``gpu_bytes`` (NVML; None with
+    ``gpu_reason``), omni-cache's pools ``omni_cache_pool_bytes`` and their pinned part
+    ``omni_cache_pinned_host_bytes`` (None with ``pinned_reason`` where no metrics file reports
+    them). docs/benchmarks.md, "Memory per variant", says what is not counted."""
     out: dict[str, Any] = {}
     for v in variants:
         mine = [s for s in samples if s.get("variant") == v]

@@ -13,37 +13,12 @@ Protocol: JSON commands on stdin, one per line; every answer is one stdout line
   (:func:`gpu_memory`).
 - ``{"op": "quit"}`` stops the pipeline.
 
-What is measured per request (times in ms; with ``run``, from one request sent alone; under
-load, ``run_concurrent``, only the driver-clock times, hit ratio, tokens and audio counts: the
-fields read from vLLM's histograms are None and ``stage_breakdown`` says why):
-
-- ``prefill_ms``: vLLM's own per-request prefill time of the thinker: first-token time minus
-  scheduled time, both stamped by the thinker's engine core (vLLM's
-  ``vllm:request_prefill_time_seconds`` histogram of stage 0; the per-request value is the
-  change of its sum across the request). Needs ``log_stats=True``.
-- ``computed_tokens``: thinker prompt tokens computed (``vllm:request_prefill_kv_computed_tokens``).
-- ``ttft_ms``: driver clock, ``generate`` called → first thinker output carrying a text
-  token arrives in this process (thinker streamed with ``output_kind=DELTA``).
-- ``vllm_ttft_ms``: vLLM-Omni's ``vllm_ttft_ms`` of stage 0 (arrival at the thinker → first token,
-  orchestrator clock).
-- ``ttfp_ms``: driver clock, ``generate`` called → first code2wav output carrying audio samples.
-  Streaming (default; ``AsyncOmni``, the engine vLLM-Omni's server uses, with the stage
-  config's ``async_chunk: true``): the first audio packet. ``--no-stream`` (synchronous
-  ``Omni``, ``async_chunk: false``): code2wav emits the whole waveform in one output, so this
-  is the time to the complete waveform.
-- TTFP's parts, from vLLM's per-request histograms of each stage (engine-core clocks; the
-  change of each sum across the request, None unless exactly one request of that stage
-  finished): ``talker_prefill_ms`` (stage 1 ``vllm:request_prefill_time_seconds``),
-  ``talker_decode_ms`` (stage 1 ``vllm:request_decode_time_seconds``: the codec frames after
-  the first; with the benchmark's talker ``max_tokens`` = the first streamed chunk, this is the
-  rest of the first codec chunk), ``code2wav_ms`` (stage 2 ``vllm:request_inference_time_seconds``:
-  scheduled → finished). What TTFP holds beyond ``ttft_ms`` + these is hand-off and
-  orchestration time (``handoff_ms``, derived in the summary). (vLLM's queue time of stages 1
-  and 2 is no part: with ``async_chunk`` a downstream request is queued when the thinker
-  starts and waits there for its first chunk, so it overlaps the thinker's prefill.)
-- ``e2e_ms``: driver clock, ``generate`` called → last output of the request.
-- ``stage_0_gen_ms``: vLLM-Omni's stage-0 time (submitted to the thinker → thinker finished),
-  kept for comparison with earlier runs.
+Per request (:class:`_Request`): the driver-clock times (``ttft_ms``, ``ttfp_ms``, ``e2e_ms``),
+hit ratio, tokens and audio counts; with ``run`` (one request alone) also vLLM's per-request
+stage breakdown — the change of its histogram sums across the request (``prefill_ms``,
+``computed_tokens``, TTFP's parts; needs ``log_stats=True``), None under load with
+``stage_breakdown`` saying why. What each field is: :data:`benchmarks.prefill.harness.METRIC_DEFINITIONS`
+(written into every result) and docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -70,9 +45,10 @@ def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
     """
     import psutil
 
-    root = psutil.Process(pid or os.getpid())
+    from benchmarks import lab
+
     out = []
-    for p in [root] + root.children(recursive=True):
+    for p in lab.process_tree(pid or os.getpid()):
         try:
             mi = p.memory_full_info()
             ct = p.cpu_times()
@@ -182,11 +158,8 @@ class VariantWorker:
 
         chat = spec.get("chat")
         if chat and chat["turn"] > 0:
-            prev = self.sessions[chat["session"]]
-            im_end = self.tokenizer().convert_tokens_to_ids("<|im_end|>")
-            tail = self.tokenizer().encode(
-                f"\n<|im_start|>user\n{spec['text']}<|im_end|>\n<|im_start|>assistant\n")
-            return {"prompt_token_ids": prev + [im_end] + tail}
+            tail = self.tokenizer().encode(f"\n<|im_start|>user\n{spec['text']}<|im_end|>\n<|im_start|>assistant\n")
+            return {"prompt_token_ids": self.sessions[chat["session"]] + [self._im_end()] + tail}
         k = int(spec.get("media_copies") or 1)
         if k > 1 and (spec.get("image") or spec.get("audio")):
             return self._media_copies_prompt(spec, k)
@@ -255,13 +228,11 @@ class VariantWorker:
 
     def run_concurrent(self, specs: list[dict], concurrency: int) -> dict:
         """A closed loop with ``concurrency`` requests in flight (like ``vllm bench serve
-        --max-concurrency``): ``concurrency`` senders take the next chain of requests from a
-        queue and send its requests in order, so a new request starts as soon as one finishes.
-        A chain is a chat conversation (its turns, in order: turn k+1 needs turn k's answer) or
-        one request of any other workload. Answers ``{"results": [row, ...], "wall_s": s,
-        "throughput_rps": requests/s, "n_requests", "n_errors"}``: ``wall_s`` from the first
-        request sent to the last output of the batch (driver clock, seconds), throughput = the
-        requests that finished without error / ``wall_s``. Only streaming (``AsyncOmni``)."""
+        --max-concurrency``): each sender takes the next chain (:func:`request_chains`: a chat
+        conversation's turns in order, or one request) and sends it, so a new request starts as
+        soon as one finishes. Answers ``{"results", "wall_s" (first sent → last output, s),
+        "throughput_rps" (requests without error / wall_s), "n_requests", "n_errors"}``.
+        Streaming (``AsyncOmni``) only."""
         import asyncio
 
         if not self.stream:
@@ -450,25 +421,12 @@ class _Request:
         return out
 
 
-
 def _num_audio_samples(o) -> int:
+    """Audio samples in an output: its ``audio`` (else ``model_outputs``), a tensor / array or a list of them."""
     mm = getattr(o, "multimodal_output", None) or {}
-    audio = mm.get("audio")
-    if audio is None:
-        audio = mm.get("model_outputs")
-    if audio is None:
-        return 0
-    if isinstance(audio, (list, tuple)):
-        return sum(_numel(a) for a in audio if a is not None)
-    return _numel(audio)
-
-
-def _numel(a) -> int:
-    if hasattr(a, "numel"):
-        return int(a.numel())
-    if hasattr(a, "size"):
-        return int(a.size)
-    return 0
+    audio = mm.get("audio") if mm.get("audio") is not None else mm.get("model_outputs")
+    parts = audio if isinstance(audio, (list, tuple)) else [audio]
+    return sum(int(a.numel()) if hasattr(a, "numel") else int(getattr(a, "size", 0)) for a in parts if a is not None)
 
 
 def _reply(obj: dict) -> None:

@@ -1,36 +1,11 @@
-"""Prefill-benchmark workloads: request specs for text, image, audio, multi-turn chat, miss-only.
+"""Prefill-benchmark workloads: request specs for ``text``, ``image``, ``audio``, multi-turn
+``chat``, ``miss`` and ``floor`` (what each holds and why: docs/benchmarks.md, "Workloads").
 
 A request spec is a JSON-able dict that :mod:`benchmarks.prefill.worker` turns into an engine
-prompt (via :func:`omni_cache.driver.inputs.build_request`, i.e. real media decoded by Pillow /
-soundfile and processed by the model's own HF processors inside vLLM):
-
-``workload, round, index, system, text, image, audio, max_tokens, measure, chat``
-
-- ``text``:  system prompt + a long shared document, then a short distinct question.
-- ``image``: system prompt + the same image (+ the shared document if ``media_doc_words``),
-  then a short distinct question. With ``media_copies`` K > 1 the prefix holds K image
-  items, copy k being the k-th mirror/rotation of the file (so each has its own content
-  hash and is encoded): a Qwen3-Omni image is at most 256 tokens (processor ``max_pixels``
-  512×512, 32×32 pixels per token), so long image prefixes need several items.
-- ``audio``: same with the audio file (copy k = the waveform rotated by k/K of its length).
-- ``chat``:  one conversation per round; turn 1 = system prompt (with a per-round opening, so
-  turn 1 is a miss and is not timed) + the document + a question; turn k+1 repeats turns
-  1..k *as token ids*, the thinker's answers included (so it hits the blocks the previous
-  turn's decode filled), then a new question. Answers are ``chat_answer_tokens`` long.
-- ``miss``:  every prompt distinct from its first token on (a distinct opening before the
-  system prompt and a distinct document of the same length): no block is shared.
-- ``floor``: only the part a hit still computes — an empty system prompt and a distinct
-  question of the shared-prefix workloads' length (~100 tokens, under one block of shared
-  template): no hit. Its prefill time on cache off is the fastest any prefix cache can make a
-  hit of those workloads (the engine's fixed cost of a step plus the suffix tokens, without
-  attention over the prefix), so ``off / floor`` is the *attainable* speedup
-  (:func:`benchmarks.prefill.summary.add_attainable`).
-
-At concurrency c > 1 (:func:`specs`' ``concurrency``) a round has max(N, 2c) requests and
-``chat`` c conversations of N turns; no prompt repeats one of another concurrency level.
-
-Rounds use distinct questions, so a timed request never hits its own full prompt; the shared
-prefix is warmed by an untimed request (``warmup_specs``) before each round of a workload.
+prompt (:func:`omni_cache.driver.inputs.build_request`: real media through the model's own
+processors): ``workload, round, index, system, text, image, audio, max_tokens, measure, chat``
+(+ ``media_copies``, ``concurrency``). Rounds use distinct questions, so a timed request never
+hits its own full prompt; an untimed request (:func:`warmup_specs`) warms the shared prefix.
 """
 
 from __future__ import annotations
@@ -84,13 +59,10 @@ def load_requests(requests: int, concurrency: int) -> int:
 
 
 def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
-    """The request specs of ``workload`` in round ``r`` (in send order) at ``concurrency`` c.
-
-    c = 1: ``opts.requests`` requests (chat: one conversation of ``opts.requests`` turns).
-    c > 1: :func:`load_requests` requests; chat: c conversations (distinct sessions and
-    openings, so each one's turn 1 is a miss) of ``opts.requests`` turns each, listed turn by
-    turn (turn k of every conversation before turn k+1 of any). Prompts at c > 1 differ from
-    those at c = 1 and at any other c (:func:`_question`).
+    """The request specs of ``workload`` in round ``r`` (in send order) at ``concurrency`` c:
+    ``opts.requests`` requests at c = 1, :func:`load_requests` at c > 1; chat: one conversation
+    of ``opts.requests`` turns, at c > 1 c of them (each turn 1 a miss), listed turn by turn.
+    Prompts at one c repeat none of another c's (:func:`_question`).
 
     Raises:
         ValueError: unknown workload, or ``concurrency`` < 1.
