@@ -260,7 +260,8 @@ class TalkerServedBlock:
     block: int
 
 
-def talker_kv_mismatches(events: Sequence[Mapping]) -> tuple[list[tuple[str, str]], list[TalkerServedBlock]]:
+def talker_kv_mismatches(events: Sequence[Mapping]
+                         ) -> tuple[list[tuple[str, str]], list[TalkerServedBlock]]:
     """Oracle (a) for the talker's KV: every block a talker prefix hit served holds, bitwise,
     what its writer left in it.
 
@@ -273,8 +274,9 @@ def talker_kv_mismatches(events: Sequence[Mapping]) -> tuple[list[tuple[str, str
 
     Returns:
         ``(mismatches, served)``: one ``(reader request id, what is wrong)`` per violation; one
-        :class:`TalkerServedBlock` per read that holds, so the caller can check that writer and reader had the same content
-        up to the block's last row (the key's claim, judged without the key code).
+        :class:`TalkerServedBlock` per read that holds, so the caller can check that writer and
+        reader had the same content up to the block's last row (the key's claim, judged without
+        the key code: :func:`talker_content_mismatches`).
     """
     last: dict[int, Mapping] = {}
     bad: list[tuple[str, str]] = []

@@ -395,8 +395,7 @@ def talker_kv_served(out_dir, results, tok, block: int = BLOCK) -> tuple[int, di
     """
     import json
 
-    from omni_cache.exactness.oracles import (EMBEDDING_KEYS, ChatTokens, talker_content_mismatches,
-                                              talker_kv_mismatches)
+    from omni_cache.exactness.oracles import EMBEDDING_KEYS, ChatTokens, talker_content_mismatches, talker_kv_mismatches
 
     files = sorted((Path(out_dir) / "audit").glob("talker-kv-*.jsonl"))
     assert len(files) == 1, files  # one talker process

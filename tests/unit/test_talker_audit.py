@@ -44,16 +44,22 @@ def _so(new=(), cached=(), scheduled=None):
     num_computed_tokens), ``scheduled`` req_id → tokens."""
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], num_computed_tokens=[c for _, c in cached]),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached],
+                                              num_computed_tokens=[c for _, c in cached]),
         num_scheduled_tokens=scheduled or {})
+
+
+def _talker_runner(**more):
+    return SimpleNamespace(model_config=SimpleNamespace(model_stage="talker"),
+                           cache_config=SimpleNamespace(block_size=BS), **more)
 
 
 def test_audit_logs_reads_before_and_writes_after_a_step(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_CACHE_HIT_AUDIT", str(tmp_path))
     kv = _kv("flash")
-    runner = SimpleNamespace(model_config=SimpleNamespace(model_stage="talker"), cache_config=SimpleNamespace(block_size=BS),
-                             kv_cache_config=SimpleNamespace(num_blocks=NUM_BLOCKS), kv_caches=kv,
-                             requests={"w": SimpleNamespace(block_ids=([3, 4, 6],)), "r": SimpleNamespace(block_ids=([3, 8],))})
+    runner = _talker_runner(kv_cache_config=SimpleNamespace(num_blocks=NUM_BLOCKS), kv_caches=kv,
+                            requests={"w": SimpleNamespace(block_ids=([3, 4, 6],)),
+                                      "r": SimpleNamespace(block_ids=([3, 8],))})
     audit = TalkerKVAudit.for_runner(runner)
     # step 1: the writer prefills 10 tokens (blocks 0 and 1 full, block 2 partial)
     step1 = _so(new=[("w", [3, 4, 6], 0)], scheduled={"w": 10})
@@ -71,7 +77,7 @@ def test_audit_logs_reads_before_and_writes_after_a_step(tmp_path, monkeypatch):
 
 
 def test_audit_is_off_unless_set_and_on_the_talker(monkeypatch, tmp_path):
-    runner = SimpleNamespace(model_config=SimpleNamespace(model_stage="talker"), cache_config=SimpleNamespace(block_size=BS))
+    runner = _talker_runner()
     monkeypatch.delenv("OMNI_CACHE_HIT_AUDIT", raising=False)
     assert TalkerKVAudit.for_runner(runner) is None
     monkeypatch.setenv("OMNI_CACHE_HIT_AUDIT", str(tmp_path))
@@ -102,9 +108,8 @@ def test_oracle_accepts_a_resumed_request_reading_its_own_blocks():
 
 def test_audit_of_a_layout_it_cannot_index_stops_and_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_CACHE_HIT_AUDIT", str(tmp_path))
-    runner = SimpleNamespace(model_config=SimpleNamespace(model_stage="talker"), cache_config=SimpleNamespace(block_size=BS),
-                             kv_cache_config=SimpleNamespace(num_blocks=NUM_BLOCKS),
-                             kv_caches=[torch.zeros(2, NUM_BLOCKS * 2, BS)], requests={})
+    runner = _talker_runner(kv_cache_config=SimpleNamespace(num_blocks=NUM_BLOCKS),
+                            kv_caches=[torch.zeros(2, NUM_BLOCKS * 2, BS)], requests={})
     audit = TalkerKVAudit.for_runner(runner)
     audit.before_step(runner, _so(new=[("r", [3], 4)]))
     audit.before_step(runner, _so(new=[("s", [4], 4)]))  # stopped: nothing more is logged
