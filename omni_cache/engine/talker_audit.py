@@ -10,14 +10,15 @@ JSON line per event, in step order:
 
 - ``{"kind": "write", "request", "block", "block_id", "digest"}`` — after the step in which
   ``request`` computed the last row of its block ``block`` (index in the request), stored in
-  KV block ``block_id``; ``digest``: :func:`kv_block_digest` of that block in every layer;
+  KV block ``block_id``; ``digest``: :func:`kv_block_digests` of that block over every layer;
 - ``{"kind": "read", ...}`` — the same for each block of a new request's prefix hit, before the
   step that serves it;
 - ``{"kind": "error", "message"}`` — a KV layout it cannot index (no single block dimension):
   the audit stops there (a warning in the stage's log) and the oracle reports it.
 
 :func:`omni_cache.exactness.oracles.talker_kv_mismatches` then holds every read to the last
-write of its block id: same block index, same digest, another request — a served talker block
+write of its block id: same block index, same digest (the writer may be the reader itself,
+resumed after preemption) — a served talker block
 is bitwise the KV its writer left there, on every device. Audits only: each event copies the
 block's KV of every layer to the host (a sync). Unset: nothing is computed.
 """
@@ -64,10 +65,10 @@ def kv_block_digests(kv_caches: list[torch.Tensor], block_ids: list[int], num_bl
     if not block_ids:
         return []
     hashes = [hashlib.sha1() for _ in block_ids]
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
     for kv in kv_caches:
         dim = _block_dim(kv, num_blocks)
-        idx = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-        rows = kv.index_select(dim, idx).movedim(dim, 0).contiguous().cpu()
+        rows = kv.index_select(dim, idx.to(kv.device)).movedim(dim, 0).contiguous().cpu()
         for h, r in zip(hashes, rows):
             h.update(r.view(-1).view(torch.uint8).numpy().tobytes())
     return [h.hexdigest() for h in hashes]
