@@ -17,6 +17,8 @@
 #      one pipeline at a time
 #   G  the full-size table on a 4-GPU H200 host: the one-GPU config once per variant, each on its
 #      own card (--variant-devices), all three up at once; c = 1, 4, 16, 64
+#   H  G's pipelines on cards 0-2, trimmed to fit one 30-minute hold (floor, text, chat, image; c = 1
+#      and 16), while card 3 runs the lane's equality-compiled and streaming groups (OUT/H3/report.json)
 #   R  on one card, what changed since the lane run of 8aa0b18 (docs/gpu.md, "Fourth session"):
 #      yoco-eager, yoco-compiled and equality-compiled at once (OUT/R/report.json)
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
@@ -71,6 +73,14 @@ for step in "$@"; do
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,image,audio,chat \
          --requests 6 --repeats 1 --concurrency 1,4,16,64 --max-num-seqs 64 --alternation concurrent \
          --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name G > "$OUT/G.log" 2>&1 ;;
+    H) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       CUDA_VISIBLE_DEVICES=3 $PY -m tests.lanes.gpu_check --groups equality-compiled,streaming --jobs 2 \
+         --out "$OUT/H3" --commit "$COMMIT" > "$OUT/H3.log" 2>&1 &
+       $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat,image \
+         --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation concurrent \
+         --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name H > "$OUT/H.log" 2>&1
+       wait ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
        $PY -m tests.lanes.gpu_check --groups yoco-eager,yoco-compiled,equality-compiled --jobs 3 --out "$OUT/R" \
