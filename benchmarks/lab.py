@@ -199,6 +199,45 @@ def write_result(out: Path, result: dict, name: str = "result.json") -> Path:
     return path
 
 
+def failure_excerpt(log: Path, lines: int = 40) -> dict | None:
+    """The cause of a pipeline's death, from its log, so that ``result.json`` carries it even where
+    the logs stay on the host that ran it: how many Python tracebacks the log holds, and the first
+    and the last of them (chained exceptions included, vLLM's ``(EngineCore pid=…)`` line prefixes
+    kept; the last ``lines`` lines of each, cut at 300 characters, and its exception line).
+    ``None`` when the log has no traceback or cannot be read."""
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]
+    if not starts:
+        return None
+    found, end = [], -1
+    for i in starts:
+        if i >= end:  # a traceback chained to the one before belongs to it
+            found.append(_traceback_at(text, i, lines))
+            end = i + found[-1]["length"]
+    return {"log": log.name, "tracebacks": len(found), "first": found[0], "last": found[-1]}
+
+
+def _traceback_at(text: list[str], start: int, lines: int) -> dict:
+    """The traceback that starts at line index ``start`` of ``text`` (see :func:`failure_excerpt`)."""
+    prefix = text[start][:text[start].index("Traceback")]
+    chain = ("Traceback", "The above exception", "During handling")
+    block, exception = [], None
+    for line in text[start:start + 2000]:
+        body = line[len(prefix):] if line.startswith(prefix) else line
+        if exception is not None and body.strip() and not body.startswith(chain):
+            break
+        block.append(line)
+        if body.startswith("Traceback"):
+            exception = None
+        elif body and not body.startswith((" ", *chain[1:])):
+            exception = line
+    return {"line": start + 1, "length": len(block), "exception": (exception or block[-1])[:300],
+            "traceback": [line[:300] for line in block[-lines:]]}
+
+
 def jsonable(args: argparse.Namespace, *, drop: Sequence[str] = ()) -> dict:
     """``vars(args)`` without ``drop``, paths as strings (for a result's ``args``)."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in drop}

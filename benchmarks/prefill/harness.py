@@ -490,6 +490,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "load_samples": load_samples,
             "warmup_samples": warm,
             "omni_cache_metrics": metrics,
+            # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
+            "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in variants
+                                 if any(r.get("error") for rows in (samples[w][v] for w in workloads) for r in rows)
+                                 or any(r.get("error") for r in warm[v])},
             "aborted": aborted,
             "complete": final and not aborted,
         }

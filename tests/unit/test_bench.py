@@ -688,6 +688,44 @@ def test_harness_under_load_with_a_fake_pipeline(tmp_path, monkeypatch, alternat
     assert (tmp_path / "run" / "load.png").stat().st_size > 10_000
 
 
+class _DyingVariant(_FakeVariant):
+    """omni-cache's pipeline dies at its first chat request and logs why, as vLLM's engine core does."""
+
+    def __init__(self, name, model, cfg, log, *, env, stream=True):
+        super().__init__(name, model, cfg, log, env=env, stream=stream)
+        self.log, self.dead = log, False
+
+    def run(self, batch):
+        rows = super().run(batch)
+        if self.name == "omni_cache" and any(s["workload"] == "chat" for s in batch) and not self.dead:
+            self.dead = True
+            self.log.write_text("INFO starting\n(EngineCore pid=7) Traceback (most recent call last):\n"
+                                "(EngineCore pid=7)   File \"runner.py\", line 1, in step\n"
+                                "(EngineCore pid=7) IndexError: index 3013 is out of bounds\nINFO after\n")
+        if self.dead:
+            rows = [dict(r, error="OmniEngineDeadError: EngineCore encountered an issue.") for r in rows]
+        return rows
+
+
+def test_a_dead_variant_leaves_its_cause_in_the_result(tmp_path, monkeypatch):
+    """A pipeline that dies mid-run: result.json names the exception from the variant's log (on a lent
+    GPU host the logs may never come back); the variants that kept running have no entry."""
+    from benchmarks.prefill import harness
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(harness, "Variant", _DyingVariant)
+    harness.main(["--model", str(model), "--modalities", "text,chat", "--requests", "2", "--repeats", "1",
+                  "--alternation", "concurrent", "--idle-probe-s", "0", "--out", str(tmp_path), "--name", "run"])
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert set(res["variant_failures"]) == {"omni_cache"}
+    failure = res["variant_failures"]["omni_cache"]
+    assert failure["tracebacks"] == 1 and failure["log"] == "log_omni_cache.txt"
+    assert failure["first"]["exception"].endswith("IndexError: index 3013 is out of bounds")
+    assert failure["first"]["traceback"][0].endswith("Traceback (most recent call last):")
+
+
 def test_gpu_memory_sums_the_variants_processes_over_devices(monkeypatch):
     """gpu_memory with a stand-in NVML: only the given pids count, summed over every device."""
     import sys
