@@ -19,6 +19,8 @@
 #      own card (--variant-devices), all three up at once; c = 1, 4, 16, 64
 #   H  G's pipelines on cards 0-2, trimmed to fit one 30-minute hold (floor, text, chat, image; c = 1
 #      and 16), while card 3 runs the lane's equality-compiled and streaming groups (OUT/H3/report.json)
+#   M  the mutation run on a 4-GPU host (issue 44, item 3): tests.lanes.mutants, the 18 planted faults split
+#      over the four cards (CUDA_VISIBLE_DEVICES), each card's report under OUT/M<card>/report.json
 #   R  on one card, what changed since the lane run of 8aa0b18 (docs/gpu.md, "Fourth session"):
 #      yoco-eager, yoco-compiled and equality-compiled at once (OUT/R/report.json)
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
@@ -80,6 +82,17 @@ for step in "$@"; do
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat,image \
          --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation concurrent \
          --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name H > "$OUT/H.log" 2>&1
+       wait ;;
+    M) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
+       $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
+       for spec in "0:foreign_block,slot_shift,stale_generation,cap_disabled,deferred_write_dropped" \
+                   "1:talker_length_keys,talker_media_dropped,thinker_media_dropped,talker_seed_dropped" \
+                   "2:yoco_truncation_ignored,bit_flip,decode_rows_corrupted,write_batch_shift" \
+                   "3:seam_off_by_one,ledger_check_off,key_misaligned,async_placeholders_unresolved,resume_rows_lost"; do
+         dev=${spec%%:*}
+         CUDA_VISIBLE_DEVICES=$dev $PY -m tests.lanes.mutants --only "${spec#*:}" --out "$OUT/M$dev" \
+           > "$OUT/M$dev.log" 2>&1 &
+       done
        wait ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
