@@ -111,6 +111,9 @@ class OmniRequest:
     request_id: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     family: str = "qwen3-omni"  # the thinker's: picks the media placeholders (PLACEHOLDERS)
+    #: vLLM's ``cache_salt``: requests of different salts share no prefix-cache block (thinker
+    #: and, through the talker block keys, talker); ``None``: unsalted
+    cache_salt: str | None = None
 
     def prompt_text(self) -> str:
         """The prompt in Qwen3-Omni's chat format, ending with the assistant header.
@@ -131,7 +134,8 @@ class OmniRequest:
         return "".join(parts) + "<|im_start|>assistant\n"
 
     def to_engine_prompt(self) -> dict[str, Any]:
-        """The dict vLLM-Omni's ``Omni.generate`` takes (``prompt`` + ``multi_modal_data``)."""
+        """The dict vLLM-Omni's ``Omni.generate`` takes (``prompt`` + ``multi_modal_data``, and
+        ``cache_salt`` where set)."""
         images = [t.image for t in self.turns if t.image is not None]
         audios = [t.audio for t in self.turns if t.audio is not None]
         mm: dict[str, Any] = {}
@@ -142,6 +146,8 @@ class OmniRequest:
         prompt: dict[str, Any] = {"prompt": self.prompt_text()}
         if mm:
             prompt["multi_modal_data"] = mm
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
         return prompt
 
 

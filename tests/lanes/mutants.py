@@ -92,7 +92,7 @@ MUTANTS = (
     Mutant("key_misaligned", "one hand-off key's served rows one KV slot off, the others right",
            ((CORE_CACHE,), (CACHE_EQ, "-k", "served_rows"))),
     Mutant("talker_seed_dropped", "talker block keys without speaker / language / salt",
-           (("tests/unit/test_talker_identity.py",),)),
+           (("tests/unit/test_talker_identity.py",), (CACHE_EQ, "-k", "talker_prefix_cache"))),
     # async scheduling runs on GPUs only (the CPU platform schedules synchronously): on the CPU only
     # the unit test reaches it; on CUDA the streaming hits test (exact expected hits) does
     Mutant("async_placeholders_unresolved", "async scheduling's device input ids not kept: decode-filled "

@@ -229,7 +229,9 @@ def _same_length_swap(tok, text: str, pairs: list[tuple[str, str]]) -> str:
 def talker_negative_requests(tok):
     """Conversation A (a long text turn, a short answer, then a photo with a question) and
     three of the same token lengths that differ once: the system prompt, the photo (mirrored:
-    same size, other pixels), the question's words. Returns ``[(name, OmniRequest)]``."""
+    same size, other pixels), the question's words; and A itself under another tenant's
+    ``cache_salt`` (same content: shares no block, thinker or talker — vLLM's isolation).
+    Returns ``[(name, OmniRequest)]``."""
     from PIL import Image
 
     from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, load_image
@@ -237,17 +239,19 @@ def talker_negative_requests(tok):
     img = load_image(sample_path("astronaut.jpg"))
     history = [Turn("user", LONG + "Remember these words."), Turn("assistant", "I will.")]
 
-    def conv(system=DEFAULT_SYSTEM_PROMPT, image=img, question=NEGATIVE_QUESTION):
+    def conv(system=DEFAULT_SYSTEM_PROMPT, image=img, question=NEGATIVE_QUESTION, cache_salt=None):
         from omni_cache.driver.inputs import OmniRequest
 
-        return OmniRequest(turns=[Turn("system", system), *history, Turn("user", question, image=image)])
+        return OmniRequest(turns=[Turn("system", system), *history, Turn("user", question, image=image)],
+                           cache_salt=cache_salt)
 
     swaps = [("virtual", "digital"), ("human", "person"), ("capable", "able"), ("detail", "object"),
              ("first", "most"), ("notice", "see")]
     return [("A", conv()),
             ("B:system", conv(system=_same_length_swap(tok, DEFAULT_SYSTEM_PROMPT, swaps))),
             ("B:image", conv(image=img.transpose(Image.Transpose.FLIP_LEFT_RIGHT))),
-            ("B:words", conv(question=_same_length_swap(tok, NEGATIVE_QUESTION, swaps[3:])))]
+            ("B:words", conv(question=_same_length_swap(tok, NEGATIVE_QUESTION, swaps[3:]))),
+            ("B:salt", conv(cache_salt="tenant-b"))]
 
 
 def _talker_keys_of(hook, request_id: str) -> list[str] | None:
@@ -303,7 +307,7 @@ def run_talker_workload(pipe, model_dir, *, placeholder_demo: bool = False, samp
     if placeholder_demo and hook is not None:
         with placeholder_talker_keys(hook):
             for name, req in negatives:
-                if name != "B:system":
+                if name in ("A", "B:image", "B:words"):
                     go(f"placeholder:{name}", req)
     return named, keys, sent
 
@@ -364,7 +368,9 @@ def expected_talker_blocks(model_dir, block: int = BLOCK) -> dict[str, tuple[int
         ids = thinker_ids(req)
         assert len(ids) == len(a), (name, len(ids), len(a))
         diff = next((i for i, (x, y) in enumerate(zip(ids, a)) if x != y), None)
-        if diff is None:
+        if req.cache_salt != reqs["A"].cache_salt:
+            diff = 0  # another tenant: nothing shared, whatever the content
+        elif diff is None:
             diff = ids.index(image) if name != "A" else len(ids)
         rows = talker_user_rows(tok, ids)
         shared = 0
@@ -497,8 +503,11 @@ def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK, 
     for name, (rows, _) in expected.items():  # the layout, against vLLM-Omni's talker prompt
         assert on[name].talker_num_prompt_tokens == rows, (name, on[name].talker_num_prompt_tokens, rows)
     assert len(keys["A"]) == (expected["A"][0] - 9) // block, (len(keys["A"]), expected["A"])
-    shared = {b: expected[b][1] for b in ("B:system", "B:image", "B:words")}
-    assert shared["B:system"] == 0 and 0 < shared["B:image"] < shared["B:words"] < len(keys["A"]), shared
+    shared = {b: expected[b][1] for b in ("B:system", "B:image", "B:words", "B:salt")}
+    assert shared["B:system"] == shared["B:salt"] == 0, shared
+    assert 0 < shared["B:image"] < shared["B:words"] < len(keys["A"]), shared
+    # another tenant's salt: A's content, and no block of A's served, thinker (vLLM) or talker (ours)
+    assert on["B:salt"].num_cached_tokens == 0, on["B:salt"].num_cached_tokens
     assert {b: common("A", b) for b in shared} == shared, ({b: common("A", b) for b in shared}, shared)
     for b, n in shared.items():
         assert on[b].talker_num_prompt_tokens == on["A"].talker_num_prompt_tokens, b
