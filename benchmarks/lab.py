@@ -18,7 +18,7 @@ pipeline or a server).
   ``omni-cache run`` / ``serve`` do (start environment, ``OMNI_CACHE_PARALLEL_STAGE_INIT``,
   engine hooks);
 - :func:`process_tree` / :func:`pause_tree`: a pipeline's or server's processes, and pausing
-  the ones not being timed;
+  the ones not being timed; :func:`nvml`: NVML for GPU memory;
 - :func:`describe` / :func:`fmt` / :func:`figure`: summary statistics, table cells, plots;
 - :func:`random_text`: prompt filler of about N tokens.
 
@@ -350,6 +350,31 @@ def pause_tree(pid: int, paused: bool) -> None:
     for p in tree if paused else reversed(tree):
         with contextlib.suppress(psutil.Error):
             p.suspend() if paused else p.resume()
+
+
+class NvmlMissing(RuntimeError):
+    """NVML (``pynvml``, package ``nvidia-ml-py``) is not importable or finds no driver / GPU."""
+
+
+@contextlib.contextmanager
+def nvml() -> Iterator[Any]:
+    """``pynvml``, initialized for the block.
+
+    Raises:
+        NvmlMissing: not importable or not initialized (the message says which).
+    """
+    try:
+        import pynvml
+    except ImportError:
+        raise NvmlMissing("pynvml (nvidia-ml-py) not importable") from None
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - no driver / no GPU
+        raise NvmlMissing(f"NVML unavailable ({type(exc).__name__}: {exc})") from None
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
 
 
 # ---- plots and statistics ----------------------------------------------------------------
