@@ -108,10 +108,14 @@ class VariantWorker:
         self.family = self.pipe.stage_config.thinker_family  # the prompt's media placeholders
         # the talker's hit is reported only where its content identity is installed (talker cache on)
         self.hooks = self.pipe.hooks if hooks_wanted(self.pipe.stage_config) else None
-        self.start_s, self.model, self.omni = self.pipe.start_s, model, self.pipe.omni  # AsyncOmni or Omni
-        self._tok, self._seq = None, 0
+        self.start_s, self.model, self._tok, self._seq = self.pipe.start_s, model, None, 0
         self.sessions: dict[str, list[int]] = {}  # chat session → prompt + answer ids so far
         self._media: dict = {}  # decoded media copies, reused across requests
+
+    @property
+    def omni(self):
+        """vLLM-Omni's engine in the pipeline (``AsyncOmni`` or ``Omni``)."""
+        return self.pipe.omni
 
     def tokenizer(self):
         if self._tok is None:
