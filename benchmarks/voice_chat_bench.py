@@ -2,13 +2,10 @@
 turn, with no prefix cache (``off``), omni-cache on the thinker (``thinker``), and omni-cache
 on the thinker plus the talker's content-keyed prefix cache (``thinker+talker``) (issue 15).
 
-Three streaming CPU pipelines up at once; per round one conversation per variant of
-``--turns`` speech turns (the bundled recording and a question), the variants alternating turn
-by turn. Per request: TTFP (s), the talker's prompt and hit tokens and its prefill time
-(``prefill_s`` of omni-cache's talker scheduler metrics). ``result.json``: every request, per
-variant and turn the median and min-max over rounds, the ratios and the issue's bars (turns
->= 3: talker prefill >= 4x lower with the talker cache; TTFP lower than thinker-only on every
-turn >= 2); ``voice_chat.png``. docs/benchmarks.md, "Voice chat".
+Three streaming CPU pipelines; per round one conversation of ``--turns`` speech turns per
+variant, alternating turn by turn. Per request TTFP (s), the talker's prompt / hit tokens and
+prefill time; per variant and turn median and min-max, ratios and the bars (turns >= 3: talker
+prefill >= 4x lower; TTFP below thinker-only from turn 2). docs/benchmarks.md, "Voice chat".
 
     .venv/bin/python -m benchmarks.voice_chat_bench --model-size bench-voice --turns 6 --rounds 3
 """
