@@ -563,35 +563,33 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
 
 METRIC_DEFINITIONS = {
-    "prefill_ms": "thinker prefill time of the request: vLLM's per-request prefill time (first-token timestamp "
-                  "minus scheduled timestamp, both from the thinker's engine core), read as the change of "
-                  "vllm:request_prefill_time_seconds{stage=0}_sum across the request (requests are sent one at a time)",
-    "ttft_ms": "driver clock: generate() called -> first thinker output with a text token received "
-               "(thinker streamed with output_kind=DELTA)",
+    "prefill_ms": "thinker prefill time of the request: vLLM's per-request prefill time (first-token timestamp minus "
+        "scheduled timestamp, both from the thinker's engine core), read as the change of "
+        "vllm:request_prefill_time_seconds{stage=0}_sum across the request (requests are sent one at a time)",
+    "ttft_ms": "driver clock: generate() called -> first thinker output with a text token received (thinker streamed "
+        "with output_kind=DELTA)",
     "vllm_ttft_ms": "vLLM-Omni stage-0 vllm_ttft_ms: arrival at the thinker -> first token (orchestrator clock)",
-    "ttfp_ms": "driver clock: generate() called -> first code2wav output with audio samples received: the first "
-               "audio packet when streaming (AsyncOmni, async_chunk true); the whole waveform with --no-stream "
-               "(synchronous Omni, async_chunk false: code2wav emits it at once)",
+    "ttfp_ms": "driver clock: generate() called -> first code2wav output with audio samples received: the first audio "
+        "packet when streaming (AsyncOmni, async_chunk true); the whole waveform with --no-stream (synchronous Omni, "
+        "async_chunk false: code2wav emits it at once)",
     "talker_prefill_ms": "talker prefill: change of vllm:request_prefill_time_seconds{stage=1}_sum across the request",
     "talker_hit_tokens": "talker prefix-hit tokens of the request (omni-cache's talker identity hook); None: the "
-                         "variant's talker runs without prefix caching, or not streaming",
+        "variant's talker runs without prefix caching, or not streaming",
     "talker_decode_ms": "talker decode steps after its first codec frame (the rest of the first codec chunk: the "
-                        "talker's max_tokens is the first chunk's frame count): "
-                        "vllm:request_decode_time_seconds{stage=1}",
+        "talker's max_tokens is the first chunk's frame count): vllm:request_decode_time_seconds{stage=1}",
     "code2wav_ms": "code2wav scheduled -> finished: vllm:request_inference_time_seconds{stage=2}",
-    "handoff_ms": "ttfp_ms - ttft_ms - talker_prefill_ms - talker_decode_ms - code2wav_ms: "
-                  "hand-off, transfer and orchestration time (median of per-request values)",
+    "handoff_ms": "ttfp_ms - ttft_ms - talker_prefill_ms - talker_decode_ms - code2wav_ms: hand-off, transfer and "
+        "orchestration time (median of per-request values)",
     "e2e_ms": "driver clock: generate() called -> last output of the request",
-    "load": "concurrency c > 1: a closed loop with c requests in flight per variant and batch; per request only "
-            "the driver-clock ttft_ms / ttfp_ms / e2e_ms, hit ratio, tokens and audio counts (vLLM's histogram sums "
-            "are per engine, so prefill_ms and TTFP's parts are None under load); c = 1 is taken from the "
-            "one-at-a-time samples",
-    "throughput_rps": "requests finished without error per second of a batch's wall time (first request sent -> "
-                      "last output, driver clock); median over rounds. c = 1: requests / sum of their e2e_ms",
+    "load": "concurrency c > 1: a closed loop with c requests in flight per variant and batch; per request only the "
+        "driver-clock ttft_ms / ttfp_ms / e2e_ms, hit ratio, tokens and audio counts (vLLM's histogram sums are per "
+        "engine, so prefill_ms and TTFP's parts are None under load); c = 1 is taken from the one-at-a-time samples",
+    "throughput_rps": "requests finished without error per second of a batch's wall time (first request sent -> last "
+        "output, driver clock); median over rounds. c = 1: requests / sum of their e2e_ms",
     "p95": "95th percentile, linear interpolation between order statistics (numpy's default, lab.describe)",
     "gpu_bytes": "GPU memory used by the variant's process tree (NVML per-process used memory), bytes",
     "omni_cache_pinned_host_bytes": "bytes of omni-cache's hidden-state pools in pinned host memory "
-                                    "(pool_pinned_bytes of its metrics files)",
+        "(pool_pinned_bytes of its metrics files)",
     "stage_0_gen_ms": "vLLM-Omni: request submitted to the thinker -> thinker finished (prefill + decode steps)",
     "hit_ratio": "h = num_cached_tokens / num_prompt_tokens of the thinker (vLLM prefix hit)",
     "computed_tokens": "thinker prompt tokens computed (vllm:request_prefill_kv_computed_tokens)",
@@ -601,8 +599,8 @@ METRIC_DEFINITIONS = {
     "ideal_speedup": "1 / (1 - h), h the variant's median hit ratio",
     "fraction_of_ideal": "speedup_vs_off / ideal_speedup",
     "attainable_speedup": "median prefill_ms of the workload on cache off / median prefill_ms of workload 'floor' "
-                          "(the hit's suffix alone, no prefix) on cache off: the speedup of a prefix cache whose hit "
-                          "costs a prefill of the uncached suffix alone",
+        "(the hit's suffix alone, no prefix) on cache off: the speedup of a prefix cache whose hit costs a prefill of "
+        "the uncached suffix alone",
     "fraction_of_attainable": "speedup_vs_off / attainable_speedup",
 }
 
