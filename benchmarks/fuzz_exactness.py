@@ -44,13 +44,9 @@ def _start(stack: contextlib.ExitStack, mode: str, out: Path, model_dir: Path) -
 
 
 def _mismatches(res: fuzz.GroupResult) -> list[dict]:
-    out = []
-    for v in res.requests:
-        for oracle, msgs in v.violations.items():
-            for m in msgs:
-                out.append({"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
-                            "conversation": v.conversation, "turn": v.turn, "message": m})
-    return out
+    return [{"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
+             "conversation": v.conversation, "turn": v.turn, "message": m}
+            for v in res.requests for oracle, msgs in v.violations.items() for m in msgs]
 
 
 def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report: dict) -> None:
@@ -203,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         report["summary"] = summarize(report)
         (args.rejudge / "report.json").write_text(json.dumps(report, indent=1))
         plot(report, args.rejudge / "ulps.png")
-        summ = report["summary"]
-        print(f"[fuzz] rejudged {args.rejudge}: {n} mismatch(es) superseded; violations {summ['violations']}")
+        print(f"[fuzz] rejudged {args.rejudge}: {n} mismatch(es) superseded; violations "
+              f"{report['summary']['violations']}")
         return 1 if any(report["summary"]["violations"].values()) else 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = set(modes) - {"streaming", "non-streaming"}

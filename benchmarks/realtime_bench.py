@@ -462,10 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     model_name = args.model.name if args.model is not None else args.model_size or "bench-voice"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "MALLOC_ARENA_MAX": "2"}
     records: list[dict] = []
-    session_ids: dict = {}
-    cold: dict = {}
-    ready_s: dict = {}
-    t0 = time.perf_counter()
+    session_ids, cold, ready_s, t0 = {}, {}, {}, time.perf_counter()
 
     def up(stack: contextlib.ExitStack, v: str):
         srv = stack.enter_context(lab.start("server", model, _config(out, v, args.stage_config_path, args.record),
@@ -508,11 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     _plot(summary, args.turns, args.sessions, out / "realtime.png",
           f"Realtime sessions ({args.rounds} rounds, {args.turns} voice turns, {model_name}, "
           f"{args.stage_config_path.name}, servers {args.servers})")
-    print(json.dumps({"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"]},
-                     indent=2))
-    print(json.dumps(result["oracles"], indent=2))
-    print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else ""))
-    print(f"wrote {path}")
+    print(json.dumps({"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"],
+                      "oracles": result["oracles"]}, indent=2))
+    print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else "") + f"; wrote {path}")
     return 0
 
 

@@ -26,16 +26,13 @@ QUESTIONS = ["What do you hear?", "Say it again, slower.", "Which word was the l
 
 
 def _talker_record(metrics_dir: Path, request_id: str) -> dict:
-    """The talker scheduler's record of ``request_id`` (``AsyncOmni`` runs it as
-    ``<request_id>-<suffix>``), or ``{}``."""
+    """The talker scheduler's record of ``request_id`` (run as ``<request_id>-<suffix>``), or ``{}``."""
     from omni_cache.driver.talker_identity import _engine_request_id
 
     recs: dict = {}
     for p in metrics_dir.glob("talker-*.json"):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             recs.update(json.loads(p.read_text()).get("requests", {}))
-        except (OSError, ValueError):
-            pass
     rid = _engine_request_id(recs, request_id)
     return recs[rid] if rid is not None else {}
 
@@ -134,11 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                                          (axes[1], "ttfp_s", "TTFP (s)", 1.0)):
             for v, marker in zip(VARIANTS, "osD"):
                 ys = [med(v, t, metric) * scale for t in turns]
-                lo = [ys[i] - summary[v][t][metric]["min"] * scale if summary[v][t][metric] else 0
-                      for i, t in enumerate(turns)]
-                hi = [summary[v][t][metric]["max"] * scale - ys[i] if summary[v][t][metric] else 0
-                      for i, t in enumerate(turns)]
-                ax.errorbar(turns, ys, yerr=[lo, hi], marker=marker, capsize=3, label=v)
+                c = [summary[v][t][metric] for t in turns]
+                ax.errorbar(turns, ys, yerr=[[y - x["min"] * scale if x else 0 for y, x in zip(ys, c)],
+                                             [x["max"] * scale - y if x else 0 for y, x in zip(ys, c)]],
+                            marker=marker, capsize=3, label=v)
             ax.set_xlabel("turn")
             ax.set_ylabel(label)
             ax.set_ylim(bottom=0)
