@@ -2,14 +2,11 @@
 cache off / vLLM-Omni's built-in cache / omni-cache, streaming and not, judged by the oracles
 of :mod:`omni_cache.exactness.oracles` (docs/architecture.md, "Integrity").
 
-Per mode (``--modes``) three pipelines of the tiny model start (``uni`` executor, hand-offs
-recorded, served hits audited); groups ``--seed .. --seed + --groups - 1`` run in turn, each
-with omni-cache's thinker cache alone or thinker + talker (``--cache``; ``alternate``: by seed
-parity). A group with a violation of oracle (a) or (b) is shrunk (fewer turns, variants,
-media, shorter prose) and printed as a command that runs it again. Writes ``report.json``
-(``conversations``, ``requests``, ``mismatches`` with seeds, the oracle and the repro
-command; per-request row differences against cache off; the foreign-row distances) and
-``ulps.png`` into ``--out``.
+Per mode (``--modes``) three recording pipelines of the tiny model; groups ``--seed`` ..
+``--seed + --groups - 1`` in turn, thinker cache alone or thinker + talker (``--cache``). A group
+violating oracle (a) or (b) is shrunk and printed as a command that runs it again. Writes
+``report.json`` (counts, mismatches with seeds and repro commands, row differences against cache
+off, foreign-row distances) and ``ulps.png`` into ``--out``.
 
     .venv/bin/python -m benchmarks.fuzz_exactness --groups 70 --modes streaming,non-streaming
 """
@@ -47,13 +44,9 @@ def _start(stack: contextlib.ExitStack, mode: str, out: Path, model_dir: Path) -
 
 
 def _mismatches(res: fuzz.GroupResult) -> list[dict]:
-    out = []
-    for v in res.requests:
-        for oracle, msgs in v.violations.items():
-            for m in msgs:
-                out.append({"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
-                            "conversation": v.conversation, "turn": v.turn, "message": m})
-    return out
+    return [{"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
+             "conversation": v.conversation, "turn": v.turn, "message": m}
+            for v in res.requests for oracle, msgs in v.violations.items() for m in msgs]
 
 
 def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report: dict) -> None:
@@ -82,10 +75,8 @@ def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report:
 
 
 def summarize(report: dict) -> dict:
-    """Counts and distributions over every judged request of ``report`` (the JSON's
-    ``summary``): requests, conversations, violations per oracle, where (b) could not
-    compare, requests whose rows or audio differ from cache off (omni-cache and the built-in),
-    the largest row-scale ulps met, and the least foreign-row distance per kind."""
+    """The report's ``summary``: counts over every judged request (violations per oracle, rows or
+    audio differing from cache off, largest row-scale ulps, least foreign-row distance per kind)."""
     reqs = [r for g in report["groups"] for r in g["requests"]]
     hit = [r for r in reqs if r["hit"] > 0]
 
@@ -154,11 +145,9 @@ def plot(report: dict, path: Path) -> None:
 
 
 def rejudge_concurrent_b(report: dict, out: Path) -> int:
-    """Re-apply oracle (b) to the requests in flight together of a finished run (``out``: its
-    folder, with the recorded hand-offs) as :func:`omni_cache.exactness.fuzz.judge` now
-    applies it — prompt rows and tokens bitwise, decode rows and audio reported — for a
-    report written before that rule. Mismatches it drops move to ``superseded_mismatches``
-    with the reason. Returns how many were dropped."""
+    """Re-apply oracle (b) as :func:`omni_cache.exactness.fuzz.judge` now does (prompt rows bitwise,
+    decode rows reported) to the concurrent requests of a run in ``out`` judged before that rule;
+    the mismatches dropped (returned: how many) move to ``superseded_mismatches``."""
     import torch
 
     dropped = 0
@@ -210,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         report["summary"] = summarize(report)
         (args.rejudge / "report.json").write_text(json.dumps(report, indent=1))
         plot(report, args.rejudge / "ulps.png")
-        summ = report["summary"]
-        print(f"[fuzz] rejudged {args.rejudge}: {n} mismatch(es) superseded; violations {summ['violations']}")
+        print(f"[fuzz] rejudged {args.rejudge}: {n} mismatch(es) superseded; violations "
+              f"{report['summary']['violations']}")
         return 1 if any(report["summary"]["violations"].values()) else 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = set(modes) - {"streaming", "non-streaming"}

@@ -2,11 +2,9 @@
 side: does it shorten the thinker's prefill while the streaming talker and code2wav wait for
 chunks? (issue 14 item 6)
 
-Two streaming CPU pipelines up at once, ``backoff-0`` (vLLM's 1 ms engine-loop cadence) and
-``backoff-N`` (``--backoff-ms``, default 8); requests alternate between them (first one rotated
-per round), each a fresh ``--prompt-tokens`` miss. Per request TTFT and TTFP (s);
-``result.json`` (every request, per variant median and min-max, the off/on ratios) and
-``idle_backoff.png``.
+Two streaming CPU pipelines, ``backoff-0`` and ``backoff-N`` (``--backoff-ms``), alternate
+fresh ``--prompt-tokens`` misses; TTFT and TTFP (s) per request, medians and off/on ratios in
+``result.json``; ``idle_backoff.png``.
 
     .venv/bin/python -m benchmarks.idle_backoff_bench --model-size bench --rounds 5
 """

@@ -2,28 +2,17 @@
 engine (``tests/unit/test_layout.py`` holds that no other benchmark module constructs a
 pipeline or a server).
 
-- :func:`parser` / :func:`add_options` / :func:`model_dir`: the shared options ``--model``,
-  ``--size`` (alias ``--model-size``), ``--stage-config``, ``--out``, and the model they name
-  (the embedded model of ``--size``, built on first use, unless ``--model`` is given);
-  :func:`positive_int_list` for options like ``--concurrency 1,4,16``;
-- :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder
-  (``benchmarks/results/<name>-<YYYYmmdd-HHMMSS>/``) and what every result records of where
-  it ran — the commit (and whether the tree was dirty), the machine, the package versions;
-- :func:`variant_config` / :func:`prefix_cache_variant`: stage-config variants of a base
-  config, written into the run's folder (:func:`omni_cache.driver.variants.derive_stage_config`);
-- :func:`start`: the driver's pipeline or server as a context manager — the product's own
-  start (:class:`~omni_cache.driver.pipeline.OmniPipeline`,
-  :class:`~omni_cache.driver.streaming.StreamingPipeline`,
-  :class:`~omni_cache.driver.server.OmniServer`), so a benchmark starts its stages as
-  ``omni-cache run`` / ``serve`` do (start environment, ``OMNI_CACHE_PARALLEL_STAGE_INIT``,
-  engine hooks);
-- :func:`process_tree` / :func:`pause_tree`: a pipeline's or server's processes, and pausing
-  the ones not being timed;
-- :func:`describe` / :func:`fmt` / :func:`figure`: summary statistics, table cells, plots;
-- :func:`random_text`: prompt filler of about N tokens.
+- :func:`parser` / :func:`add_options` / :func:`model_dir` / :func:`positive_int_list`: the
+  shared options and the model they name;
+- :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder and what every
+  result records of where it ran (commit, machine, package versions);
+- :func:`variant_config` / :func:`prefix_cache_variant`: stage-config variants of a base config;
+- :func:`start`: the driver's pipeline or server, started as ``omni-cache run`` / ``serve`` do;
+- :func:`process_tree` / :func:`pause_tree` / :func:`nvml`: processes, pausing, GPU memory;
+- :func:`describe` / :func:`fmt` / :func:`figure` / :func:`random_text`: statistics, table
+  cells, plots, prompt filler.
 
-Nothing here imports torch, vLLM or vLLM-Omni at import time (the prefill harness's driver
-stays small next to its pipelines).
+Nothing here imports torch, vLLM or vLLM-Omni at import time.
 """
 
 from __future__ import annotations
@@ -102,9 +91,8 @@ def positive_int_list(text: str, flag: str, example: str = "1,8") -> list[int]:
 def model_dir(size: str, model: str | os.PathLike | None = None, *, family: str = "qwen3-omni",
               child: bool = False) -> Path:
     """``model`` if given, else the embedded model of ``size`` and ``family`` (``qwen3-omni``,
-    ``gemma4`` or ``gemma3n``: :mod:`omni_cache.models`), built if missing or stale — with
-    ``child`` by ``omni-cache make-model`` in a child process (importing torch would grow a
-    driver that stays up next to its pipelines).
+    ``gemma4``, ``gemma3n``), built if missing or stale — with ``child`` in a child process
+    (importing torch would grow a driver that stays up next to its pipelines).
 
     Raises:
         KeyError: unknown ``size`` or ``family``.
@@ -149,8 +137,7 @@ def git() -> dict:
 
 
 def machine(gpus: list[dict] | None = None) -> dict:
-    """Platform, Python, CPU count / model / torch's vector ISA, memory (bytes), host name and
-    ``gpus`` (``index``, ``name``, ``memory_total``, ``driver`` of each)."""
+    """Platform, Python, CPUs (count, model, torch's vector ISA), memory (bytes), host and ``gpus``."""
     import psutil
 
     cpu = ""
@@ -170,8 +157,7 @@ def machine(gpus: list[dict] | None = None) -> dict:
 
 
 def versions() -> dict:
-    """Installed versions of torch, vLLM (CPU or GPU build), vLLM-Omni, transformers, openai and
-    omni-cache (those installed)."""
+    """Versions of torch, vLLM (CPU or GPU build), vLLM-Omni, transformers, openai, omni-cache."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
@@ -200,11 +186,10 @@ def write_result(out: Path, result: dict, name: str = "result.json") -> Path:
 
 
 def failure_excerpt(log: Path, lines: int = 40) -> dict | None:
-    """The cause of a pipeline's death, from its log, so that ``result.json`` carries it even where
-    the logs stay on the host that ran it: how many Python tracebacks the log holds, and the first
-    and the last of them (chained exceptions included, vLLM's ``(EngineCore pid=…)`` line prefixes
-    kept; the last ``lines`` lines of each, cut at 300 characters, and its exception line).
-    ``None`` when the log has no traceback or cannot be read."""
+    """The cause of a pipeline's death from its log, for ``result.json`` (the logs may stay on the
+    host): how many tracebacks it holds, the first and the last (chained exceptions included,
+    line prefixes such as ``(EngineCore pid=…)`` kept; the last ``lines`` lines, cut at 300
+    characters, and the exception line). ``None`` without a traceback or a readable log."""
     try:
         text = log.read_text(errors="replace").splitlines()
     except OSError:
@@ -278,23 +263,17 @@ def prefix_cache_variant(base: str | os.PathLike, out: Path, variant: str) -> Pa
 def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
           engine_args: Mapping[str, Any] | None = None, log: Path | None = None,
           env: Mapping[str, str] | None = None, ready_timeout: float = 1800.0, label: str = "") -> Iterator[Any]:
-    """Start ``kind`` (:data:`KINDS`) on ``model`` from the stage config ``config`` the way the
-    product does, yield it, and stop it (every stage process) on exit.
+    """Start ``kind`` on ``model`` from the stage config ``config`` (validated first) as the product
+    does, yield it, and stop every stage process on exit.
 
     Args:
-        kind: ``pipeline`` → :class:`~omni_cache.driver.pipeline.OmniPipeline`;
-            ``streaming`` → :class:`~omni_cache.driver.streaming.StreamingPipeline`;
-            ``server`` → :class:`~omni_cache.driver.server.OmniServer`, yielded once ``/health``
-            answers (``ready_s``: seconds to ready; after the block ``exit_code``: the
-            server's exit status).
-        model: model directory.
-        config: stage config (validated by the driver before anything starts).
+        kind: ``pipeline`` (:class:`~omni_cache.driver.pipeline.OmniPipeline`), ``streaming``
+            (:class:`~omni_cache.driver.streaming.StreamingPipeline`) or ``server``
+            (:class:`~omni_cache.driver.server.OmniServer`, yielded once ``/health`` answers;
+            ``ready_s``, and after the block ``exit_code``).
         engine_args: pipelines: more vLLM-Omni engine arguments (e.g. ``{"log_stats": True}``).
-        log: server: its log file (stdout + stderr).
-        env: server: extra environment of the server process (a pipeline's stages inherit this
-            process's environment).
-        ready_timeout: server: seconds to wait for ``/health``.
-        label: server: the prefix of its start-up progress lines.
+        log, env, ready_timeout, label: server: its log file, extra environment (a pipeline's
+            stages inherit this process's), seconds to wait for ``/health``, progress prefix.
 
     Raises:
         ValueError: unknown ``kind``, or a server option for a pipeline.
@@ -352,6 +331,31 @@ def pause_tree(pid: int, paused: bool) -> None:
             p.suspend() if paused else p.resume()
 
 
+class NvmlMissing(RuntimeError):
+    """NVML (``pynvml``, package ``nvidia-ml-py``) is not importable or finds no driver / GPU."""
+
+
+@contextlib.contextmanager
+def nvml() -> Iterator[Any]:
+    """``pynvml``, initialized for the block.
+
+    Raises:
+        NvmlMissing: not importable or not initialized (the message says which).
+    """
+    try:
+        import pynvml
+    except ImportError:
+        raise NvmlMissing("pynvml (nvidia-ml-py) not importable") from None
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - no driver / no GPU
+        raise NvmlMissing(f"NVML unavailable ({type(exc).__name__}: {exc})") from None
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
 # ---- plots and statistics ----------------------------------------------------------------
 
 def describe(xs: Sequence[float | None], *stats: str) -> dict[str, float] | None:
@@ -377,10 +381,8 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 @contextlib.contextmanager
 def figure(path: Path, *grid: int, title: str | None = None, title_size: float | None = None, dpi: int = 120,
            **subplots: Any) -> Iterator[tuple]:
-    """``(fig, axes)`` of ``matplotlib.pyplot.subplots(*grid, **subplots)`` (Agg backend); on
-    leaving the block without an error: ``title`` as the suptitle (font size ``title_size``
-    points, default matplotlib's), tight layout, saved as PNG to ``path`` at ``dpi``; closed
-    either way."""
+    """``(fig, axes)`` of ``matplotlib.pyplot.subplots(*grid, **subplots)`` (Agg); on leaving the
+    block without an error: ``title`` (``title_size`` points), tight layout, PNG at ``dpi``."""
     import matplotlib
 
     matplotlib.use("Agg")

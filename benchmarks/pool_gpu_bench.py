@@ -1,7 +1,6 @@
-"""Hidden-state pool at GPU speed: per step size and tier, GPU time, host time, GB/s and the
-fraction of the machine's measured limits, in one run (torch only: runs where vLLM is not
-installed). Three keys of the Qwen3-Omni-30B-A3B thinker width (2048, bf16), ``--block-size``
-16, a pool of ``--num-blocks`` blocks per key.
+"""Hidden-state pool at GPU speed: per step size and tier, GPU and host time, GB/s and the fraction
+of the machine's measured limits (torch only). Three keys of the Qwen3-Omni-30B-A3B thinker width
+(2048, bf16), ``--block-size`` 16, ``--num-blocks`` blocks per key.
 
 1. Limits on the same GPU (:func:`measure_limits`): device-to-device copy, ``index_copy_`` /
    ``index_select`` of 8,192 rows, pinned H2D / D2H.
@@ -54,30 +53,26 @@ class GpuTimer:
         torch.cuda.synchronize()
         self.cycles_per_ms = 20_000_000 / s.elapsed_time(e)
 
-    def run(self, fn, busy_ms: float) -> tuple[float, float, object]:
-        """(GPU ms, host ms, result) of one call of ``fn`` behind ``busy_ms`` of sleep; the host
-        time includes recording the two CUDA events around the call (see :meth:`host`)."""
+    def run(self, fn, busy_ms: float, events: bool = True) -> tuple[float | None, float, object]:
+        """(GPU ms, host ms, result) of one call of ``fn`` behind ``busy_ms`` of sleep; with
+        ``events`` the host time includes recording the two CUDA events around the call, without
+        (GPU ms None) it is the call's own (an event record costs tens of µs on a VM host)."""
         torch.cuda.synchronize()
         torch.cuda._sleep(int(busy_ms * self.cycles_per_ms))
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s, e = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if events else (None, None)
         t0 = time.perf_counter()
-        s.record()
+        if events:
+            s.record()
         out = fn()
-        e.record()
+        if events:
+            e.record()
         host = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
-        return s.elapsed_time(e), host, out
+        return s.elapsed_time(e) if events else None, host, out
 
     def host(self, fn, busy_ms: float) -> tuple[float, object]:
-        """(host ms, result) of one call of ``fn`` behind ``busy_ms`` of sleep, nothing else
-        timed: the call's own host time (each event record costs tens of µs on a VM host)."""
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(busy_ms * self.cycles_per_ms))
-        t0 = time.perf_counter()
-        out = fn()
-        host = (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
-        return host, out
+        """(host ms, result) of :meth:`run` without events."""
+        return self.run(fn, busy_ms, events=False)[1:]
 
     def bench(self, fn, reps: int = 10) -> dict:
         fn()
@@ -94,37 +89,24 @@ class GpuTimer:
         return {"gpu_ms": _median(gpu), "host_ms": _median(host), "busy_ms": busy}
 
 
-def _limit_device_copy(timer: GpuTimer) -> dict:
+def measure_limits(timer: GpuTimer, width: int) -> dict:
+    """The machine's limits (payload GB/s, GPU time): see the module docstring."""
     src = torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return {**timer.bench(lambda: dst.copy_(src)), "bytes": src.nbytes}
-
-
-def _limit_index_rows(timer: GpuTimer, width: int) -> tuple[dict, dict]:
     pool = torch.randn(65536, width, device="cuda").to(torch.bfloat16)
     rows = torch.randn(8192, width, device="cuda").to(torch.bfloat16)
     slots = torch.randperm(65536, device="cuda")[:8192]
-    copy = {**timer.bench(lambda: pool.index_copy_(0, slots, rows)), "bytes": rows.nbytes}
-    select = {**timer.bench(lambda: pool.index_select(0, slots)), "bytes": rows.nbytes}
-    return copy, select
-
-
-def _limit_pinned(timer: GpuTimer, width: int) -> tuple[dict, dict]:
     host = torch.empty(3 * 8192 * width, dtype=torch.bfloat16, pin_memory=True)
     gpu = torch.randn(host.numel(), device="cuda").to(torch.bfloat16)
-    h2d = {**timer.bench(lambda: gpu.copy_(host, non_blocking=True)), "bytes": host.nbytes}
-    d2h = {**timer.bench(lambda: host.copy_(gpu, non_blocking=True)), "bytes": host.nbytes}
-    return h2d, d2h
-
-
-def measure_limits(timer: GpuTimer, width: int) -> dict:
-    """The machine's limits (payload GB/s, GPU time): see the module docstring."""
-    lim = {"device_copy": _limit_device_copy(timer)}
-    lim["index_copy_rows"], lim["index_select_rows"] = _limit_index_rows(timer, width)
-    lim["pinned_h2d"], lim["pinned_d2h"] = _limit_pinned(timer, width)
-    for v in lim.values():
-        v["GBps"] = v["bytes"] / v["gpu_ms"] / 1e6
-    torch.cuda.empty_cache()
+    cases = {"device_copy": (lambda: dst.copy_(src), src.nbytes),
+             "index_copy_rows": (lambda: pool.index_copy_(0, slots, rows), rows.nbytes),
+             "index_select_rows": (lambda: pool.index_select(0, slots), rows.nbytes),
+             "pinned_h2d": (lambda: gpu.copy_(host, non_blocking=True), host.nbytes),
+             "pinned_d2h": (lambda: host.copy_(gpu, non_blocking=True), host.nbytes)}
+    lim = {}
+    for name, (fn, nbytes) in cases.items():
+        lim[name] = {**timer.bench(fn), "bytes": nbytes}
+        lim[name]["GBps"] = nbytes / lim[name]["gpu_ms"] / 1e6
     return lim
 
 
@@ -195,18 +177,14 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
             for k, v in zip(m, (g, h, h_ev, h_arr, gr, hr, hr_ev, lat_w, lat_r, h_settle)):
                 m[k].append(v)
     nbytes = tokens * width * 2 * len(KEYS)
+    names = {"w_gpu": "write_gpu_ms", "w_host": "write_host_ms", "w_lat": "write_latency_ms", "r_gpu": "read_gpu_ms",
+             "r_host": "read_host_ms", "r_lat": "read_latency_ms", "w_host_arr": "write_host_ms_array_forms",
+             "w_settle": "write_settle_host_ms", "w_host_ev": "write_host_ms_with_events",
+             "r_host_ev": "read_host_ms_with_events"}
     res = {"tier": tier.name, "tokens": tokens, "width": width, "keys": len(KEYS), "bytes": nbytes,
-           "write_gpu_ms": _median(m["w_gpu"]), "write_host_ms": _median(m["w_host"]),
-           "write_latency_ms": _median(m["w_lat"]),
-           "read_gpu_ms": _median(m["r_gpu"]), "read_host_ms": _median(m["r_host"]),
-           "read_latency_ms": _median(m["r_lat"]),
-           "write_host_ms_array_forms": _median(m["w_host_arr"]),
-           "write_settle_host_ms": _median(m["w_settle"]),
-           "write_host_ms_with_events": _median(m["w_host_ev"]),
-           "read_host_ms_with_events": _median(m["r_host_ev"]),
-           "write_host_ms_all": m["w_host"], "write_host_ms_array_forms_all": m["w_host_arr"],
-           "write_settle_host_ms_all": m["w_settle"],
-           "read_host_ms_all": m["r_host"], "fused_writes": cache._writer is not None}
+           **{name: _median(m[k]) for k, name in names.items()},
+           **{f"{names[k]}_all": m[k] for k in ("w_host", "w_host_arr", "w_settle", "r_host")},
+           "fused_writes": cache._writer is not None}
     res["write_GBps"] = nbytes / res["write_gpu_ms"] / 1e6
     res["read_GBps"] = nbytes / res["read_gpu_ms"] / 1e6
     return res
@@ -258,7 +236,7 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lim = res["limits"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))  # not lab.figure: runs where benchmarks/ is no package
     for tier, color in (("DEVICE", "tab:blue"), ("PINNED_HOST", "tab:orange")):
         runs = [r for r in res["runs"] if r["tier"] == tier]
         for ax, what in zip(axes, ("GBps", "host_ms", "frac")):
@@ -331,6 +309,7 @@ def main() -> None:
         res["device"] = torch.cuda.get_device_name(0)
         timer = GpuTimer()
         res["limits"] = measure_limits(timer, a.width)
+        torch.cuda.empty_cache()  # the limits' buffers
         for name, v in res["limits"].items():
             print(f"limit {name:18s} {v['GBps']:8.1f} GB/s  ({v['gpu_ms']:.3f} ms)", flush=True)
         res["runs"] = []

@@ -1,18 +1,14 @@
 """Where a stage's prefill time goes: py-spy on one stage (default the thinker) of a bench pipeline, per workload.
 
-One pipeline of ``--variant`` (the prefill benchmark's stage config, ``uni`` executor: the
-model runner inside the stage's engine-core process) warms each workload, then serves
-``--requests`` requests per workload (alternated) while py-spy records the engine core of
-``--stage`` (0 thinker, 1 talker, 2 code2wav; ``--rate`` Hz, raw collapsed stacks).
-:func:`split_samples` splits the model-runner samples: omni-cache's cache work, the model
-forward, ``compute_logits``, the heaviest leaf frames. Needs ``py-spy``.
+One pipeline of ``--variant`` (``uni`` executor: the model runner in the engine core) serves
+``--requests`` per workload while py-spy records ``--stage``'s engine core; :func:`split_samples`
+splits the model-runner samples (omni-cache's work, model forward, ``compute_logits``, leaves).
 
     .venv/bin/python -m benchmarks.profile_stage --workloads miss --variant omni_cache --requests 8
     .venv/bin/python -m benchmarks.profile_stage --stage-config stage_configs/gemma4_yoco_cpu.yaml \\
         --variant fast+omni_cache --workloads image,floor --media-copies 6 --requests 6
 
-Writes ``<out>/profile-<variant>-stage<N>.json`` (per workload: shares, sample counts, vLLM's
-per-request prefill times of thinker and talker) and the raw stacks beside it.
+Writes ``<out>/profile-<variant>-stage<N>.json`` and the raw stacks beside it.
 """
 
 from __future__ import annotations

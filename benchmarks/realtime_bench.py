@@ -1,19 +1,14 @@
-"""Realtime voice sessions (vLLM-Omni's ``/v1/realtime?duplex=1``, OpenAI Realtime events over a
-websocket) per turn: commit → first audio and first text delta (s), thinker and talker prefix
-hits (tokens), with no prefix cache (``off``), vLLM-Omni's built-in cache (``builtin``) and
-omni-cache (``omni_cache``), each with vLLM-Omni's conversation window and omni-cache's, for 1
-and N sessions at once, against the floor — the turn's utterance in a fresh session with no
-history, on the cache-off server.
+"""Realtime voice sessions (vLLM-Omni's ``/v1/realtime?duplex=1``) per turn: commit → first audio
+and first text delta (s), thinker and talker prefix hits (tokens), for cache ``off``, ``builtin``
+and ``omni_cache``, each with vLLM-Omni's conversation window and omni-cache's, for 1 and N
+sessions at once, against the floor (the turn's utterance in a fresh session, on cache off).
 
-Three duplex servers derived from ``--stage-config`` (recording stage configs of
-:func:`omni_cache.exactness.fuzz.recording_stage_config`: every hand-off and served hit
-recorded unless ``--no-record``), up together (the idle ones paused) or one at a time
-(``--servers``). Then the oracles on the recorded hand-offs — (a) served blocks equal their
-writers' (every N), (b) omni-cache = built-in bitwise and (c) tokens = cache off's (N = 1
-only: with N > 1 a server batches its sessions' steps, and vLLM's kernels are not
-batch-invariant) — and the bar: for turns ≥ 4 omni-cache's first-audio p50 ≤ 1.25 × the
-floor's and ≤ the built-in's (:func:`floor_bar`). Flags, schedule and results:
-docs/benchmarks.md, "Realtime voice sessions". Writes ``result.json`` and ``realtime.png``.
+Three duplex servers derived from ``--stage-config`` (hand-offs and served hits recorded unless
+``--no-record``), together or one at a time (``--servers``); then the oracles on the recorded
+hand-offs — (a) served blocks equal their writers' (every N), (b) omni-cache = built-in bitwise,
+(c) tokens = cache off's (N = 1 only: batched steps are not batch-invariant) — and the bar
+:func:`floor_bar`. Flags, schedule, results: docs/benchmarks.md, "Realtime voice sessions".
+Writes ``result.json`` and ``realtime.png``.
 
     .venv/bin/python -m benchmarks.realtime_bench --model-size bench-voice --rounds 3 --turns 8 --sessions 1,8
 """
@@ -26,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -61,7 +57,7 @@ def resolve_stage_config(text: str) -> Path:
     """``--stage-config``: a path, else a bundled config's file name.
 
     Raises:
-        ValueError: neither a file nor a bundled name.
+        ValueError: neither.
     """
     from omni_cache.driver.stage_config import bundled_stage_config
 
@@ -80,13 +76,11 @@ def resolve_stage_config(text: str) -> Path:
 
 
 def check_stage_config(path: Path, sessions: list[int], servers: str) -> dict:
-    """Validate the duplex stage config the three variants derive from; returns its YAML.
+    """Validate the duplex stage config the variants derive from; returns its YAML.
 
     Raises:
-        ValueError: invalid (:func:`~omni_cache.driver.stage_config.load_stage_config`'s
-            problems), not a duplex config, fewer ``duplex_session.max_sessions`` than the largest
-            ``--sessions`` count, or ``--servers together`` with GPU shares that three servers
-            cannot hold on one card.
+        ValueError: invalid, not duplex, ``duplex_session.max_sessions`` below the largest
+            ``--sessions``, or ``--servers together`` with GPU shares three servers cannot hold.
     """
     from omni_cache.driver.stage_config import StageConfigError, load_stage_config
 
@@ -132,15 +126,8 @@ def _config(out: Path, variant: str, base: Path, record: bool) -> Path:
     return cfg
 
 
-def _instructions(rnd: int, n: int, session: int, window: str) -> str:
-    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT
-
-    return f"Session {rnd + 1}.{session + 1} of {n} ({window} window). {DEFAULT_SYSTEM_PROMPT}"
-
-
 def _clip(seconds: float, turn: int, rnd: int, session: int) -> bytes:
-    """The utterance of a session's turn (0-based ``turn``): the same in every variant and in
-    the floor."""
+    """The utterance of a session's 0-based ``turn``: the same in every variant and the floor."""
     from omni_cache.driver.realtime import speech_clip
 
     return speech_clip(seconds, 0.9 + 1.7 * turn + 0.37 * rnd + 0.23 * session)
@@ -149,14 +136,13 @@ def _clip(seconds: float, turn: int, rnd: int, session: int) -> bytes:
 # -- running ---------------------------------------------------------------------------------------
 
 def _pause(server, paused: bool) -> None:
-    """Pause (``paused``) or continue a server and its stage processes (:func:`benchmarks.lab.pause_tree`)."""
     if server.proc is not None:
         lab.pause_tree(server.proc.pid, paused)
 
 
 async def _turn(server, session, audio: bytes, metrics: bool) -> dict:
-    """One voice turn; times in seconds from the commit. ``metrics``: the server's /metrics
-    deltas as the turn's hits (only when nothing else runs on the server)."""
+    """One voice turn (seconds from the commit); ``metrics``: the server's /metrics deltas as the
+    turn's hits (only when nothing else runs on the server)."""
     from omni_cache.driver.realtime import prefix_cache_counters
 
     before = await asyncio.to_thread(prefix_cache_counters, server.url) if metrics else {}
@@ -164,8 +150,7 @@ async def _turn(server, session, audio: bytes, metrics: bool) -> dict:
         t = await session.turn(audio)
     except Exception as exc:  # noqa: BLE001 - recorded per turn; the run goes on
         return {"first_audio_s": None, "first_text_s": None, "done_s": None, "status": None, "text": "",
-                "audio_md5": None, "audio_ms": 0, **{k: None for k in METRICS[2:]},
-                "error": f"{type(exc).__name__}: {exc}"}
+                "audio_md5": None, "audio_ms": 0, **dict.fromkeys(METRICS[2:]), "error": f"{type(exc).__name__}: {exc}"}
     rec = {"first_audio_s": t.first_audio_s, "first_text_s": t.first_text_s, "done_s": t.done_s,
            "status": t.status, "text": t.text, "audio_md5": hashlib.md5(t.audio).hexdigest(),
            "audio_ms": t.audio_ms}
@@ -175,7 +160,7 @@ async def _turn(server, session, audio: bytes, metrics: bool) -> dict:
         rec.update(thinker_prompt=d.get("queries_0"), thinker_hit=d.get("hits_0"),
                    talker_prompt=d.get("queries_1"), talker_hit=d.get("hits_1"))
     else:
-        rec.update({k: None for k in METRICS[2:]}, hits_note=HITS_NOTE)
+        rec.update(dict.fromkeys(METRICS[2:]), hits_note=HITS_NOTE)
     if t.first_audio_s is None:
         rec["error"] = f"no audio delta (status {t.status})"
     return rec
@@ -197,9 +182,9 @@ def _print(rec: dict) -> None:
 
 
 async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict], session_ids: dict) -> dict:
-    """Every round × N × window of the variants in ``active`` (their servers up): the cold
-    first turn of each, the sessions' turns, the floor (when :data:`FLOOR_ON` is active).
-    Returns the cold first turns."""
+    """Every round × N × window of the variants in ``active`` (servers up): the cold first turn of
+    each (returned), the sessions' turns, the floor (when :data:`FLOOR_ON` is active)."""
+    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT
     from omni_cache.driver.realtime import RealtimeSession, speech_clip
 
     def only(v):  # the one server not paused
@@ -208,8 +193,9 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                 _pause(srv, name != v and args.pause_idle)
 
     def open_session(v, rnd, n, i, window):
-        return RealtimeSession(servers[v].realtime_url, instructions=_instructions(rnd, n, i, window),
-                               extra_body={"omni_cache_window": window}, ping_interval=None)
+        text = f"Session {rnd + 1}.{i + 1} of {n} ({window} window). {DEFAULT_SYSTEM_PROMPT}"
+        return RealtimeSession(servers[v].realtime_url, instructions=text, extra_body={"omni_cache_window": window},
+                               ping_interval=None)
 
     def add(results: list[dict], sessions: list, **where) -> None:  # one record per session's turn
         for i, r in enumerate(results):
@@ -249,8 +235,8 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                     for turn in range(args.turns):
                         fresh = [open_session(FLOOR_ON, rnd, n, i, window) for i in range(n)]
                         await asyncio.gather(*(s.open() for s in fresh))
-                        res = await _turns(servers[FLOOR_ON], fresh, [_clip(args.seconds, turn, rnd, i)
-                                                                      for i in range(n)])
+                        clips = [_clip(args.seconds, turn, rnd, i) for i in range(n)]
+                        res = await _turns(servers[FLOOR_ON], fresh, clips)
                         await asyncio.gather(*(s.close() for s in fresh))
                         add(res, fresh, variant=FLOOR, window=window, round=rnd, n_sessions=n, turn=turn + 1,
                             server=FLOOR_ON)
@@ -306,9 +292,8 @@ def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, ses
 
 
 def summarize(records: list[dict], turns: int, sessions: list[int]) -> dict:
-    """Per ``variant/window/N/turn`` (variants and :data:`FLOOR`), each of :data:`METRICS`:
-    p50 / p95 / min / max / n over every session and round (seconds for the times, tokens for
-    the hits; None where there is no sample, e.g. hits with N > 1)."""
+    """Per ``variant/window/N/turn`` (with :data:`FLOOR`), each of :data:`METRICS`: p50 / p95 / min
+    / max / n over sessions and rounds (seconds, tokens; None without a sample, e.g. hits at N > 1)."""
     out = {}
     for v in (*VARIANTS, FLOOR):
         for w in WINDOWS:
@@ -323,20 +308,17 @@ def summarize(records: list[dict], turns: int, sessions: list[int]) -> dict:
 
 def late_samples(records: list[dict], variant: str, window: str, n: int, metric: str = "first_audio_s") -> list[float]:
     """``metric`` of every turn ≥ :data:`LATE_TURN` of ``variant`` (or :data:`FLOOR`), window and
-    N (seconds), the turns without a value left out."""
+    N that has one (seconds)."""
     return [r[metric] for r in records if r["variant"] == variant and r["window"] == window
             and r["n_sessions"] == n and r["turn"] >= LATE_TURN and r.get(metric) is not None]
 
 
 def floor_bar(records: list[dict], window: str, n: int) -> dict:
     """The bar for one window and N: over turns ≥ :data:`LATE_TURN`, omni-cache's commit → first
-    audio p50 ≤ :data:`FLOOR_RATIO` × the floor's p50 and ≤ the built-in's p50 (seconds).
-    ``verdict``: ``PASS`` / ``FAIL``, or ``n/a`` where omni-cache, the floor or the built-in has
-    no sample (never PASS without samples)."""
-    import numpy as np
-
+    audio p50 ≤ :data:`FLOOR_RATIO` × the floor's and ≤ the built-in's (s). ``verdict`` ``PASS``
+    / ``FAIL``, or ``n/a`` where a side has no sample."""
     xs = {v: late_samples(records, v, window, n) for v in ("omni_cache", FLOOR, "builtin")}
-    p50 = {v: float(np.median(x)) if x else None for v, x in xs.items()}
+    p50 = {v: _median(x) for v, x in xs.items()}
     res = {"omni_cache_p50_s": p50["omni_cache"], "floor_p50_s": p50[FLOOR], "builtin_p50_s": p50["builtin"],
            "samples": {v: len(x) for v, x in xs.items()}, "max_ratio_to_floor": FLOOR_RATIO}
     missing = [v for v, x in xs.items() if not x]
@@ -350,13 +332,14 @@ def floor_bar(records: list[dict], window: str, n: int) -> dict:
             "le_floor_ratio": ok_floor, "le_builtin": ok_builtin}
 
 
-def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[int]) -> dict:
-    """The latency bars per window and N: :func:`floor_bar`, the pooled p50 of turns ≥
-    :data:`LATE_TURN` per variant and the floor (seconds), and the issue-30 bars (first audio ≥ 5×
-    lower than cache off pooled; ≤ the built-in's on every turn) — None where a side has no
-    sample."""
-    import numpy as np
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
+
+def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[int]) -> dict:
+    """Per window and N: :func:`floor_bar`, the pooled p50 (s) of turns ≥ :data:`LATE_TURN` per
+    variant and the floor, and the issue-30 bars (first audio ≥ 5× lower than cache off pooled;
+    ≤ the built-in's on every turn), None where a side has no sample."""
     def p50(v, w, n, t):
         c = summary[f"{v}/{w}/{n}/{t}"]["first_audio_s"]
         return c["p50"] if c else None
@@ -369,8 +352,7 @@ def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[
             out[key][w] = {}
         for n in sessions:
             out["floor_bar"][w][n] = floor_bar(records, w, n)
-            pooled = {v: (float(np.median(x)) if (x := late_samples(records, v, w, n)) else None)
-                      for v in (*VARIANTS, FLOOR)}
+            pooled = {v: _median(late_samples(records, v, w, n)) for v in (*VARIANTS, FLOOR)}
             out["pooled_first_audio_p50_turns_ge_4_s"][w][n] = pooled
             out["first_audio_5x_lower_than_off_turns_ge_4_p50"][w][n] = (
                 None if pooled["off"] is None or pooled["omni_cache"] is None
@@ -386,9 +368,8 @@ def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[
 
 
 def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int) -> dict:
-    """The hit bars, N = 1 (per-turn hits attributable): every omni-cache turn from 2 on (its
-    window) hit ≥ 0.9 of the blocks it shares with the previous turn's prompt; the talker hits
-    from turn 2 on."""
+    """The hit bars at N = 1: every omni-cache turn from 2 on (its window) hit ≥ 0.9 of the blocks
+    it shares with the previous turn's prompt; the talker hits from turn 2 on."""
     from omni_cache.exactness.realtime import common_prompt_tokens, first_prompts, session_requests
 
     prompts = first_prompts(out / "omni_cache")
@@ -413,8 +394,7 @@ def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int) ->
 # -- plot --------------------------------------------------------------------------------------------
 
 def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str) -> None:
-    """First audio and first text p50 per turn (seconds) per variant and window, the floor as a
-    black line; one column per N."""
+    """First audio and first text p50 per turn (s) per variant and window; one column per N."""
     with lab.figure(path, 2, len(sessions), figsize=(6.5 * len(sessions), 8), squeeze=False,
                     title=title, dpi=110) as (fig, axes):
         ts = list(range(1, turns + 1))
@@ -438,39 +418,27 @@ def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str
 
 # -- main --------------------------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stage-config", default=DEFAULT_STAGE_CONFIG,
-                    help="the duplex stage config the three variants derive from: a path or a bundled name "
-                         f"(default {DEFAULT_STAGE_CONFIG}; one H200, full-size model: "
-                         "stage_configs/qwen3_omni_30b_a3b_h200_dummy_duplex.yaml)")
-    ap.add_argument("--model", type=Path, default=None,
-                    help="model directory (e.g. one built by `omni-cache make-model --size full`); "
-                         "default: the embedded model of --model-size, built on first use")
-    ap.add_argument("--model-size", choices=("tiny", "bench", "bench-voice"), default=None,
-                    help="embedded model to build and serve when --model is not given (default bench-voice)")
-    ap.add_argument("--turns", type=int, default=8, help="voice turns per session (the bar looks at turns >= 4)")
-    ap.add_argument("--rounds", type=int, default=3, help="groups of sessions per variant, N and window")
-    ap.add_argument("--sessions", default="1",
-                    help="comma list of session counts N: N sessions of a variant run at once (default 1; e.g. 1,8)")
-    ap.add_argument("--seconds", type=float, default=2.0, help="speech per turn (seconds)")
-    ap.add_argument("--servers", choices=SERVER_MODES, default="together",
-                    help="together: the three servers up at once, variants alternating turn by turn (the idle "
-                         "ones paused); one-at-a-time: one server up at a time, for a card that holds one "
-                         "(the full-size model on one H200)")
-    ap.add_argument("--no-record", dest="record", action="store_false",
-                    help="record no hand-offs or served hits (no oracles, no hit bars): no disk writes in the "
-                         "stages' hot path")
-    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/realtime-<time>")
-    ap.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
-                    help="--servers together: keep the servers not being timed running (default: SIGSTOP them)")
-    return ap
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, validated before anything starts (``SystemExit`` 2 with a message
-    naming the flag or file at fault). Adds ``stage_config_path`` and ``stage_config_raw``."""
-    ap = _parser()
+    """The command line, validated before anything starts (``SystemExit`` 2 naming the flag or
+    file at fault); adds ``stage_config_path`` and ``stage_config_raw``."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = ap.add_argument
+    add("--stage-config", default=DEFAULT_STAGE_CONFIG, help=f"duplex stage config, a path or bundled name (default "
+        f"{DEFAULT_STAGE_CONFIG}; full-size on one H200: qwen3_omni_30b_a3b_h200_dummy_duplex.yaml)")
+    add("--model", type=Path, default=None, help="model directory (default: the embedded model of --model-size)")
+    add("--model-size", choices=("tiny", "bench", "bench-voice"), default=None,
+        help="embedded model to build and serve without --model (default bench-voice)")
+    add("--turns", type=int, default=8, help="voice turns per session (the bar looks at turns >= 4)")
+    add("--rounds", type=int, default=3, help="groups of sessions per variant, N and window")
+    add("--sessions", default="1", help="comma list of session counts N run at once per variant (e.g. 1,8)")
+    add("--seconds", type=float, default=2.0, help="speech per turn (seconds)")
+    add("--servers", choices=SERVER_MODES, default="together", help="together: three servers up, variants "
+        "alternating turn by turn (idle ones paused); one-at-a-time: for a card that holds one")
+    add("--no-record", dest="record", action="store_false",
+        help="record no hand-offs or served hits (no oracles, no hit bars)")
+    add("--out", type=Path, default=None, help="default: benchmarks/results/realtime-<time>")
+    add("--no-pause-idle", dest="pause_idle", action="store_false",
+        help="--servers together: keep the servers not being timed running (default: SIGSTOP them)")
     args = ap.parse_args(argv)
     if args.turns < 1 or args.rounds < 1 or args.seconds <= 0:
         ap.error("--turns and --rounds must be >= 1 and --seconds > 0")
@@ -494,10 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     model_name = args.model.name if args.model is not None else args.model_size or "bench-voice"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "MALLOC_ARENA_MAX": "2"}
     records: list[dict] = []
-    session_ids: dict = {}
-    cold: dict = {}
-    ready_s: dict = {}
-    t0 = time.perf_counter()
+    session_ids, cold, ready_s, t0 = {}, {}, {}, time.perf_counter()
 
     def up(stack: contextlib.ExitStack, v: str):
         srv = stack.enter_context(lab.start("server", model, _config(out, v, args.stage_config_path, args.record),
@@ -540,11 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     _plot(summary, args.turns, args.sessions, out / "realtime.png",
           f"Realtime sessions ({args.rounds} rounds, {args.turns} voice turns, {model_name}, "
           f"{args.stage_config_path.name}, servers {args.servers})")
-    print(json.dumps({"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"]},
-                     indent=2))
-    print(json.dumps(result["oracles"], indent=2))
-    print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else ""))
-    print(f"wrote {path}")
+    print(json.dumps({"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"],
+                      "oracles": result["oracles"]}, indent=2))
+    print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else "") + f"; wrote {path}")
     return 0
 
 

@@ -1,14 +1,11 @@
 """Prefix-aware routing vs vLLM-Omni's own routing over two real thinker replicas: hit ratio,
 TTFT and TTFP per policy (issue 17; docs/routing.md).
 
-One streaming CPU pipeline with ``num_replicas: 2`` on the thinker runs both policies,
-alternated by round (``prefix``: omni-cache's router installed; ``vllm_omni``: taken off, so
-vLLM-Omni's round-robin routes). Each round sends ``--conversations`` fresh conversations
-(system prompts of ``--system-tokens`` tokens) for ``--turns`` turns, interleaved, one request
-at a time (an odd count makes round-robin split a conversation's turns); turn t+1's prompt is
-turn t's prompt, its answer and a new question. A turn >= 2 *hits* when its cached prefix
-covers the previous prompt's whole blocks. ``result.json`` (every request; per policy
-:func:`summarize`) and ``routing_bench.png``.
+One streaming pipeline with two thinker replicas runs both policies, alternated by round
+(``prefix``: omni-cache's router; ``vllm_omni``: vLLM-Omni's round-robin). Each round sends
+``--conversations`` fresh conversations (odd: round-robin splits their turns) for ``--turns``
+turns, interleaved; a turn >= 2 hits when its cached prefix covers the previous prompt's
+blocks. ``result.json`` (:func:`summarize`) and ``routing_bench.png``.
 
     .venv/bin/python -m benchmarks.routing_bench --model-size bench
 """

@@ -1,17 +1,12 @@
 """Routing simulation: prefix-aware vs vLLM-Omni's policies over 8-256 thinker replicas.
 
-Driven by the policy code itself (:mod:`omni_cache.routing`), no engine: ``N`` multi-turn
-conversations on ``K`` shared system prompts (Zipf-picked), Poisson arrivals of the next turn
-of a conversation with none in flight (uniform or Zipf popularity), per replica ``batch``
-requests at a time (FIFO beyond) of service time ``t_fixed + t_block x uncached blocks`` and
-an LRU KV cache of ``capacity`` blocks as ground truth: a turn >= 2 hits when its replica holds
-the previous turn's prompt blocks. Policies :data:`POLICIES`; per (replicas, skew, policy) the
-turn >= 2 hit ratio, cached-block ratio, max/mean requests and busy time per replica. Bar: 64
-replicas, Zipf: hit ratio >= 0.9 with max/mean load <= 1.3 (prefix). docs/routing.md, "Simulation".
+The policy code itself (:mod:`omni_cache.routing`), no engine: multi-turn conversations on
+Zipf-picked shared system prompts, Poisson arrivals, per replica ``batch`` requests at a time of
+service time ``t_fixed + t_block x uncached blocks`` and an LRU KV cache as ground truth (a turn
+>= 2 hits when its replica holds the previous prompt's blocks). Bar: 64 replicas, Zipf: hit ratio
+>= 0.9 with max/mean load <= 1.3 (prefix). docs/routing.md, "Simulation".
 
-    PYTHONPATH=. /work/main/.venv/bin/python benchmarks/routing_sim.py
-
-Writes ``benchmarks/results/routing-sim/result.json`` and ``routing_sim.png``.
+    PYTHONPATH=. .venv/bin/python benchmarks/routing_sim.py    # writes benchmarks/results/routing-sim/
 """
 
 from __future__ import annotations
@@ -170,8 +165,7 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
     kv = [_LRU(w.capacity_blocks) for _ in range(R)]
     queue = dict.fromkeys(keys, 0)                   # queued + running, what the policy sees
     waiting = [deque() for _ in range(R)]
-    running = [0] * R
-    served, busy = [0] * R, [0.0] * R
+    running, served, busy = [0] * R, [0] * R, [0.0] * R
     weight = [1.0 / (i + 1) ** w.zipf_s for i in range(N)]
     rng.shuffle(weight)                              # popularity rank independent of system prompt
     next_turn = [0] * N
@@ -184,11 +178,9 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
     rate = w.utilization * R * w.batch / (w.t_fixed + w.t_block * mean_blocks)
     total = sum(len(c) for c in convs)
     heap: list[tuple[float, int, str, tuple]] = []
-    seq = 0
+    seq = hits = later = cached = prompt_blocks = done = 0
     now = 0.0
-    hits = later = cached = prompt_blocks = 0
     reasons: dict[str, int] = {}
-    done = 0
 
     def start(r: int, t: float) -> None:
         nonlocal seq, hits, later, cached, prompt_blocks
@@ -245,18 +237,10 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
                 ready.set(c, weight[c])
             if waiting[r] and running[r] < w.batch:
                 start(r, now)
-    mean_served = sum(served) / R
-    mean_busy = sum(busy) / R
-    return {
-        "policy": policy_name,
-        "requests": total,
-        "turn2_hit_ratio": hits / later if later else 0.0,
-        "cached_block_ratio": cached / prompt_blocks if prompt_blocks else 0.0,
-        "load_max_mean": max(served) / mean_served,
-        "busy_max_mean": max(busy) / mean_busy,
-        "makespan": now,
-        "reasons": reasons,
-    }
+    return {"policy": policy_name, "requests": total, "turn2_hit_ratio": hits / later if later else 0.0,
+            "cached_block_ratio": cached / prompt_blocks if prompt_blocks else 0.0,
+            "load_max_mean": max(served) / (sum(served) / R), "busy_max_mean": max(busy) / (sum(busy) / R),
+            "makespan": now, "reasons": reasons}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,29 +259,22 @@ def main(argv: list[str] | None = None) -> int:
 
     t_all = time.perf_counter()
     rows = []
-    for R in args.replicas:
-        for skew, s in (("uniform", 0.0), ("zipf", args.zipf_s)):
-            w = Workload(replicas=R, conversations=R * args.conversations_per_replica,
-                         turns=args.turns, zipf_s=s)
-            convs = build_conversations(w)
-            for p in args.policies:
-                t1 = time.perf_counter()
-                row = {"replicas": R, "skew": skew, **simulate(w, p, convs)}
-                rows.append(row)
-                print(f"[{time.perf_counter() - t_all:6.1f}s] R={R:<4} {skew:<7} {p:<14} "
-                      f"hit(turn>=2)={row['turn2_hit_ratio']:.3f} cached={row['cached_block_ratio']:.3f} "
-                      f"load max/mean={row['load_max_mean']:.2f} busy max/mean={row['busy_max_mean']:.2f} "
-                      f"({time.perf_counter() - t1:.1f}s)", flush=True)
-    if args.pressure_capacity:
-        w = Workload(replicas=64, conversations=64 * args.conversations_per_replica, turns=args.turns,
-                     zipf_s=args.zipf_s, capacity_blocks=args.pressure_capacity)
+    runs = [(R, skew, s, None, args.policies) for R in args.replicas
+            for skew, s in (("uniform", 0.0), ("zipf", args.zipf_s))]
+    if args.pressure_capacity:  # eviction pressure
+        runs.append((64, f"zipf, {args.pressure_capacity} KV blocks", args.zipf_s, args.pressure_capacity,
+                     ("prefix", "prefix+events", "least-queue")))
+    for R, skew, s, capacity, policies in runs:
+        w = Workload(replicas=R, conversations=R * args.conversations_per_replica, turns=args.turns, zipf_s=s,
+                     **({"capacity_blocks": capacity} if capacity else {}))
         convs = build_conversations(w)
-        for p in ("prefix", "prefix+events", "least-queue"):
-            row = {"replicas": 64, "skew": f"zipf, {args.pressure_capacity} KV blocks", **simulate(w, p, convs)}
-            rows.append(row)
-            print(f"[{time.perf_counter() - t_all:6.1f}s] R=64   zipf, eviction pressure ({args.pressure_capacity} "
-                  f"blocks) {p:<14} hit(turn>=2)={row['turn2_hit_ratio']:.3f} "
-                  f"cached={row['cached_block_ratio']:.3f} load max/mean={row['load_max_mean']:.2f}", flush=True)
+        for p in policies:
+            t1 = time.perf_counter()
+            rows.append(row := {"replicas": R, "skew": skew, **simulate(w, p, convs)})
+            print(f"[{time.perf_counter() - t_all:6.1f}s] R={R:<4} {skew:<7} {p:<14} "
+                  f"hit(turn>=2)={row['turn2_hit_ratio']:.3f} cached={row['cached_block_ratio']:.3f} "
+                  f"load max/mean={row['load_max_mean']:.2f} busy max/mean={row['busy_max_mean']:.2f} "
+                  f"({time.perf_counter() - t1:.1f}s)", flush=True)
     bar = [r for r in rows if r["replicas"] == 64 and r["skew"] == "zipf" and r["policy"] == "prefix"]
     bar_ok = bool(bar) and bar[0]["turn2_hit_ratio"] >= 0.9 and bar[0]["load_max_mean"] <= 1.3
     base = Workload(replicas=0, conversations=0, turns=args.turns, zipf_s=args.zipf_s)

@@ -1,13 +1,10 @@
 """vLLM-Omni's own serving benchmark (``vllm-omni bench serve --omni``) against ``omni-cache serve``:
 omni-cache on vs the thinker's prefix cache off, streaming.
 
-The tool's ``prefix_repetition`` dataset (prompts sharing one of ``--num-prefixes`` prefixes of
-``--prefix-len`` tokens, plus a distinct suffix) against a fresh server per variant (``on``:
-``--stage-config`` as given; ``off``: the thinker's ``enable_prefix_caching: false``), one at a
-time, ``--cycles`` rotations of ``--order``. The tool's JSON per run is kept; ``result.json``
-has its headline figures (:data:`HEADLINE`: text TTFT, audio TTFP, E2EL in ms, throughput,
-RTF) per variant and the off / on ratios; ``serve_bench.png``. docs/serving.md, "vLLM-Omni's own
-serving benchmark".
+The tool's ``prefix_repetition`` dataset against a fresh server per variant (``on`` / ``off``:
+:func:`benchmarks.lab.prefix_cache_variant`), ``--cycles`` rotations of ``--order``; the tool's
+JSON is kept, ``result.json`` has its :data:`HEADLINE` figures per variant and off / on ratios.
+docs/serving.md, "vLLM-Omni's own serving benchmark".
 
     .venv/bin/python -m benchmarks.serve_bench --model-size bench --num-prompts 24 --max-concurrency 4
 """

@@ -1,13 +1,9 @@
 """Load on vLLM-Omni's OpenAI-compatible server: omni-cache on vs thinker prefix cache off.
 
-Bursts of ``--concurrency`` streaming chat completions (text + audio out) that share one long
-system prompt (fresh per round) and differ in the question, sent at once with the ``openai``
-client. Per request: TTFT (s to the first text chunk with content), TTFP (s to the first
-``modality: "audio"`` chunk), e2e (s), thinker prompt / cached tokens
-(``usage.prompt_tokens_details``). One server at a time (:func:`benchmarks.lab.start`;
-``on``: ``--stage-config`` as given, ``off``: the thinker's ``enable_prefix_caching: false``),
-``--cycles`` repeats of ``--order``. Results: ``benchmarks/results/serve-load-<timestamp>/``,
-every sample, p50/p90/p99 and on/off ratios (docs/serving.md, "Load").
+Bursts of ``--concurrency`` streaming chat completions (text + audio) sharing one long system
+prompt (fresh per round). Per request TTFT, TTFP, e2e (s), thinker prompt / cached tokens; one
+server at a time (``on`` / ``off``: :func:`benchmarks.lab.prefix_cache_variant`), ``--cycles``
+repeats of ``--order``; p50/p90/p99 and on/off ratios (docs/serving.md, "Load").
 
     .venv/bin/python -m benchmarks.serve_load --concurrency 16 --rounds 3 --model-size bench
 """

@@ -1,16 +1,13 @@
 """Soak: a long mixed stream of requests on ``omni-cache serve``, with ``/dev/shm``, RSS and open
 files sampled over time (issue 45).
 
-One server (the bundled CPU stage config by default) gets ``--requests`` requests,
-``--concurrency`` at a time, drawn (seeded) from :data:`KIND_WEIGHTS`: text, text + audio,
-streamed, a 64×64 photo, 1 s of speech in, two 1 s video clips (their audio track every other
-request), bad media (must be a 400), streams closed after their first chunk, realtime turns
-(with a duplex config). Every ``--sample-s`` seconds the
-:class:`Sampler` records this run's ``/dev/shm`` entries (named after its ``X-Request-Id``
-``<tag>-<i>-<kind>``), the server tree's RSS (bytes) and open file descriptors; after a
-``--drain-s`` pause the server is stopped (timed) and what is left in ``/dev/shm`` listed.
-Bars (:func:`_bars`, :func:`after_exit`) and what they mean: docs/serving.md, "Shared memory
-and the soak". Writes ``benchmarks/results/soak-<timestamp>/result.json`` and ``soak.png``.
+One server gets ``--requests`` requests, ``--concurrency`` at a time, drawn (seeded) from
+:data:`KIND_WEIGHTS` (text, audio out and in, streamed, photo, video, bad media that must be a
+400, streams closed early, realtime turns with a duplex config). Every ``--sample-s`` seconds
+:class:`Sampler` records this run's ``/dev/shm`` entries (named after the ``X-Request-Id``
+``<tag>-<i>-<kind>``), the server tree's RSS and open files; after ``--drain-s`` the server is
+stopped (timed) and what is left listed. Bars (:func:`_bars`, :func:`after_exit`):
+docs/serving.md, "Shared memory and the soak". Writes ``result.json`` and ``soak.png``.
 
     .venv/bin/python -m benchmarks.soak --requests 2000            # the issue's bar
     .venv/bin/python -m benchmarks.soak --requests 120 --warmup 20 # a short run
@@ -19,7 +16,6 @@ and the soak". Writes ``benchmarks/results/soak-<timestamp>/result.json`` and ``
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import contextlib
@@ -86,8 +82,8 @@ def video_clip(pixel_seed: int, seconds: float = 2.0, size: int = 224, fps: int 
 
 
 def _media() -> dict[str, str]:
-    """The request inputs: a 64×64 PNG data URL, 1 s of speech (WAV, base64), a 78-sample WAV,
-    a truncated JPEG data URL, two 1 s 64×64 video clips with their audio track (data URLs)."""
+    """The inputs: a 64×64 PNG, 1 s of speech (WAV), a 78-sample WAV, a truncated JPEG, two 1 s
+    video clips (data URLs or base64)."""
     from PIL import Image
 
     from omni_cache.driver.inputs import load_audio, sample_path
@@ -115,28 +111,14 @@ def _bad_content(k: int, media: dict) -> list:
 def shm_entries(tag: str, baseline: set[str]) -> dict:
     """``/dev/shm`` entries created since ``baseline``: segments (count, bytes) and lock files,
     all of them and those whose name holds ``tag``."""
-    out = {"segments": 0, "bytes": 0, "lockfiles": 0, "tagged_segments": 0, "tagged_bytes": 0,
-           "tagged_lockfiles": 0}
-    try:
-        names = os.listdir(SHM)
-    except OSError:
-        return out
-    for name in names:
-        if name in baseline:
-            continue
-        try:
-            size = (SHM / name).stat().st_size
-        except OSError:
-            continue
-        lock = name.endswith("_lockfile.lock")
-        key = "lockfiles" if lock else "segments"
-        out[key] += 1
-        if not lock:
-            out["bytes"] += size
-        if tag in name:
-            out["tagged_" + key] += 1
-            if not lock:
-                out["tagged_bytes"] += size
+    out = dict.fromkeys(("segments", "bytes", "lockfiles", "tagged_segments", "tagged_bytes", "tagged_lockfiles"), 0)
+    with contextlib.suppress(OSError):
+        for name in set(os.listdir(SHM)) - baseline:
+            with contextlib.suppress(OSError):
+                lock, size = name.endswith("_lockfile.lock"), (SHM / name).stat().st_size
+                for pre in ("", "tagged_") if tag in name else ("",):
+                    out[pre + ("lockfiles" if lock else "segments")] += 1
+                    out[pre + "bytes"] += 0 if lock else size
     return out
 
 
@@ -158,8 +140,7 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.tag, self.baseline, self.every_s, self.progress = pid, tag, baseline, every_s, progress
         self.samples: list[dict] = []
-        self.t0 = time.perf_counter()
-        self._halt = threading.Event()
+        self.t0, self._halt = time.perf_counter(), threading.Event()
 
     def sample(self) -> dict:
         s = {"t_s": round(time.perf_counter() - self.t0, 2), "requests_done": self.progress(),
@@ -188,30 +169,22 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
     import openai
 
     try:
-        if kind == "text":
-            r = await client.chat.completions.create(messages=[{"role": "user", "content": q}], modalities=["text"],
-                                                     **common)
-            rec["ok"] = bool(r.choices) and r.choices[0].message.content is not None
-        elif kind in ("text+audio", "audio-in"):
-            content: list | str = q
-            if kind == "audio-in":
-                content = [{"type": "input_audio", "input_audio": {"data": media["speech"], "format": "wav"}},
-                           {"type": "text", "text": q}]
+        if kind in ("text", "text+audio", "audio-in", "image", "video"):
+            part = {"audio-in": {"type": "input_audio", "input_audio": {"data": media["speech"], "format": "wav"}},
+                    "image": {"type": "image_url", "image_url": {"url": media["image"]}},
+                    "video": {"type": "video_url", "video_url": {"url": media["video"][k % 2]}}}.get(kind)
+            content = [part, {"type": "text", "text": q}] if part else q
+            audio_out = kind in ("text+audio", "audio-in")
+            video = {"mm_processor_kwargs": {"use_audio_in_video": bool(k % 2)}}
+            extra = {"extra_body": video} if kind == "video" else {}
             r = await client.chat.completions.create(messages=[{"role": "user", "content": content}],
-                                                     modalities=["text", "audio"], **common)
-            audio = r.choices[0].message.audio if r.choices else None
-            rec["ok"] = audio is not None and len(audio.data or "") > 0
-        elif kind == "image":
-            content = [{"type": "image_url", "image_url": {"url": media["image"]}}, {"type": "text", "text": q}]
-            r = await client.chat.completions.create(messages=[{"role": "user", "content": content}],
-                                                     modalities=["text"], **common)
-            rec["ok"] = bool(r.choices)
-        elif kind == "video":
-            content = [{"type": "video_url", "video_url": {"url": media["video"][k % 2]}}, {"type": "text", "text": q}]
-            r = await client.chat.completions.create(
-                messages=[{"role": "user", "content": content}], modalities=["text"],
-                extra_body={"mm_processor_kwargs": {"use_audio_in_video": bool(k % 2)}}, **common)
-            rec["ok"] = bool(r.choices)
+                                                     modalities=["text", "audio"] if audio_out else ["text"],
+                                                     **extra, **common)
+            if audio_out:
+                audio = r.choices[0].message.audio if r.choices else None
+                rec["ok"] = audio is not None and len(audio.data or "") > 0
+            else:
+                rec["ok"] = bool(r.choices) and (kind != "text" or r.choices[0].message.content is not None)
         elif kind in ("stream", "abort"):
             stream = await client.chat.completions.create(messages=[{"role": "user", "content": q}],
                                                           modalities=["text", "audio"], stream=True, **common)
@@ -309,13 +282,12 @@ def _bars(samples: list[dict], drained: dict, records: list[dict], warmup: int, 
 
 
 def _plot(samples: list[dict], out: Path, warmup: int) -> None:
-    x = [s["requests_done"] for s in samples]
     panels = [("tagged_segments", "/dev/shm segments (this run)", 1), ("tagged_lockfiles", "lock files (this run)", 1),
               ("rss", "process tree RSS (MiB)", 2 ** 20), ("fds", "open file descriptors", 1)]
     with lab.figure(out, 2, 2, figsize=(11, 7), sharex=True, dpi=110,
                     title="omni-cache serve soak (dotted: end of warm-up)") as (fig, axes):
         for ax, (key, title, scale) in zip(axes.flat, panels):
-            ax.plot(x, [s[key] / scale for s in samples], marker=".", lw=1)
+            ax.plot([s["requests_done"] for s in samples], [s[key] / scale for s in samples], marker=".", lw=1)
             ax.axvline(warmup, color="grey", ls=":", lw=1)
             ax.set_title(title)
             ax.grid(alpha=0.3)
@@ -345,21 +317,12 @@ def _stop_timed(srv) -> dict:
 def drive(srv, *, requests: int, concurrency: int = 4, warmup: int = 100, max_tokens: int = 8,
           sample_s: float = 2.0, drain_s: float = 5.0, shm_slack: int = 8, report_every: int = 50, seed: int = 0,
           tag: str | None = None, baseline: set[str] | None = None) -> dict:
-    """Drive a running :class:`~omni_cache.driver.server.OmniServer` with the mixed stream and
-    sample it (see the module docstring).
-
-    Args:
-        srv: the server (ready); it keeps running.
-        requests: how many requests; ``concurrency`` at a time; ``warmup``: the first requests,
-            before the flatness bars start.
-        tag: names this run's request ids (``X-Request-Id: <tag>-<i>-<kind>``) and thereby its
-            ``/dev/shm`` entries; default ``soak<timestamp>``.
-        baseline: ``/dev/shm`` entries that are not this run's (default: those present now).
-
-    Returns:
-        ``{"tag", "baseline", "records", "samples", "drained", "counts", "statuses", "wall_s",
-        "bars"}``; ``bars`` holds every bar but ``shm_empty_after_exit`` (see :func:`after_exit`).
-    """
+    """Drive a ready :class:`~omni_cache.driver.server.OmniServer` (it keeps running) with
+    ``requests`` of the mix, ``concurrency`` at a time, and sample it; ``warmup``: requests before
+    the flatness bars start; ``tag``: names the request ids and so the ``/dev/shm`` entries
+    (default ``soak<timestamp>``); ``baseline``: entries not this run's (default: those there now).
+    Returns ``{"tag", "baseline", "records", "samples", "drained", "counts", "statuses", "wall_s",
+    "bars"}`` (every bar but :func:`after_exit`'s)."""
     tag = tag or f"soak{dt.datetime.now().strftime('%Y%m%d%H%M%S')}"
     baseline = set(os.listdir(SHM)) if baseline is None else baseline
     media = _media()
@@ -397,10 +360,9 @@ def after_exit(tag: str, baseline: set[str]) -> dict:
 
 
 def run(args) -> dict:
-    """Start a server (:func:`benchmarks.lab.start`), :func:`drive` it, stop it (timed), check
-    :func:`after_exit`, write the result JSON and the plot. Returns the result dict (with
-    ``out_dir``)."""
-    model_dir = lab.model_dir("tiny", args.model)
+    """Start a server, :func:`drive` it, stop it (timed), check :func:`after_exit`, write the
+    result and the plot; returns the result (with ``out_dir``)."""
+    model_dir = lab.model_dir(args.size, args.model)
     out_dir = lab.results_dir(args.out, "soak")
     tag = f"soak{dt.datetime.now():%Y%m%d%H%M%S}"
     baseline = set(os.listdir(SHM))
@@ -415,8 +377,7 @@ def run(args) -> dict:
     bars = {**d["bars"], "shm_empty_after_exit": after_exit(tag, baseline)}
     result = {
         "benchmark": "soak", **lab.stamp("benchmarks.soak", args.argv),
-        "model": str(model_dir), "stage_config": str(args.stage_config),
-        "args": {k: v for k, v in vars(args).items() if k != "argv"},
+        "model": str(model_dir), "stage_config": str(args.stage_config), "args": lab.jsonable(args, drop=("argv",)),
         "ready_s": round(srv.ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
         "requests_per_s": round(len(d["records"]) / d["wall_s"], 3), "counts": d["counts"],
         "statuses": d["statuses"], "stop": stop, "shm_after_exit": {**shm_entries(tag, baseline)},
@@ -435,20 +396,16 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = lab.parser(__doc__, "soak", size="tiny", sizes=("tiny",))  # a duplex --stage-config adds realtime turns
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=100, help="requests before the flatness bars start")
     ap.add_argument("--max-tokens", type=int, default=8, help="thinker output tokens per request")
-    ap.add_argument("--model", help="model directory (default: the embedded tiny model)")
-    ap.add_argument("--stage-config", default=str(lab.BASE_CONFIG),
-                    help="a duplex config (qwen3_omni_cpu_duplex.yaml) adds realtime turns to the mix")
     ap.add_argument("--sample-s", type=float, default=2.0, help="seconds between samples")
     ap.add_argument("--drain-s", type=float, default=5.0, help="idle seconds before the last sample")
     ap.add_argument("--shm-slack", type=int, default=8, help="segments in flight the flatness bar allows")
     ap.add_argument("--report-every", type=int, default=50, help="progress line every N requests")
     ap.add_argument("--seed", type=int, default=0, help="the mix's seed")
-    ap.add_argument("--out", help="result directory (default: benchmarks/results/soak-<timestamp>)")
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     if not SHM.is_dir():

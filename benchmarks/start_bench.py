@@ -1,12 +1,8 @@
 """Pipeline start time: vLLM's default ``mp`` executor vs ``uni`` on every stage, side by side.
 
-Each sample starts ``--stage-config`` on the model of ``--size`` (default tiny) through
-:func:`benchmarks.lab.start` in a fresh Python process, sends one request and stops — ``mp``:
-as shipped (a worker process per stage); ``uni``: ``distributed_executor_backend: uni`` on
-every stage (the worker inside the stage's engine-core process). Variants alternate. Per
-variant (s): ``start_s`` (the constructor), ``process_s`` (launch → started, imports
-included), ``request_s`` (the first request), ``close_s``; medians, IQRs and mp / uni; JSON and
-a plot in ``--out``.
+Each sample starts ``--stage-config`` in a fresh process, sends one request and stops; ``mp`` as
+shipped, ``uni`` on every stage; alternated. Per variant (s): ``start_s``, ``process_s`` (launch →
+started), ``request_s``, ``close_s``; medians, IQRs, mp / uni; JSON and a plot in ``--out``.
 
     .venv/bin/python -m benchmarks.start_bench --rounds 3
 """

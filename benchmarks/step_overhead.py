@@ -1,10 +1,7 @@
-"""omni-cache's own host time per decode step, engine-free: the stage manager's seam calls
-(``new_step_starts`` → ``save_outputs`` → ``materialize``) on a small fake of the runner, as
-vLLM's scheduler would drive them, with every decode step of ``--batch`` requests writing one
-row per request and key (Qwen3-Omni-30B-A3B's thinker width 2,048, bf16, the final hidden
-states and two captured layers). What it bounds: the Python bookkeeping omni-cache adds to
-each engine step (plan, slot ids, ledger, hand-off assembly) and the host tier's copies — not
-the GPU path's device copies, staging and event waits (docs/gpu.md, "Zero overhead").
+"""omni-cache's own host time per decode step, engine-free: the stage manager's seam calls on a
+fake runner, every step of ``--batch`` requests writing one row per request and key (width
+2,048, bf16, three keys). It bounds the bookkeeping omni-cache adds to an engine step and the
+host tier's copies, not the GPU path's (docs/gpu.md, "Zero overhead").
 
     .venv/bin/python -m benchmarks.step_overhead --batch 1,16 --steps 300 --rounds 5
 

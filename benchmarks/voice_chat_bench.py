@@ -2,13 +2,10 @@
 turn, with no prefix cache (``off``), omni-cache on the thinker (``thinker``), and omni-cache
 on the thinker plus the talker's content-keyed prefix cache (``thinker+talker``) (issue 15).
 
-Three streaming CPU pipelines up at once; per round one conversation per variant of
-``--turns`` speech turns (the bundled recording and a question), the variants alternating turn
-by turn. Per request: TTFP (s), the talker's prompt and hit tokens and its prefill time
-(``prefill_s`` of omni-cache's talker scheduler metrics). ``result.json``: every request, per
-variant and turn the median and min-max over rounds, the ratios and the issue's bars (turns
->= 3: talker prefill >= 4x lower with the talker cache; TTFP lower than thinker-only on every
-turn >= 2); ``voice_chat.png``. docs/benchmarks.md, "Voice chat".
+Three streaming CPU pipelines; per round one conversation of ``--turns`` speech turns per
+variant, alternating turn by turn. Per request TTFP (s), the talker's prompt / hit tokens and
+prefill time; per variant and turn median and min-max, ratios and the bars (turns >= 3: talker
+prefill >= 4x lower; TTFP below thinker-only from turn 2). docs/benchmarks.md, "Voice chat".
 
     .venv/bin/python -m benchmarks.voice_chat_bench --model-size bench-voice --turns 6 --rounds 3
 """
@@ -29,16 +26,13 @@ QUESTIONS = ["What do you hear?", "Say it again, slower.", "Which word was the l
 
 
 def _talker_record(metrics_dir: Path, request_id: str) -> dict:
-    """The talker scheduler's record of ``request_id`` (``AsyncOmni`` runs it as
-    ``<request_id>-<suffix>``), or ``{}``."""
+    """The talker scheduler's record of ``request_id`` (run as ``<request_id>-<suffix>``), or ``{}``."""
     from omni_cache.driver.talker_identity import _engine_request_id
 
     recs: dict = {}
     for p in metrics_dir.glob("talker-*.json"):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             recs.update(json.loads(p.read_text()).get("requests", {}))
-        except (OSError, ValueError):
-            pass
     rid = _engine_request_id(recs, request_id)
     return recs[rid] if rid is not None else {}
 
@@ -137,11 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                                          (axes[1], "ttfp_s", "TTFP (s)", 1.0)):
             for v, marker in zip(VARIANTS, "osD"):
                 ys = [med(v, t, metric) * scale for t in turns]
-                lo = [ys[i] - summary[v][t][metric]["min"] * scale if summary[v][t][metric] else 0
-                      for i, t in enumerate(turns)]
-                hi = [summary[v][t][metric]["max"] * scale - ys[i] if summary[v][t][metric] else 0
-                      for i, t in enumerate(turns)]
-                ax.errorbar(turns, ys, yerr=[lo, hi], marker=marker, capsize=3, label=v)
+                c = [summary[v][t][metric] for t in turns]
+                ax.errorbar(turns, ys, yerr=[[y - x["min"] * scale if x else 0 for y, x in zip(ys, c)],
+                                             [x["max"] * scale - y if x else 0 for y, x in zip(ys, c)]],
+                            marker=marker, capsize=3, label=v)
             ax.set_xlabel("turn")
             ax.set_ylabel(label)
             ax.set_ylim(bottom=0)

@@ -1,19 +1,12 @@
 """Per-modality thinker prefill and TTFP of the multimodal KV-shared (YOCO) thinker:
 {fast prefill off/on} x {omni-cache off/on}.
 
-The embedded Gemma-4-style thinker (``omni-cache make-model --family gemma4``) runs as stage 0
-of the streaming pipeline (``stage_configs/gemma4_yoco_cpu.yaml``) in the four variants of
-:data:`omni_cache.driver.variants.YOCO_VARIANTS` through the prefill benchmark's harness
-(:mod:`benchmarks.prefill.harness`), defaults :data:`DEFAULTS`; per workload the bar
-speedup(both) >= 0.9 x speedup(cache) x speedup(fast prefill) at h >= 0.9
-(:func:`benchmarks.prefill.summary.yoco_checks`). Any other ``python -m benchmarks.prefill``
-option passes through.
-
-``--paired``: the composition is (omni_cache / fast+omni_cache) / (off / fast); when the four
-pipelines do not fit side by side, each of the two ratios is measured in a run of its own pair
-(``<name>-miss``: off, fast; ``<name>-hit``: omni_cache, fast+omni_cache) and the runs are
-summarized together into ``<name>`` (:func:`combine_pairs`). docs/yoco.md and
-docs/benchmarks.md ("Multimodal KV-shared (YOCO) thinker") have the runs.
+The embedded Gemma-4-style thinker in the four variants of
+:data:`omni_cache.driver.variants.YOCO_VARIANTS` through the prefill harness, defaults
+:data:`DEFAULTS` (any other ``python -m benchmarks.prefill`` option passes through); the bar:
+:func:`benchmarks.prefill.summary.yoco_checks`. ``--paired``: where four pipelines do not fit,
+the miss pair (off, fast) and the hit pair (omni_cache, fast+omni_cache) run apart and are
+summarized together (:func:`combine_pairs`). Runs: docs/yoco.md, docs/benchmarks.md.
 
     .venv/bin/python -m benchmarks.yoco_bench              # = --requests 3 --repeats 2 --modalities text,image,audio
     .venv/bin/python -m benchmarks.yoco_bench --paired --modalities image,floor --repeats 3
@@ -44,9 +37,7 @@ def _set(argv: list[str], key: str, value: str) -> list[str]:
 
 
 def paired(argv: list[str]) -> int:
-    """Run the miss pair and the hit pair (see the module doc) and summarize them together.
-
-    Returns the harness's exit code (non-zero if either run failed or was incomplete)."""
+    """Run the miss pair and the hit pair and summarize them together; the harness's exit code."""
     from benchmarks.prefill import harness
 
     name, root = _opt(argv, "--name"), Path(_opt(argv, "--out")) if "--out" in argv else REPO / "benchmarks" / "results"

@@ -2,11 +2,8 @@
 built-in cache vs omni-cache, on the real three-stage pipeline.
 
 Each variant's pipeline runs in its own process (:mod:`benchmarks.prefill.worker`); the stage
-configs differ only in the thinker's prefix cache (:mod:`omni_cache.driver.variants`).
-Workloads: :mod:`benchmarks.prefill.workloads`; metrics and bars:
-:mod:`benchmarks.prefill.summary`; concurrency (``--concurrency``), alternation
-(``concurrent`` / ``restart`` / ``auto``, recorded under ``alternation``) and every number:
-docs/benchmarks.md, "How to run the prefill benchmark".
+configs differ only in the thinker's prefix cache (:mod:`omni_cache.driver.variants`). Options,
+alternation and every number: docs/benchmarks.md, "How to run the prefill benchmark".
 """
 
 from __future__ import annotations
@@ -49,18 +46,12 @@ class Variant:
     """A variant's worker process; ``call`` sends one JSON command and waits for its answer."""
 
     def __init__(self, name: str, model: str, cfg: Path, log: Path, *, env: dict[str, str], stream: bool = True):
-        self.name = name
-        self.log_path = log
-        self.log = open(log, "a")
+        self.name, self.log_path, self.log, self.ready, self.frozen = name, log, open(log, "a"), None, False
         cmd = [sys.executable, "-m", "benchmarks.prefill.worker", "--model", model, "--stage-config", str(cfg)]
-        if not stream:
-            cmd.append("--no-stream")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+        self.proc = subprocess.Popen(cmd + ([] if stream else ["--no-stream"]), cwd=REPO, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         self._q: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        self.ready: dict | None = None
-        self.frozen = False
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -84,20 +75,22 @@ class Variant:
         self.ready = self.read(timeout)
         return self.ready
 
-    def call(self, cmd: dict, timeout: float = 900) -> dict:
+    def send(self, cmd: dict) -> None:
         try:
             self.proc.stdin.write(json.dumps(cmd) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise WorkerDied(f"variant {self.name}: worker gone ({exc}); see {self.log_path}") from None
+
+    def call(self, cmd: dict, timeout: float = 900) -> dict:
+        self.send(cmd)
         return self.read(timeout)
 
     def run(self, batch: list[dict]) -> list[dict]:
         return self.call({"op": "run", "specs": batch}, timeout=600 + 300 * len(batch))["results"]
 
     def run_concurrent(self, batch: list[dict], concurrency: int) -> dict:
-        """``batch`` with ``concurrency`` requests in flight (the worker's ``run_concurrent``):
-        ``{"results", "wall_s", "throughput_rps", "n_requests", "n_errors", "concurrency"}``."""
+        """The worker's ``run_concurrent`` answer: ``results``, ``wall_s``, ``throughput_rps``, ..."""
         return self.call({"op": "run_concurrent", "specs": batch, "concurrency": concurrency},
                          timeout=600 + 300 * len(batch))
 
@@ -107,29 +100,27 @@ class Variant:
         return ans["mem"], ans.get("gpu") or {"gpu_bytes": None, "reason": "not reported by the worker"}
 
     def cpu_s(self) -> float:
-        """CPU seconds used so far by the worker and its stage processes."""
+        """CPU seconds (user + system) used so far by the worker and its stage processes."""
         total = 0.0
         for p in lab.process_tree(self.proc.pid):
             with contextlib.suppress(Exception):
-                total += sum(p.cpu_times()[:2])  # user + system
+                total += sum(p.cpu_times()[:2])
         return total
 
-    def freeze(self) -> None:
-        """Pause the worker and its stage processes (:func:`benchmarks.lab.pause_tree`), so
-        they do not compete with the pipeline being timed."""
-        lab.pause_tree(self.proc.pid, True)
-        self.frozen = True
+    def freeze(self, paused: bool = True) -> None:
+        """Pause (continue) the worker's process tree (:func:`benchmarks.lab.pause_tree`), so that
+        it does not compete with the pipeline being timed."""
+        lab.pause_tree(self.proc.pid, paused)
+        self.frozen = paused
 
     def thaw(self) -> None:
-        lab.pause_tree(self.proc.pid, False)
-        self.frozen = False
+        self.freeze(False)
 
     def close(self) -> None:
         if self.frozen:
             self.thaw()
         try:
-            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.proc.stdin.flush()
+            self.send({"op": "quit"})
             self.proc.wait(timeout=180)
         except Exception:
             self.proc.kill()
@@ -138,35 +129,28 @@ class Variant:
 
 
 def gpu_inventory() -> list[dict]:
-    """The host's NVIDIA GPUs from NVML (``nvidia-ml-py``): per device ``index``, ``name``,
-    ``memory_total`` / ``memory_free`` (bytes) and the ``driver`` version; ``[]`` without NVML
-    or a GPU (the CPU host). NVML, not torch: this driver process keeps torch out."""
-    try:
-        import pynvml
+    """The host's NVIDIA GPUs (NVML, not torch: this driver keeps torch out): per device ``index``,
+    ``name``, ``memory_total`` / ``memory_free`` (bytes) and ``driver``; ``[]`` on a CPU host."""
+    def text(x):
+        return x.decode() if isinstance(x, bytes) else x
 
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no NVML / no driver: a CPU host
-        return []
     try:
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            m = pynvml.nvmlDeviceGetMemoryInfo(h)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                        "memory_total": int(m.total), "memory_free": int(m.free),
-                        "driver": driver.decode() if isinstance(driver, bytes) else driver})
-        return out
-    finally:
-        pynvml.nvmlShutdown()
+        with lab.nvml() as nv:
+            out = []
+            for i in range(nv.nvmlDeviceGetCount()):
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                m = nv.nvmlDeviceGetMemoryInfo(h)
+                out.append({"index": i, "name": text(nv.nvmlDeviceGetName(h)), "memory_total": int(m.total),
+                            "memory_free": int(m.free), "driver": text(nv.nvmlSystemGetDriverVersion())})
+            return out
+    except lab.NvmlMissing:
+        return []
 
 
 def gpu_fit(one: dict | None, gpus: list[dict], others: int, margin: int) -> tuple[bool, str]:
-    """Whether ``others`` more pipelines like ``one`` (its ``gpu`` memory row:
-    ``per_device`` index → bytes) fit the free memory of each device now (``gpus`` from
-    :func:`gpu_inventory`, read with ``one`` up), with ``margin`` bytes to spare per device;
-    and why, in words."""
+    """Whether ``others`` more pipelines like ``one`` (its ``gpu`` memory row: ``per_device``
+    index → bytes) fit each device's free memory (``gpus``: :func:`gpu_inventory` with ``one``
+    up) with ``margin`` bytes to spare; and why, in words."""
     per = (one or {}).get("per_device") or {}
     if not per:
         return False, "the first pipeline's GPU memory is unknown (NVML); one pipeline at a time"
@@ -179,10 +163,6 @@ def gpu_fit(one: dict | None, gpus: list[dict], others: int, margin: int) -> tup
         lines.append(f"GPU {dev}: free {have / GiB:.1f} GiB {'≥' if have >= need else '<'} {need / GiB:.1f} GiB "
                      f"({others} more × {used / GiB:.1f} GiB + margin)")
     return ok, "; ".join(lines)
-
-
-def mem_total(rows: list[dict]) -> dict[str, int]:
-    return {k: sum(r.get(k, 0) for r in rows) for k in ("rss", "pss", "uss", "cpu_s")}
 
 
 @contextlib.contextmanager
@@ -204,12 +184,9 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def parse_variant_devices(text: str | None, variants: list[str]) -> dict[str, str]:
-    """``--variant-devices``: ``variant=devices`` pairs separated by ``;`` (e.g.
-    ``omni_cache=0;off=1;builtin=2``, or ``=0,1`` pairs for a two-GPU layout): each variant's
-    pipeline gets ``CUDA_VISIBLE_DEVICES=<devices>`` (its stage config's ``devices`` are logical
-    indices into it, vLLM-Omni's ``split_devices_for_replicas``), so variants run side by side on
-    their own cards of one host. ``None`` / empty: no variant gets its own (every pipeline sees
-    the launcher's devices).
+    """``--variant-devices``: ``variant=devices`` pairs separated by ``;`` (``omni_cache=0;off=1``,
+    ``=0,1`` for two cards): each variant's ``CUDA_VISIBLE_DEVICES`` (its stage config's
+    ``devices`` index into it). ``None`` / empty: ``{}``, every pipeline sees the launcher's.
 
     Raises:
         ValueError: a pair without ``=``, an unknown or repeated variant, a variant of ``variants``
@@ -245,68 +222,50 @@ def _rotate(xs: list, k: int) -> list:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     from omni_cache.models.qwen3 import SIZES
 
-    ap.add_argument("--modalities", default="text,image,audio,chat,miss,floor",
-                    help=f"comma-separated workloads among {','.join(WORKLOADS)}")
-    ap.add_argument("--requests", type=int, default=20,
-                    help="requests per workload per round (chat: turns); at concurrency c > 1: max(N, 2c) requests "
-                         "(chat: c conversations of N turns each)")
-    ap.add_argument("--concurrency", default="1",
-                    help="comma list of request concurrencies, e.g. 1,4,16,64 (default 1). c = 1: one request at a "
-                         "time with vLLM's per-request stage breakdown; c > 1: a closed loop with c requests in "
-                         "flight (driver-clock TTFT/TTFP/E2E and throughput; streaming only)")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds (each request of a round is new)")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="subset/order of off,builtin,omni_cache; for a KV-shared (YOCO) thinker's stage config "
-                         "(e.g. stage_configs/gemma4_yoco_cpu.yaml): off,fast,omni_cache,fast+omni_cache "
-                         "(fast prefill off/on x cache off/on; the composition bar is checked)")
-    ap.add_argument("--model", help="model directory (default: the embedded model of --size, built if missing)")
-    ap.add_argument("--size", default="bench", choices=sorted(SIZES), help="embedded model size (without --model)")
-    ap.add_argument("--image", help="image file for the image workload (default: bundled astronaut.jpg)")
-    ap.add_argument("--audio", help="audio file for the audio workload (default: bundled speech.wav)")
-    ap.add_argument("--prefix-words", type=int, default=400, help="shared document length in words (~7 tokens each)")
-    ap.add_argument("--media-doc-words", type=int, default=0, help="words of shared text after the image/audio")
-    ap.add_argument("--media-copies", type=int, default=1,
-                    help="image/audio items in the shared prefix (copy k = k-th mirror/rotation of the file)")
-    ap.add_argument("--chat-answer-tokens", type=int, default=48, help="thinker answer length per chat turn")
-    ap.add_argument("--stage-config", default=str(lab.BASE_CONFIG),
-                    help="base stage config the variants are derived from")
-    ap.add_argument("--alternation", default="auto", choices=["auto", "concurrent", "restart"])
-    ap.add_argument("--variant-devices", default=None,
-                    help="GPU host: each variant on its own cards, e.g. 'omni_cache=0;off=1;builtin=2' "
-                         "(CUDA_VISIBLE_DEVICES per pipeline); with it, auto alternation is concurrent")
-    ap.add_argument("--mem-margin-gib", type=float, default=1.5,
-                    help="auto: memory to leave free when deciding to run all pipelines at once")
-    ap.add_argument("--freeze-idle", action=argparse.BooleanOptionalAction, default=True,
-                    help="concurrent: SIGSTOP the pipelines not being timed (default on)")
-    ap.add_argument("--idle-probe-s", type=float, default=10.0,
-                    help="concurrent: seconds to measure the CPU use of idle pipelines before timing")
+    add = ap.add_argument
+    add("--modalities", default="text,image,audio,chat,miss,floor", help=f"workloads among {','.join(WORKLOADS)}")
+    add("--requests", type=int, default=20, help="requests per workload and round (chat: turns); at c > 1 "
+        "max(N, 2c) (chat: c conversations of N turns)")
+    add("--concurrency", default="1", help="comma list, e.g. 1,4,16,64: c = 1 one request at a time with vLLM's "
+        "stage breakdown; c > 1 a closed loop of c in flight (driver clock; streaming only)")
+    add("--repeats", type=int, default=3, help="rounds (each request of a round is new)")
+    add("--variants", default=",".join(VARIANTS), help="subset/order of off,builtin,omni_cache; for a KV-shared "
+        "(YOCO) thinker: off,fast,omni_cache,fast+omni_cache (the composition bar is checked)")
+    add("--model", help="model directory (default: the embedded model of --size, built if missing)")
+    add("--size", default="bench", choices=sorted(SIZES), help="embedded model size (without --model)")
+    add("--image", help="image file for the image workload (default: bundled astronaut.jpg)")
+    add("--audio", help="audio file for the audio workload (default: bundled speech.wav)")
+    add("--prefix-words", type=int, default=400, help="shared document length in words (~7 tokens each)")
+    add("--media-doc-words", type=int, default=0, help="words of shared text after the image/audio")
+    add("--media-copies", type=int, default=1, help="image/audio items in the shared prefix (mirrors/rotations)")
+    add("--chat-answer-tokens", type=int, default=48, help="thinker answer length per chat turn")
+    add("--stage-config", default=str(lab.BASE_CONFIG), help="base stage config the variants are derived from")
+    add("--alternation", default="auto", choices=["auto", "concurrent", "restart"])
+    add("--variant-devices", default=None, help="GPU host: CUDA_VISIBLE_DEVICES per variant, e.g. "
+        "'omni_cache=0;off=1;builtin=2'; auto alternation is then concurrent")
+    add("--mem-margin-gib", type=float, default=1.5, help="auto: memory to leave free with all pipelines up")
+    add("--freeze-idle", action=argparse.BooleanOptionalAction, default=True,
+        help="concurrent: SIGSTOP the pipelines not being timed (default on)")
+    add("--idle-probe-s", type=float, default=10.0, help="concurrent: seconds to measure idle pipelines' CPU use")
     for stage in ("thinker", "talker", "code2wav"):
-        ap.add_argument(f"--{stage}-kv-mib", type=int, default=None,
-                        help=f"{stage} KV cache, MiB (default: {getattr(MemorySettings, stage + '_kv_bytes') // MiB} "
-                             "on the CPU; on a GPU host the stage config's kv_cache_memory_bytes / "
-                             "gpu_memory_utilization)")
-    ap.add_argument("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs,
-                    help="max_num_seqs of every stage (default for one request at a time; under load give "
-                         ">= the largest --concurrency)")
-    ap.add_argument("--cpu-executor", default=None, choices=["uni", "mp"],
-                    help="vLLM executor of each stage (uni: worker inside the engine-core process; default uni on "
-                         "the CPU, the stage config's on a GPU host)")
-    ap.add_argument("--no-stream", action="store_true",
-                    help="measure without streaming: async_chunk false and vLLM-Omni's synchronous Omni "
-                         "(TTFP = the whole waveform); default: async_chunk true through AsyncOmni "
-                         "(TTFP = the first audio packet)")
-    ap.add_argument("--thinker-cache-only", action="store_true",
-                    help="omni-cache variants without the talker's prefix cache (compares thinker caches alone); "
-                         "default: as the stage config says (the shipped configs turn it on)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="results root; a run dir is made in it")
-    ap.add_argument("--name", help="run directory name (default: prefill-<timestamp>)")
+        add(f"--{stage}-kv-mib", type=int, default=None, help=f"{stage} KV cache, MiB (default: "
+            f"{getattr(MemorySettings, stage + '_kv_bytes') // MiB} on the CPU, the stage config's on a GPU host)")
+    add("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs,
+        help="max_num_seqs of every stage (under load give >= the largest --concurrency)")
+    add("--cpu-executor", default=None, choices=["uni", "mp"],
+        help="each stage's vLLM executor (default uni on the CPU, the stage config's on a GPU host)")
+    add("--no-stream", action="store_true", help="synchronous Omni, async_chunk false (TTFP = the whole waveform); "
+        "default AsyncOmni, async_chunk true (TTFP = the first audio packet)")
+    add("--thinker-cache-only", action="store_true", help="omni-cache variants without the talker's prefix cache "
+        "(default: as the stage config says)")
+    add("--out", default=str(REPO / "benchmarks" / "results"), help="results root; a run dir is made in it")
+    add("--name", help="run directory name (default: prefill-<timestamp>)")
 
 
 def _talker_cache(args, variant: str) -> bool:
-    """Whether ``variant`` runs the talker's content-keyed prefix cache: an omni-cache variant
-    does when the base stage config turns it on (as the shipped configs do) and
-    ``--thinker-cache-only`` is not given; ``off``, ``builtin`` and ``fast`` never do (vLLM's
-    own cache on the talker would match placeholder ids, see docs/talker-cache.md)."""
+    """Whether ``variant`` runs the talker's prefix cache: an omni-cache variant where the base
+    config turns it on, unless ``--thinker-cache-only``; never ``off`` / ``builtin`` / ``fast``
+    (vLLM's own cache on the talker would match placeholder ids: docs/talker-cache.md)."""
     if args.thinker_cache_only or "omni_cache" not in variant:
         return False
     import yaml  # the YAML alone: load_stage_config imports vLLM, which this driver keeps out
@@ -317,17 +276,12 @@ def _talker_cache(args, variant: str) -> bool:
 
 
 def _memory_settings(args, gpu_host: bool) -> MemorySettings:
-    """The variants' memory knobs: what the command gives; else on the CPU the CPU defaults
-    and on a GPU host the stage config's own (its KV sizes, its executor)."""
+    """The variants' memory knobs: what the command gives, else the CPU defaults on the CPU and
+    the stage config's own (KV sizes, executor) on a GPU host."""
     d = MemorySettings()
-
-    def kv(mib: int | None, cpu_default: int) -> int | None:
-        return mib * MiB if mib is not None else (None if gpu_host else cpu_default)
-
-    return MemorySettings(thinker_kv_bytes=kv(args.thinker_kv_mib, d.thinker_kv_bytes),
-                          talker_kv_bytes=kv(args.talker_kv_mib, d.talker_kv_bytes),
-                          code2wav_kv_bytes=kv(args.code2wav_kv_mib, d.code2wav_kv_bytes),
-                          max_num_seqs=args.max_num_seqs,
+    kv = {f"{st}_kv_bytes": mib * MiB if (mib := getattr(args, f"{st}_kv_mib")) is not None
+          else (None if gpu_host else getattr(d, f"{st}_kv_bytes")) for st in ("thinker", "talker", "code2wav")}
+    return MemorySettings(**kv, max_num_seqs=args.max_num_seqs,
                           cpu_executor=args.cpu_executor or (None if gpu_host else d.cpu_executor))
 
 
@@ -372,41 +326,35 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     stamp = lab.stamp("benchmarks.prefill", argv, gpus=gpus)
     mem = _memory_settings(args, gpu_host=bool(gpus))
     cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
-                                    talker_prefix_caching=_talker_cache(args, v))
-            for v in variants}
-    env = dict(os.environ)
+                                    talker_prefix_caching=_talker_cache(args, v)) for v in variants}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if mem.malloc_arena_max:
         env["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
-    if mem.cpu_executor == "uni":
-        # vLLM's CPU platform turns "uni" into "mp" unless engine multiprocessing is off; vLLM-Omni
-        # starts its stage processes itself, so this only keeps each stage's worker in-process.
+    if mem.cpu_executor == "uni":  # else vLLM's CPU platform turns "uni" into "mp" (a worker process per stage)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
 
     samples: dict[str, dict[str, list[dict]]] = {w: {v: [] for v in variants} for w in workloads}
     warm: dict[str, list[dict]] = {v: [] for v in variants}
-    memory: dict[str, Any] = {"samples": []}
     starts: dict[str, list[float]] = {v: [] for v in variants}
+    memory: dict[str, Any] = {"samples": []}
     alternation: dict[str, Any] = {"requested": args.alternation, **({"variant_devices": devices} if devices else {})}
-    alone = 1 in conc  # the one-at-a-time path (today's numbers and stage breakdown)
-    round_specs = {(w, r): specs(w, r, opts) if alone else [] for w in workloads for r in range(args.repeats)}
-    load_specs = {(w, r, c): specs(w, r, opts, concurrency=c) for w in workloads for r in range(args.repeats)
-                  for c in loads}
-    #: load[workload][str(c)][variant] = one batch per round (see run_load)
-    load_samples: dict[str, dict[str, dict[str, list[dict]]]] = {
-        w: {str(c): {v: [] for v in variants} for c in loads} for w in workloads}
-    total = (sum(len(s) for s in round_specs.values()) + sum(len(s) for s in load_specs.values())) * len(variants)
+    alone = 1 in conc  # the one-at-a-time path (vLLM's per-request stage breakdown)
+    rounds = range(args.repeats)
+    round_specs = {(w, r): specs(w, r, opts) if alone else [] for w in workloads for r in rounds}
+    load_specs = {(w, r, c): specs(w, r, opts, concurrency=c) for w in workloads for r in rounds for c in loads}
+    #: load_samples[workload][str(c)][variant]: one batch per round (run_load)
+    load_samples = {w: {str(c): {v: [] for v in variants} for c in loads} for w in workloads}
+    total = sum(len(s) for s in [*round_specs.values(), *load_specs.values()]) * len(variants)
     bar = tqdm(total=total, desc="requests x variants", unit="req")
+    rewarm_specs = {s["workload"]: s for s in warmup_specs(workloads, opts)}
 
     def start(v: str) -> Variant:
         bar.set_postfix_str(f"starting {v}")
         var_env = {**env, "CUDA_VISIBLE_DEVICES": devices[v]} if v in devices else env
-        var = Variant(v, model, cfgs[v], out / f"log_{v}.txt", env=var_env, stream=not args.no_stream)
-        return var
+        return Variant(v, model, cfgs[v], out / f"log_{v}.txt", env=var_env, stream=not args.no_stream)
 
     def ready_and_warm(var: Variant) -> None:
-        var.wait_ready()
-        starts[var.name].append(var.ready["start_s"])
+        starts[var.name].append(var.wait_ready()["start_s"])
         bar.set_postfix_str(f"warming {var.name}")
         warm[var.name].extend(var.run(warmup_specs(workloads, opts)))
         for c in loads:  # batch shapes of every c compiled / autotuned before timing (see load_warmup_specs)
@@ -415,43 +363,35 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             warm[var.name].extend({**row, "concurrency": c} for row in ans.pop("results"))
         sample_mem(var, "after warm-up")
 
-    rewarm_specs = {s["workload"]: s for s in warmup_specs(workloads, opts)}
-
     def sample_mem(var: Variant, when: str) -> None:
         m, gpu = var.mem()
-        memory["samples"].append({"variant": var.name, "when": when, "t": time.time(),
-                                  "total": mem_total(m), "gpu": gpu, "processes": m})
+        total = {k: sum(r.get(k, 0) for r in m) for k in ("rss", "pss", "uss", "cpu_s")}
+        memory["samples"].append({"variant": var.name, "when": when, "t": time.time(), "total": total, "gpu": gpu,
+                                  "processes": m})
 
     def run_load(var: Variant, w: str, r: int, c: int) -> None:
-        """One batch of workload ``w`` at concurrency ``c`` on ``var``, recorded under
-        ``load_samples[w][str(c)][variant]``."""
         bar.set_postfix_str(f"round {r} {w} c={c} {var.name}")
         ans = var.run_concurrent(load_specs[(w, r, c)], c)
-        rows = ans.pop("results")
-        for row in rows:
-            row["variant"] = var.name
+        rows = [{**row, "variant": var.name} for row in ans.pop("results")]
         load_samples[w][str(c)][var.name].append({**ans, "round": r, "results": rows})
         bar.update(len(rows))
 
     def rewarm(var: Variant, w: str) -> None:
-        """Untimed request of ``w`` before its timed requests: it puts ``w``'s shared prefix back
-        in the cache (another workload, e.g. ``miss``, may have evicted it from the thinker's KV)
-        and takes the first request after a pipeline was frozen or idle (on an H100 the first
-        timed request of a run took 1,056 ms TTFT, p50 31 ms: docs/benchmarks.md)."""
+        """An untimed request of ``w`` before its timed ones: puts its shared prefix back (another
+        workload may have evicted it) and takes the first request after a pipeline was frozen or
+        idle (on an H100 that one took 1,056 ms TTFT, p50 31 ms: docs/benchmarks.md)."""
         if w in ("text", "image", "audio", "floor", "miss"):
             with awake(var):
                 warm[var.name].extend(var.run([rewarm_specs[w]]))
 
     def record(v: str, rows: list[dict]) -> None:
         for row in rows:
-            row["variant"] = v
-            samples[row["workload"]][v].append(row)
+            samples[row["workload"]][v].append({**row, "variant": v})
         bar.update(len(rows))
 
     def write_result(final: bool):
-        """Summaries, bars, ``result.json`` and the plots of what is measured so far (also
-        during the run: a run stopped before its end keeps what it measured; ``complete``
-        says whether it ran to its end)."""
+        """Summaries, bars, ``result.json`` and plots of what is measured so far (``complete``:
+        whether the run reached its end)."""
         summ = {w: S.summarize_workload(samples[w]) for w in workloads}
         S.add_attainable(summ)
         if set(YOCO_VARIANTS) <= set(variants):
@@ -461,48 +401,31 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         metrics = []
         for v in variants:
             for p in sorted((out / f"metrics_{v}").glob("*.json")):
-                try:
+                with contextlib.suppress(OSError, json.JSONDecodeError):
                     metrics.append({"variant": v, "file": p.name, **json.loads(p.read_text())})
-                except (OSError, json.JSONDecodeError):
-                    pass
         load = S.summarize_load(load_samples, samples if alone else None)
         load_checks = S.load_checks(load) if "omni_cache" in variants else {}
         mem_per_variant = S.memory_per_variant(memory["samples"], metrics, variants)
+        failed = [v for v in variants if any(r.get("error") for w in workloads for r in samples[w][v])
+                  or any(r.get("error") for r in warm[v])]
         result = {
-            **stamp,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
-            "duration_s": time.time() - t_start,
-            "model": model,
+            **stamp, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
+            "duration_s": time.time() - t_start, "model": model,
             "config": {"args": vars(args), "memory_settings": mem.to_dict(), "workload_options": opts.__dict__,
                        "stage_configs": {v: cfgs[v].read_text() for v in variants}},
-            "alternation": alternation,
-            "memory": memory,
-            "memory_per_variant": mem_per_variant,
-            "pipeline_start_s": starts,
-            "metric_definitions": METRIC_DEFINITIONS,
-            "workloads": summ,
-            "bar_checks": checks,
-            "samples": samples,
-            "concurrency": conc,
-            "load": load,
-            "load_bar_checks": load_checks,
-            "load_note": load_note,
-            "load_samples": load_samples,
-            "warmup_samples": warm,
+            "alternation": alternation, "memory": memory, "memory_per_variant": mem_per_variant,
+            "pipeline_start_s": starts, "metric_definitions": METRIC_DEFINITIONS, "workloads": summ,
+            "bar_checks": checks, "samples": samples, "concurrency": conc, "load": load, "load_bar_checks": load_checks,
+            "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm,
             "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
-            "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in variants
-                                 if any(r.get("error") for rows in (samples[w][v] for w in workloads) for r in rows)
-                                 or any(r.get("error") for r in warm[v])},
-            "aborted": aborted,
-            "complete": final and not aborted,
+            "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in failed},
+            "aborted": aborted, "complete": final and not aborted,
         }
         lab.write_result(out, result)
-        png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {Path(model).name}, {alternation['mode']}, "
-                                                      f"N={args.requests} R={args.repeats}")
-        load_png = (S.plot_load(load, out / "load.png", title=f"under load, {Path(model).name}, {alternation['mode']}, "
-                                                                f"N={args.requests} R={args.repeats}")
-                    if loads else None)
+        what = f"{Path(model).name}, {alternation['mode']}, N={args.requests} R={args.repeats}"
+        png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {what}")
+        load_png = S.plot_load(load, out / "load.png", title=f"under load, {what}") if loads else None
         return summ, checks, load, load_checks, mem_per_variant, png, load_png
 
     def checkpoint() -> None:
@@ -518,40 +441,35 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         mode = args.alternation
         # the pipeline measured for the memory decision: omni-cache's (it holds the largest pool)
         variants = sorted(variants, key=lambda v: v != "omni_cache")
-        first = start(variants[0])
-        live.append(first)
-        ready_and_warm(first)
+        live.append(start(variants[0]))
+        ready_and_warm(live[0])
         one = memory["samples"][-1]["total"]
         import psutil
 
         avail = psutil.virtual_memory().available
-        need = one["pss"] * (len(variants) - 1) + int(args.mem_margin_gib * GiB)
+        margin = int(args.mem_margin_gib * GiB)
+        need = one["pss"] * (len(variants) - 1) + margin
         alternation.update({"one_pipeline_pss_bytes": one["pss"], "one_pipeline_rss_bytes": one["rss"],
                             "available_bytes_with_one_up": avail, "needed_bytes_for_others": need})
         if mode == "auto" and devices:
             mode = "concurrent"
             alternation["reason"] = f"--variant-devices: each variant on its own cards ({args.variant_devices})"
         if mode == "auto":
-            host_ok = avail >= need
-            host_why = (f"host: available {avail / GiB:.1f} GiB with one pipeline up "
-                        f"{'≥' if host_ok else '<'} {need / GiB:.1f} GiB needed "
-                        f"({len(variants) - 1} more × {one['pss'] / GiB:.2f} GiB PSS + "
-                        f"{args.mem_margin_gib} GiB margin)")
+            ok = avail >= need
+            alternation["reason"] = (f"host: available {avail / GiB:.1f} GiB with one pipeline up "
+                                     f"{'≥' if ok else '<'} {need / GiB:.1f} GiB needed ({len(variants) - 1} more × "
+                                     f"{one['pss'] / GiB:.2f} GiB PSS + {args.mem_margin_gib} GiB margin)")
             if gpus:  # a GPU host: the cards decide first (three full-size pipelines on one card do not fit)
-                gpu_ok, gpu_why = gpu_fit(memory["samples"][-1].get("gpu"), gpu_inventory(), len(variants) - 1,
-                                          int(args.mem_margin_gib * GiB))
-                mode = "concurrent" if (gpu_ok and host_ok) else "restart"
-                alternation["reason"] = f"{gpu_why}; {host_why}"
-            else:
-                mode = "concurrent" if host_ok else "restart"
-                alternation["reason"] = host_why
+                gpu_ok, gpu_why = gpu_fit(memory["samples"][-1].get("gpu"), gpu_inventory(), len(variants) - 1, margin)
+                ok, alternation["reason"] = ok and gpu_ok, f"{gpu_why}; {alternation['reason']}"
+            mode = "concurrent" if ok else "restart"
         alternation["mode"] = mode
         if mode == "concurrent":
             alternation["how"] = ("all variants up at once; each request sent to every variant in turn, "
                                   "order rotated by (round + request index)")
-            others = [start(v) for v in variants[1:]]
-            live.extend(others)
-            for var in others:
+            for v in variants[1:]:
+                live.append(start(v))
+            for var in live[1:]:
                 ready_and_warm(var)
             bar.set_postfix_str(f"idle probe {args.idle_probe_s:.0f} s")
             c0 = {var.name: var.cpu_s() for var in live}
@@ -565,7 +483,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                 for var in live:
                     var.freeze()
             cpu0 = {var.name: var.cpu_s() for var in live}
-            for r in range(args.repeats):
+            for r in rounds:
                 for w in workloads:
                     for var in live:
                         rewarm(var, w)
@@ -579,29 +497,26 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                             with awake(var):
                                 run_load(var, w, r, c)
                     checkpoint()
+            # idle pipelines must not steal CPU from the one being timed: CPU seconds each pipeline
+            # used during the timed phase vs the wall time of its own requests
+            cpu = alternation["cpu_during_timed_phase"] = {}
             for var in live:
                 if var.frozen:
                     var.thaw()
                 sample_mem(var, "end")
-            # idle pipelines must not steal CPU from the one being timed: CPU seconds each
-            # pipeline used during the timed phase vs the wall time of its own requests
-            cpu = {}
-            for var in live:
                 busy = (sum(r.get("e2e_ms") or 0 for w in workloads for r in samples[w][var.name]) / 1000
                         + sum(b.get("wall_s") or 0 for w in workloads for by_c in load_samples[w].values()
                               for b in by_c[var.name]))
                 cpu[var.name] = {"cpu_s": var.cpu_s() - cpu0[var.name], "own_requests_wall_s": busy}
-            alternation["cpu_during_timed_phase"] = cpu
         else:
             alternation["how"] = ("one pipeline at a time, restarted every round; variant order rotated "
                                   "per round; all workloads of a round run on one pipeline before the next")
-            for r in range(args.repeats):
+            for r in rounds:
                 for k, v in enumerate(_rotate(variants, r)):
-                    var = live[0] if (r == 0 and k == 0) else None
-                    if var is None:
-                        var = start(v)
-                        live.append(var)
-                        ready_and_warm(var)
+                    if not (r == 0 and k == 0):
+                        live.append(start(v))
+                        ready_and_warm(live[-1])
+                    var = live[-1]
                     for w in workloads:
                         bar.set_postfix_str(f"round {r} {w} {v}")
                         rewarm(var, w)
@@ -614,7 +529,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                     live.remove(var)
                     checkpoint()
         alternation["variant_order_per_round"] = (
-            [",".join(_rotate(variants, r)) for r in range(args.repeats)] if mode == "restart"
+            [",".join(_rotate(variants, r)) for r in rounds] if mode == "restart"
             else "per request: variants rotated by (round + request index); under load (c > 1) one batch per "
                  "variant, variants rotated by (round + index of c in --concurrency)")
     except WorkerDied as exc:  # keep what was measured; the JSON and the exit code say it is partial
@@ -631,55 +546,50 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if alone:
         print(S.format_table(summ, checks))
     if loads:
-        print()
-        print(S.format_load_table(load, load_checks))
-    print()
-    print(S.format_memory(mem_per_variant))
+        print("\n" + S.format_load_table(load, load_checks))
+    print("\n" + S.format_memory(mem_per_variant))
     print(f"\nalternation: {alternation['mode']} ({alternation.get('reason', 'requested')})")
     if "one_pipeline_pss_bytes" in alternation:
         print(f"one pipeline after warm-up: PSS {alternation['one_pipeline_pss_bytes'] / GiB:.2f} GiB, "
               f"RSS {alternation['one_pipeline_rss_bytes'] / GiB:.2f} GiB")
     if alternation.get("idle_cpu_cores"):
-        print("idle pipeline CPU (cores): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
+        print("idle pipeline CPU (cores): " + ", ".join(
+              f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
               + ("; frozen while others are timed" if alternation.get("freeze_idle") else ""))
     print(f"wrote {out / 'result.json'} and {png}" + (f" and {load_png}" if load_png else ""))
     if aborted:
         print(f"INCOMPLETE RUN: {aborted}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if aborted else 0
 
 
 METRIC_DEFINITIONS = {
-    "prefill_ms": "thinker prefill time of the request: vLLM's per-request prefill time (first-token timestamp "
-                  "minus scheduled timestamp, both from the thinker's engine core), read as the change of "
-                  "vllm:request_prefill_time_seconds{stage=0}_sum across the request (requests are sent one at a time)",
-    "ttft_ms": "driver clock: generate() called -> first thinker output with a text token received "
-               "(thinker streamed with output_kind=DELTA)",
+    "prefill_ms": "thinker prefill time of the request: vLLM's per-request prefill time (first-token timestamp minus "
+        "scheduled timestamp, both from the thinker's engine core), read as the change of "
+        "vllm:request_prefill_time_seconds{stage=0}_sum across the request (requests are sent one at a time)",
+    "ttft_ms": "driver clock: generate() called -> first thinker output with a text token received (thinker streamed "
+        "with output_kind=DELTA)",
     "vllm_ttft_ms": "vLLM-Omni stage-0 vllm_ttft_ms: arrival at the thinker -> first token (orchestrator clock)",
-    "ttfp_ms": "driver clock: generate() called -> first code2wav output with audio samples received: the first "
-               "audio packet when streaming (AsyncOmni, async_chunk true); the whole waveform with --no-stream "
-               "(synchronous Omni, async_chunk false: code2wav emits it at once)",
+    "ttfp_ms": "driver clock: generate() called -> first code2wav output with audio samples received: the first audio "
+        "packet when streaming (AsyncOmni, async_chunk true); the whole waveform with --no-stream (synchronous Omni, "
+        "async_chunk false: code2wav emits it at once)",
     "talker_prefill_ms": "talker prefill: change of vllm:request_prefill_time_seconds{stage=1}_sum across the request",
     "talker_hit_tokens": "talker prefix-hit tokens of the request (omni-cache's talker identity hook); None: the "
-                         "variant's talker runs without prefix caching, or not streaming",
+        "variant's talker runs without prefix caching, or not streaming",
     "talker_decode_ms": "talker decode steps after its first codec frame (the rest of the first codec chunk: the "
-                        "talker's max_tokens is the first chunk's frame count): "
-                        "vllm:request_decode_time_seconds{stage=1}",
+        "talker's max_tokens is the first chunk's frame count): vllm:request_decode_time_seconds{stage=1}",
     "code2wav_ms": "code2wav scheduled -> finished: vllm:request_inference_time_seconds{stage=2}",
-    "handoff_ms": "ttfp_ms - ttft_ms - talker_prefill_ms - talker_decode_ms - code2wav_ms: "
-                  "hand-off, transfer and orchestration time (median of per-request values)",
+    "handoff_ms": "ttfp_ms - ttft_ms - talker_prefill_ms - talker_decode_ms - code2wav_ms: hand-off, transfer and "
+        "orchestration time (median of per-request values)",
     "e2e_ms": "driver clock: generate() called -> last output of the request",
-    "load": "concurrency c > 1: a closed loop with c requests in flight per variant and batch; per request only "
-            "the driver-clock ttft_ms / ttfp_ms / e2e_ms, hit ratio, tokens and audio counts (vLLM's histogram sums "
-            "are per engine, so prefill_ms and TTFP's parts are None under load); c = 1 is taken from the "
-            "one-at-a-time samples",
-    "throughput_rps": "requests finished without error per second of a batch's wall time (first request sent -> "
-                      "last output, driver clock); median over rounds. c = 1: requests / sum of their e2e_ms",
+    "load": "concurrency c > 1: a closed loop with c requests in flight per variant and batch; per request only the "
+        "driver-clock ttft_ms / ttfp_ms / e2e_ms, hit ratio, tokens and audio counts (vLLM's histogram sums are per "
+        "engine, so prefill_ms and TTFP's parts are None under load); c = 1 is taken from the one-at-a-time samples",
+    "throughput_rps": "requests finished without error per second of a batch's wall time (first request sent -> last "
+        "output, driver clock); median over rounds. c = 1: requests / sum of their e2e_ms",
     "p95": "95th percentile, linear interpolation between order statistics (numpy's default, lab.describe)",
     "gpu_bytes": "GPU memory used by the variant's process tree (NVML per-process used memory), bytes",
     "omni_cache_pinned_host_bytes": "bytes of omni-cache's hidden-state pools in pinned host memory "
-                                    "(pool_pinned_bytes of its metrics files)",
+        "(pool_pinned_bytes of its metrics files)",
     "stage_0_gen_ms": "vLLM-Omni: request submitted to the thinker -> thinker finished (prefill + decode steps)",
     "hit_ratio": "h = num_cached_tokens / num_prompt_tokens of the thinker (vLLM prefix hit)",
     "computed_tokens": "thinker prompt tokens computed (vllm:request_prefill_kv_computed_tokens)",
@@ -689,8 +599,8 @@ METRIC_DEFINITIONS = {
     "ideal_speedup": "1 / (1 - h), h the variant's median hit ratio",
     "fraction_of_ideal": "speedup_vs_off / ideal_speedup",
     "attainable_speedup": "median prefill_ms of the workload on cache off / median prefill_ms of workload 'floor' "
-                          "(the hit's suffix alone, no prefix) on cache off: the speedup of a prefix cache whose hit "
-                          "costs a prefill of the uncached suffix alone",
+        "(the hit's suffix alone, no prefix) on cache off: the speedup of a prefix cache whose hit costs a prefill of "
+        "the uncached suffix alone",
     "fraction_of_attainable": "speedup_vs_off / attainable_speedup",
 }
 

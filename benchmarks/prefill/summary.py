@@ -1,10 +1,7 @@
-"""Summaries, bar checks, table and plot of prefill-benchmark samples (no engine needed).
+"""Summaries, bar checks, tables and plots of prefill-benchmark samples (no engine needed).
 
-A sample (one request on one variant) is a dict with at least ``prefill_ms``,
-``num_prompt_tokens``, ``num_cached_tokens``, ``round``, ``index`` and ``measure``; optional
-``ttft_ms``, ``ttfp_ms``, ``e2e_ms``, ``stage_0_gen_ms``, ``computed_tokens``, ``error`` and
-TTFP's parts (``talker_prefill_ms``, ``talker_decode_ms``, ``code2wav_ms``;
-``handoff_ms`` is derived here). Samples with ``measure: false`` (warm-up, chat turn 1) or an
+A sample (one request on one variant) is a row of :mod:`benchmarks.prefill.worker` (times in ms);
+``handoff_ms`` is derived here. Samples with ``measure: false`` (warm-up, chat turn 1) or an
 ``error`` are not summarized.
 """
 
@@ -35,14 +32,11 @@ TTFP_BAR_WORKLOADS = ("text", "chat")
 
 
 def metric(row: dict, name: str) -> float | None:
-    """``row[name]``; ``handoff_ms`` is derived: TTFP minus its measured parts (None if any is
-    missing)."""
+    """``row[name]``; ``handoff_ms``: TTFP minus its measured parts (None if any is missing)."""
     if name != "handoff_ms":
         return row.get(name)
     parts = [row.get(k) for k in ("ttfp_ms",) + TTFP_PARTS]
-    if any(x is None for x in parts):
-        return None
-    return parts[0] - sum(parts[1:])
+    return None if None in parts else parts[0] - sum(parts[1:])
 
 
 def describe(xs: list[float | None]) -> dict[str, float] | None:
@@ -56,9 +50,8 @@ def describe(xs: list[float | None]) -> dict[str, float] | None:
 
 def bootstrap_median_ci(xs: list[float], level: float = 0.95, resamples: int = 4000,
                         seed: int = 0) -> list[float] | None:
-    """Percentile-bootstrap confidence interval ``[lo, hi]`` of the median of ``xs`` (Efron &
-    Tibshirani, *An Introduction to the Bootstrap*, 1993, ch. 13); seeded, so a result file
-    is reproducible. None for fewer than 3 values."""
+    """Seeded percentile-bootstrap confidence interval ``[lo, hi]`` of the median of ``xs`` (Efron
+    & Tibshirani 1993, ch. 13); None for fewer than 3 values."""
     import random
 
     if len(xs) < 3:
@@ -78,14 +71,21 @@ def valid(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("measure", True) and not r.get("error") and r.get("prefill_ms") is not None]
 
 
-def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off") -> dict[str, dict[str, Any]]:
-    """Per variant: statistics of every metric, hit ratio, tokens, speedups vs ``reference``.
+def _hit_ratio(rows: list[dict], empty: float | None) -> float | None:
+    """Median of cached / prompt tokens of the thinker over ``rows`` (``empty`` without one)."""
+    hs = [r["num_cached_tokens"] / r["num_prompt_tokens"] for r in rows if r.get("num_prompt_tokens")]
+    return statistics.median(hs) if hs else empty
 
-    ``speedup_vs_off`` = median prefill of ``reference`` / median prefill of the variant;
-    ``speedup_paired`` = median over requests (same round and index) of the per-request ratio
-    (robust to drift between rounds), ``speedup_paired_ci95`` its 95 % bootstrap interval;
-    ``fraction_of_ideal`` = speedup / (1/(1−h)) with h the median hit ratio h = cached /
-    prompt tokens of the variant.
+
+def _rounds(rows: list[dict]) -> list:
+    return sorted({r.get("round") for r in rows}, key=lambda x: (x is None, x))
+
+
+def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off") -> dict[str, dict[str, Any]]:
+    """Per variant: statistics of every metric and of the tokens, hit ratio h (median of cached /
+    prompt tokens), ``speedup_vs_off`` (median prefill of ``reference`` / the variant's),
+    ``speedup_paired`` (median of per-request ratios, same round and index: robust to drift) with
+    its 95 % bootstrap interval ``speedup_paired_ci95``, ``fraction_of_ideal`` (speedup / (1/(1−h))).
     """
     out: dict[str, dict[str, Any]] = {}
     for v, rows in by_variant.items():
@@ -93,12 +93,10 @@ def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off"
         s: dict[str, Any] = {"n": len(ok), "n_errors": sum(1 for r in rows if r.get("error"))}
         for m in METRICS:
             s[m] = describe([metric(r, m) for r in ok])
-        hs = [r["num_cached_tokens"] / r["num_prompt_tokens"] for r in ok if r.get("num_prompt_tokens")]
-        s["hit_ratio"] = statistics.median(hs) if hs else 0.0
-        s["num_prompt_tokens"] = describe([r.get("num_prompt_tokens") for r in ok])
-        s["num_cached_tokens"] = describe([r.get("num_cached_tokens") for r in ok])
-        s["computed_tokens"] = describe([r.get("computed_tokens") for r in ok])
-        rounds = sorted({r.get("round") for r in ok}, key=lambda x: (x is None, x))
+        s["hit_ratio"] = _hit_ratio(ok, 0.0)
+        for m in ("num_prompt_tokens", "num_cached_tokens", "computed_tokens"):
+            s[m] = describe([r.get(m) for r in ok])
+        rounds = _rounds(ok)
         s["prefill_ms_per_round"] = {str(k): statistics.median(r["prefill_ms"] for r in ok if r.get("round") == k)
                                      for k in rounds}
         out[v] = s
@@ -129,17 +127,14 @@ FLOOR_BOUNDS = ("text", "image", "audio", "chat")
 
 
 def add_attainable(workloads: dict[str, dict[str, dict[str, Any]]], reference: str = "off") -> None:
-    """Add, in place, to every cache variant of the shared-prefix workloads: ``attainable_speedup``
-    = median prefill on ``reference`` / that of the ``floor`` workload on ``reference`` (a hit
-    that costs a prefill of the suffix alone), ``fraction_of_attainable`` = ``speedup_vs_off`` /
-    it, ``floor_ms``, ``floor_prompt_tokens``, ``floor_ttfp_ms`` (the attainable TTFP) and
-    ``ttfp_over_floor``. Nothing without a floor measured on ``reference``."""
+    """Add in place to every cache variant of the shared-prefix workloads: ``attainable_speedup``
+    (median prefill on ``reference`` / the ``floor`` workload's there: a hit that costs a prefill
+    of the suffix alone), ``fraction_of_attainable``, ``floor_ms``, ``floor_prompt_tokens``,
+    ``floor_ttfp_ms`` (the attainable TTFP) and ``ttfp_over_floor``. Nothing without that floor."""
     floor = (workloads.get("floor") or {}).get(reference)
     if not floor or not floor.get("prefill_ms"):
         return
-    f_ms = floor["prefill_ms"]["median"]
-    f_tok = (floor.get("num_prompt_tokens") or {}).get("median")
-    f_ttfp = (floor.get("ttfp_ms") or {}).get("median")
+    f_ms, f_tok, f_ttfp = (_stat(floor, m, "median") for m in ("prefill_ms", "num_prompt_tokens", "ttfp_ms"))
     for w in FLOOR_BOUNDS:
         summ = workloads.get(w) or {}
         ref = (summ.get(reference) or {}).get("prefill_ms")
@@ -149,15 +144,10 @@ def add_attainable(workloads: dict[str, dict[str, dict[str, Any]]], reference: s
         for v, s in summ.items():
             if v == reference:
                 continue
-            s["floor_ms"], s["floor_prompt_tokens"] = f_ms, f_tok
-            s["attainable_speedup"] = attainable
-            sp = s.get("speedup_vs_off")
-            s["fraction_of_attainable"] = sp / attainable if sp else None
-            # the attainable TTFP: a request whose prefix is fully cached costs at least the
-            # floor's TTFP (its suffix alone through all three stages)
-            ttfp = (s.get("ttfp_ms") or {}).get("median")
-            s["floor_ttfp_ms"] = f_ttfp
-            s["ttfp_over_floor"] = ttfp / f_ttfp if ttfp and f_ttfp else None
+            sp, ttfp = s.get("speedup_vs_off"), _stat(s, "ttfp_ms", "median")
+            s.update(floor_ms=f_ms, floor_prompt_tokens=f_tok, attainable_speedup=attainable,
+                     fraction_of_attainable=sp / attainable if sp else None, floor_ttfp_ms=f_ttfp,
+                     ttfp_over_floor=_ratio(ttfp, f_ttfp))
 
 
 def bar_target(h: float) -> float:
@@ -170,13 +160,10 @@ def bar_target(h: float) -> float:
 
 
 def bar_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str = "omni_cache") -> list[dict[str, Any]]:
-    """The bars of one workload for ``variant``: a list of ``{check, value, target, passed}``.
-
-    ``miss``: prefill median ≤ (1 + 2 %) × cache off. Other workloads: speedup vs off ≥
-    :func:`bar_target` (h) and prefill median ≤ (1 + 2 %) × builtin's. With TTFP measured
-    (:func:`ttfp_checks`) the streaming bars follow. A missing variant or metric gives
-    ``passed: None`` (reported as n/a, never as PASS).
-    """
+    """The bars of one workload for ``variant``, each ``{check, value, target, passed}``: ``miss``:
+    prefill median ≤ 1.02 × off's; others: speedup vs off ≥ :func:`bar_target` (h) and prefill
+    median ≤ 1.02 × builtin's; then :func:`ttfp_checks`. ``passed`` None (n/a, never PASS) where a
+    variant or metric is missing."""
     return _prefill_checks(workload, summ, variant) + ttfp_checks(workload, summ, variant)
 
 
@@ -184,29 +171,24 @@ def ttfp_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str = "
     """The streaming bars on the median time to the first audio packet (issue 14):
     ``miss``: TTFP ≤ (1 + 2 %) × off's; text and chat at h ≥ 0.95: off / variant ≥ 5; every
     shared-prefix workload: TTFP ≤ (1 + 2 %) × builtin's. Empty when no variant has a TTFP."""
-    s, off, bi = summ.get(variant), summ.get("off"), summ.get("builtin")
-
-    def med(x):
-        return (x.get("ttfp_ms") or {}).get("median") if x else None
-
-    if workload == "floor" or med(s) is None:
+    s, off, bi = (_stat(summ.get(v), "ttfp_ms", "median") for v in (variant, "off", "builtin"))
+    if workload == "floor" or s is None:
         return []
-    a = med(s)
     if workload == "miss":
-        return [_at_most(f"miss TTFP: {variant} / off", _ratio(a, med(off)), 1 + MISS_TOLERANCE)]
+        return [_at_most(f"miss TTFP: {variant} / off", _ratio(s, off), 1 + MISS_TOLERANCE)]
     out = []
-    h = s.get("hit_ratio")
+    h = summ[variant].get("hit_ratio")
     if workload in TTFP_BAR_WORKLOADS and h is not None and h >= HIGH_HIT:
-        out.append(_check(f"TTFP speedup vs off ≥ {TTFP_SPEEDUP:g} (h={h:.3f})", _ratio(med(off), a), TTFP_SPEEDUP,
+        out.append(_check(f"TTFP speedup vs off ≥ {TTFP_SPEEDUP:g} (h={h:.3f})", _ratio(off, s), TTFP_SPEEDUP,
                           lambda x: x >= TTFP_SPEEDUP))
-    return [*out, _at_most(f"TTFP: {variant} / builtin", _ratio(a, med(bi)), 1 + BUILTIN_TOLERANCE)]
+    return [*out, _at_most(f"TTFP: {variant} / builtin", _ratio(s, bi), 1 + BUILTIN_TOLERANCE)]
 
 
 def _prefill_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str) -> list[dict[str, Any]]:
     s, off, bi = summ.get(variant), summ.get("off"), summ.get("builtin")
 
     def med(x):
-        return x["prefill_ms"]["median"] if x and x.get("prefill_ms") else None
+        return _stat(x, "prefill_ms", "median")
 
     if workload == "floor":
         return []  # a reference measurement, no bar
@@ -224,6 +206,10 @@ def _prefill_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str
             _at_most(f"{variant} / builtin", _ratio(med(s), med(bi)), 1 + BUILTIN_TOLERANCE)]
 
 
+def _stat(s: dict | None, metric: str, key: str) -> float | None:
+    return ((s or {}).get(metric) or {}).get(key)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
@@ -232,21 +218,17 @@ def _check(name: str, value: float | None, target: float, ok) -> dict[str, Any]:
     return {"check": name, "value": value, "target": target, "passed": None if value is None else bool(ok(value))}
 
 
-def _at_most(name: str, value: float | None, target: float) -> dict[str, Any]:
-    """The check ``name: value ≤ target`` (``passed`` None without a value)."""
-    return _check(f"{name} ≤ {target:.2f}", value, target, lambda x: x <= target)
+def _at_most(name: str, value: float | None, target: float, note: str = "") -> dict[str, Any]:
+    """The check ``name ≤ target`` (``passed`` None without a value)."""
+    return _check(f"{name} ≤ {target:.2f}{note}", value, target, lambda x: x <= target)
 
 
 def _check_lines(checks: dict[str, list[dict]]) -> list[str]:
     """One PASS / FAIL / n/a line per bar check (``checks``: per workload)."""
-    lines = []
-    for w, cs in checks.items():
-        for c in cs:
-            ci = c.get("paired_ratio_ci95")
-            lines.append(f"  {({True: 'PASS', False: 'FAIL', None: 'n/a '})[c['passed']]}  {w:6} {c['check']}: value "
-                         f"{lab.fmt(c['value'], '.3f')} (target {lab.fmt(c['target'], '.3f')})"
-                         + (f"; paired per-request ratio 95% CI [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""))
-    return lines
+    return [f"  {({True: 'PASS', False: 'FAIL', None: 'n/a '})[c['passed']]}  {w:6} {c['check']}: value "
+            f"{lab.fmt(c['value'], '.3f')} (target {lab.fmt(c['target'], '.3f')})"
+            + (f"; paired per-request ratio 95% CI [{ci[0]:.3f}, {ci[1]:.3f}]" if (ci := c.get("paired_ratio_ci95"))
+               else "") for w, cs in checks.items() for c in cs]
 
 
 #: the composition bar of a KV-shared thinker (issue 16): at h >= YOCO_MIN_HIT,
@@ -256,14 +238,11 @@ YOCO_COMPOSE = 0.9
 
 
 def yoco_checks(workload: str, summ: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Whether fast prefill and the cache compose on a KV-shared thinker, for one workload of
-    a run with the variants ``off`` (slow path), ``fast``, ``omni_cache`` and
-    ``fast+omni_cache`` (:data:`omni_cache.driver.variants.YOCO_VARIANTS`): speedups vs off of
-    the median thinker prefill (and of the median TTFP, reported, no bar); the bar
-    ``both / (fast x cache) >= 0.9``, applied where the cache's median hit ratio is >= 0.9
-    (``passed: None`` below that or when a variant is missing)."""
-    sp = {v: (summ.get(v) or {}).get("speedup_vs_off") for v in ("fast", "omni_cache", "fast+omni_cache")}
-    tt = {v: (summ.get(v) or {}).get("ttfp_ms_speedup_vs_off") for v in ("fast", "omni_cache", "fast+omni_cache")}
+    """Whether fast prefill and the cache compose on a KV-shared thinker (one workload; variants
+    :data:`omni_cache.driver.variants.YOCO_VARIANTS`): prefill speedups vs off (TTFP's reported)
+    and the bar both / (fast x cache) >= 0.9 where the cache's h >= 0.9 (else ``passed`` None)."""
+    three = ("fast", "omni_cache", "fast+omni_cache")
+    sp, tt = ({v: (summ.get(v) or {}).get(k) for v in three} for k in ("speedup_vs_off", "ttfp_ms_speedup_vs_off"))
     h = (summ.get("omni_cache") or {}).get("hit_ratio")
     ok = all(sp.values())
     ratio = sp["fast+omni_cache"] / (sp["fast"] * sp["omni_cache"]) if ok else None
@@ -319,11 +298,9 @@ PART_COLORS = {"ttft_ms": "#4c72b0", "talker_prefill_ms": "#dd8452", "talker_dec
 
 
 def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, title: str = "") -> Path:
-    """One panel per workload: median thinker prefill time per variant (bar, p25–p75 error bar);
-    a dashed line marks the ideal for each cache variant (off median / (1/(1−h))). When TTFP
-    was measured, a second row beside it: per variant the medians of TTFP's parts stacked
-    (TTFT, talker prefill, talker decode, code2wav, hand-off), a black tick at the
-    median TTFP and a dotted line at the floor's TTFP (the attainable). PNG."""
+    """A PNG, one panel per workload: median thinker prefill per variant (p25–p75 error bars),
+    dashed the ideal (off / (1/(1−h))); with TTFP a second row: its parts' medians stacked, a
+    black tick at the median TTFP, dotted the floor's TTFP."""
     names = list(workloads)
     with_ttfp = any(_stat(s, "ttfp_ms", "median") for summ in workloads.values() for s in summ.values())
     nrows, ncols = 2 if with_ttfp else 1, max(len(names), 1)
@@ -412,11 +389,10 @@ LOAD_TOLERANCE = BUILTIN_TOLERANCE
 
 
 def one_at_a_time_batches(rows: list[dict]) -> list[dict]:
-    """The c = 1 samples (one request at a time) as one batch per round, so they sit on the
-    same axes as the load batches: ``wall_s`` = the sum of the round's e2e times (s) and
-    ``throughput_rps`` = its requests without error / ``wall_s``."""
+    """The c = 1 samples as one batch per round, on the load batches' axes: ``wall_s`` = the sum
+    of the round's e2e times (s), ``throughput_rps`` = its requests without error / ``wall_s``."""
     out = []
-    for r in sorted({x.get("round") for x in rows}, key=lambda x: (x is None, x)):
+    for r in _rounds(rows):
         rs = [x for x in rows if x.get("round") == r]
         ok = [x for x in rs if not x.get("error") and x.get("e2e_ms") is not None]
         wall = sum(x["e2e_ms"] for x in ok) / 1000.0
@@ -427,18 +403,15 @@ def one_at_a_time_batches(rows: list[dict]) -> list[dict]:
 
 
 def summarize_batches(batches: list[dict]) -> dict[str, Any]:
-    """One variant at one concurrency: ``ttft_ms`` / ``ttfp_ms`` / ``e2e_ms`` statistics
-    (:func:`describe`: median = p50, p95, p25, p75, n; ms) over the timed requests
-    (``measure`` true, no error) of all batches; ``throughput_rps`` = ``{"median": requests/s
-    over rounds, "per_round": [...]}``; ``hit_ratio`` = median of cached / prompt tokens of
-    the thinker; ``n_errors``; ``wall_s`` per round (s)."""
+    """One variant at one concurrency: :func:`describe` of ``ttft_ms`` / ``ttfp_ms`` / ``e2e_ms``
+    over the timed requests of all batches; ``throughput_rps`` ``{"median" over rounds,
+    "per_round"}`` (requests/s); ``hit_ratio``; ``n_errors``; ``wall_s`` per round."""
     rows = [r for b in batches for r in b.get("results", [])]
     ok = [r for r in rows if r.get("measure", True) and not r.get("error")]
     s: dict[str, Any] = {"n": len(ok), "n_requests": len(rows), "n_errors": sum(1 for r in rows if r.get("error"))}
     for m in LOAD_METRICS:
         s[m] = describe([r.get(m) for r in ok])
-    hs = [r["num_cached_tokens"] / r["num_prompt_tokens"] for r in ok if r.get("num_prompt_tokens")]
-    s["hit_ratio"] = statistics.median(hs) if hs else None
+    s["hit_ratio"] = _hit_ratio(ok, None)
     tps = [b["throughput_rps"] for b in batches if b.get("throughput_rps") is not None]
     s["throughput_rps"] = {"median": statistics.median(tps) if tps else None, "per_round": tps}
     s["wall_s"] = [b.get("wall_s") for b in batches]
@@ -448,9 +421,8 @@ def summarize_batches(batches: list[dict]) -> dict[str, Any]:
 
 def summarize_load(load_samples: dict[str, dict[str, dict[str, list[dict]]]],
                    one_at_a_time: dict[str, dict[str, list[dict]]] | None = None) -> dict[str, Any]:
-    """``load[workload][str(c)][variant]`` = :func:`summarize_batches` of that variant's
-    batches at concurrency c; with ``one_at_a_time`` (the c = 1 samples, ``[workload][variant]``)
-    also c = "1" (:func:`one_at_a_time_batches`). Concurrencies sorted ascending."""
+    """``[workload][str(c)][variant]``: :func:`summarize_batches` at each concurrency c (ascending);
+    with ``one_at_a_time`` (c = 1 samples, ``[workload][variant]``) also c = "1"."""
     out: dict[str, Any] = {}
     for w in dict.fromkeys(list(one_at_a_time or {}) + list(load_samples)):
         by_c: dict[str, dict[str, list[dict]]] = {}
@@ -461,16 +433,10 @@ def summarize_load(load_samples: dict[str, dict[str, dict[str, list[dict]]]],
     return out
 
 
-def _stat(s: dict | None, metric: str, key: str) -> float | None:
-    return ((s or {}).get(metric) or {}).get(key)
-
-
 def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, list[dict[str, Any]]]:
-    """The load bars for ``variant`` at the concurrencies that were run (the constants above;
-    ``passed`` None = n/a: a variant, a sample or the precondition missing, never a pass
-    without samples): ``chat`` at c = 4 where h ≥ 0.9, TTFP p50 / the floor's (``floor`` on
-    cache off at c = 4) and / the built-in's; every workload but ``floor`` at c = 64,
-    throughput / cache off's and TTFP p95 / the built-in's."""
+    """The load bars for ``variant`` (the constants above; ``passed`` None = n/a, never a pass
+    without samples): ``chat`` at c = 4 where h ≥ 0.9, TTFP p50 / the floor's (cache off) and /
+    the built-in's; every workload but ``floor`` at c = 64, throughput / off's, TTFP p95 / builtin's."""
     out: dict[str, list[dict[str, Any]]] = {}
     chat = (load.get("chat") or {}).get(str(LOAD_CHAT_C))
     if chat is not None:
@@ -484,11 +450,9 @@ def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, 
         note = "" if applies else f" (applies at h ≥ {LOAD_CHAT_MIN_HIT})"
         out["chat"] = [
             _check(f"c={LOAD_CHAT_C} TTFP p50: {variant} / floor ≤ {LOAD_FLOOR_FACTOR} ({hs}){note}",
-                   a / floor if a is not None and floor else None, LOAD_FLOOR_FACTOR,
-                   lambda x: x <= LOAD_FLOOR_FACTOR),
-            _check(f"c={LOAD_CHAT_C} TTFP p50: {variant} / builtin ≤ {1 + LOAD_TOLERANCE:.2f} ({hs}){note}",
-                   a / builtin if a is not None and builtin else None, 1 + LOAD_TOLERANCE,
-                   lambda x: x <= 1 + LOAD_TOLERANCE)]
+                   a / floor if a is not None and floor else None, LOAD_FLOOR_FACTOR, lambda x: x <= LOAD_FLOOR_FACTOR),
+            _at_most(f"c={LOAD_CHAT_C} TTFP p50: {variant} / builtin",
+                     a / builtin if a is not None and builtin else None, 1 + LOAD_TOLERANCE, f" ({hs}){note}")]
     for w, by_c in load.items():
         at = by_c.get(str(LOAD_HIGH_C))
         if w == "floor" or at is None:
@@ -502,9 +466,8 @@ def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, 
             _check(f"c={LOAD_HIGH_C} throughput: {variant} / off ≥ {1 - LOAD_TOLERANCE:.2f}",
                    tp / tp_off if tp is not None and tp_off else None, 1 - LOAD_TOLERANCE,
                    lambda x: x >= 1 - LOAD_TOLERANCE),
-            _check(f"c={LOAD_HIGH_C} TTFP p95: {variant} / builtin ≤ {1 + LOAD_TOLERANCE:.2f}",
-                   p95 / p95_bi if p95 is not None and p95_bi else None, 1 + LOAD_TOLERANCE,
-                   lambda x: x <= 1 + LOAD_TOLERANCE)])
+            _at_most(f"c={LOAD_HIGH_C} TTFP p95: {variant} / builtin", p95 / p95_bi if p95 is not None and p95_bi
+                     else None, 1 + LOAD_TOLERANCE)])
     return out
 
 
@@ -529,9 +492,8 @@ def format_load_table(load: dict[str, Any], checks: dict[str, list[dict]]) -> st
 
 
 def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
-    """One column per workload: top, TTFP p50 (solid) and p95 (dashed) vs concurrency per
-    variant (TTFT where no variant has a TTFP); bottom, throughput (requests/s, median over
-    rounds) vs concurrency. Log-scaled concurrency axis. PNG."""
+    """A PNG, one column per workload: TTFP (else TTFT) p50 solid and p95 dashed, and throughput
+    (requests/s, median over rounds), against concurrency (log axis) per variant."""
     names = list(load) or [""]
     with lab.figure(Path(path), 2, len(names), figsize=(3.4 * len(names), 6.4), squeeze=False, title=title,
                     title_size=9) as (fig, axes):
@@ -572,27 +534,24 @@ def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
 # ---- memory per variant ----------------------------------------------------------------------
 
 def memory_per_variant(samples: list[dict], omni_metrics: list[dict], variants: list[str]) -> dict[str, Any]:
-    """Per variant, from its last memory sample (``samples``: the harness's ``memory.samples``)
-    and omni-cache's metrics files (``omni_metrics``: rows with ``variant``), in bytes: the
-    process tree's ``pss_bytes`` / ``rss_bytes``, its ``gpu_bytes`` (NVML; None with
-    ``gpu_reason``), omni-cache's pools ``omni_cache_pool_bytes`` and their pinned part
-    ``omni_cache_pinned_host_bytes`` (None with ``pinned_reason`` where no metrics file reports
-    them). docs/benchmarks.md, "Memory per variant", says what is not counted."""
+    """Per variant, in bytes, from its last memory sample (``samples``: the harness's) and
+    omni-cache's metrics files (``omni_metrics``, rows with ``variant``): ``pss_bytes`` /
+    ``rss_bytes`` of its process tree, ``gpu_bytes`` (NVML; None with ``gpu_reason``),
+    ``omni_cache_pool_bytes`` and the pinned part ``omni_cache_pinned_host_bytes`` (None with
+    ``pinned_reason`` without a metrics file). What is not counted: docs/benchmarks.md."""
     out: dict[str, Any] = {}
     for v in variants:
-        mine = [s for s in samples if s.get("variant") == v]
-        last = mine[-1] if mine else {}
+        last = ([s for s in samples if s.get("variant") == v] or [{}])[-1]
         total = last.get("total") or {}
         gpu = last.get("gpu") or {"gpu_bytes": None, "reason": "no memory sample"}
-        rows = [m for m in omni_metrics if m.get("variant") == v and "pool_pinned_bytes" in m]
-        entry = {"when": last.get("when"), "pss_bytes": total.get("pss"), "rss_bytes": total.get("rss"),
-                 "gpu_bytes": gpu.get("gpu_bytes"), "gpu_reason": gpu.get("reason"),
-                 "omni_cache_pool_bytes": sum(int(m.get("pool_bytes") or 0) for m in rows) if rows else None,
-                 "omni_cache_pool_tier": sorted({m.get("pool_tier") for m in rows}) if rows else None,
-                 "omni_cache_pinned_host_bytes": sum(int(m["pool_pinned_bytes"]) for m in rows) if rows else None,
-                 "pinned_reason": None if rows else
-                 "no omni-cache metrics file with pool sizes for this variant (cache off / built-in have no pool)"}
-        out[v] = entry
+        rows = [m for m in omni_metrics if m.get("variant") == v and "pool_pinned_bytes" in m] or None
+        out[v] = {"when": last.get("when"), "pss_bytes": total.get("pss"), "rss_bytes": total.get("rss"),
+                  "gpu_bytes": gpu.get("gpu_bytes"), "gpu_reason": gpu.get("reason"),
+                  "omni_cache_pool_bytes": rows and sum(int(m.get("pool_bytes") or 0) for m in rows),
+                  "omni_cache_pool_tier": rows and sorted({m.get("pool_tier") for m in rows}),
+                  "omni_cache_pinned_host_bytes": rows and sum(int(m["pool_pinned_bytes"]) for m in rows),
+                  "pinned_reason": None if rows else
+                  "no omni-cache metrics file with pool sizes for this variant (cache off / built-in have no pool)"}
     return out
 
 

@@ -8,17 +8,13 @@ Protocol: JSON commands on stdin, one per line; every answer is one stdout line
 - ``{"op": "run_concurrent", "specs": [...], "concurrency": c}`` sends them with ``c`` in
   flight (:meth:`VariantWorker.run_concurrent`) and answers ``{"results": [...], "wall_s",
   "throughput_rps", ...}``; streaming only.
-- ``{"op": "mem"}`` answers ``{"mem": [...], "gpu": {...}}``: memory of this process and all its
-  children (the stage processes), see :func:`process_tree_memory`, and their GPU memory
-  (:func:`gpu_memory`).
-- ``{"op": "quit"}`` stops the pipeline.
+- ``{"op": "mem"}`` answers ``{"mem": [...], "gpu": {...}}`` (:func:`process_tree_memory`,
+  :func:`gpu_memory`); ``{"op": "quit"}`` stops the pipeline.
 
-Per request (:class:`_Request`): the driver-clock times (``ttft_ms``, ``ttfp_ms``, ``e2e_ms``),
-hit ratio, tokens and audio counts; with ``run`` (one request alone) also vLLM's per-request
-stage breakdown — the change of its histogram sums across the request (``prefill_ms``,
-``computed_tokens``, TTFP's parts; needs ``log_stats=True``), None under load with
-``stage_breakdown`` saying why. What each field is: :data:`benchmarks.prefill.harness.METRIC_DEFINITIONS`
-(written into every result) and docs/benchmarks.md.
+Per request (:class:`_Request`): the driver-clock times, hit ratio, tokens and audio counts; with
+``run`` (one request alone) also vLLM's stage breakdown from the change of its histogram sums
+(None under load, ``stage_breakdown`` says why). The fields:
+:data:`benchmarks.prefill.harness.METRIC_DEFINITIONS` and docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,21 +27,17 @@ import sys
 import time
 from typing import Any
 
+from benchmarks import lab
+
 RESULT_PREFIX = "@@RESULT "
 STAGES = ("0", "1", "2")  # thinker, talker, code2wav (stage label of vLLM's metrics)
 
 
 def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
-    """Memory of process ``pid`` (default: this one) and all its descendants.
-
-    Returns one dict per process: ``pid``, ``name`` (short command line), ``rss``, ``pss``,
-    ``uss`` in bytes (Linux ``/proc/<pid>/smaps_rollup`` via psutil; PSS splits shared pages
-    between the processes that map them, so the PSS column sums to what the tree really uses)
-    and ``cpu_s``, the CPU seconds it has used so far (user + system).
-    """
+    """Memory of process ``pid`` (default: this one) and its descendants: per process ``pid``,
+    ``name``, ``cmd``, ``rss`` / ``pss`` / ``uss`` in bytes (PSS splits shared pages, so it sums to
+    what the tree uses) and ``cpu_s`` (user + system seconds so far)."""
     import psutil
-
-    from benchmarks import lab
 
     out = []
     for p in lab.process_tree(pid or os.getpid()):
@@ -62,37 +54,24 @@ def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
 
 
 def gpu_memory(pids: list[int]) -> dict[str, Any]:
-    """GPU memory used by the processes ``pids`` (a variant's process tree), from NVML.
-
-    Returns ``{"gpu_bytes": total bytes, "per_process": {pid: bytes}, "per_device": {device
-    index: bytes}, "reason": None}``, or
-    ``{"gpu_bytes": None, "reason": why}`` where NVML (``pynvml``, package ``nvidia-ml-py``) or
-    a GPU is missing. Per-process figures are what the driver reports as the process's used
-    memory on each device (the CUDA context, PyTorch's caching allocator reserve, KV cache and
-    any omni-cache device pool); a process NVML cannot attribute (e.g. in a container without
-    the host PID namespace) is missing from ``per_process`` and the total.
-    """
+    """GPU memory (bytes) of the processes ``pids`` (a variant's process tree), as NVML reports
+    each process's use per device (CUDA context, allocator reserve, KV cache, device pools):
+    ``{"gpu_bytes": total, "per_process": {pid: bytes}, "per_device": {index: bytes}, "reason":
+    None}``, or ``{"gpu_bytes": None, "reason": why}`` without NVML, a GPU or a listed process (a
+    process NVML cannot attribute, e.g. in another PID namespace, is left out)."""
+    want, per, dev = set(pids), {}, {}
     try:
-        import pynvml
-    except ImportError:
-        return {"gpu_bytes": None, "reason": "pynvml (nvidia-ml-py) not importable"}
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - no driver / no GPU
-        return {"gpu_bytes": None, "reason": f"NVML unavailable ({type(exc).__name__}: {exc})"}
-    try:
-        want, per, dev = set(pids), {}, {}
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                if p.pid in want and p.usedGpuMemory is not None:
-                    per[p.pid] = per.get(p.pid, 0) + int(p.usedGpuMemory)
-                    dev[i] = dev.get(i, 0) + int(p.usedGpuMemory)
-        if not per:
-            return {"gpu_bytes": None, "per_process": {}, "reason": "NVML lists no process of this variant"}
-        return {"gpu_bytes": sum(per.values()), "per_process": per, "per_device": dev, "reason": None}
-    finally:
-        pynvml.nvmlShutdown()
+        with lab.nvml() as nv:
+            for i in range(nv.nvmlDeviceGetCount()):
+                for p in nv.nvmlDeviceGetComputeRunningProcesses(nv.nvmlDeviceGetHandleByIndex(i)):
+                    if p.pid in want and p.usedGpuMemory is not None:
+                        per[p.pid] = per.get(p.pid, 0) + int(p.usedGpuMemory)
+                        dev[i] = dev.get(i, 0) + int(p.usedGpuMemory)
+    except lab.NvmlMissing as exc:
+        return {"gpu_bytes": None, "reason": str(exc)}
+    if not per:
+        return {"gpu_bytes": None, "per_process": {}, "reason": "NVML lists no process of this variant"}
+    return {"gpu_bytes": sum(per.values()), "per_process": per, "per_device": dev, "reason": None}
 
 
 def _hist_sums(stage: str = "0") -> dict[str, float]:
@@ -120,7 +99,6 @@ class VariantWorker:
     per-request measurement described in the module doc."""
 
     def __init__(self, model: str, stage_config: str, *, stream: bool = True):
-        from benchmarks import lab
         from omni_cache.driver.engine_hooks import hooks_wanted
 
         self._stack = contextlib.ExitStack()
@@ -130,19 +108,14 @@ class VariantWorker:
         self.family = self.pipe.stage_config.thinker_family  # the prompt's media placeholders
         # the talker's hit is reported only where its content identity is installed (talker cache on)
         self.hooks = self.pipe.hooks if hooks_wanted(self.pipe.stage_config) else None
-        self.start_s = self.pipe.start_s
-        self.model = model
-        self._tok = None
-        self._seq = 0
+        self.start_s, self.model, self._tok, self._seq = self.pipe.start_s, model, None, 0
         self.sessions: dict[str, list[int]] = {}  # chat session → prompt + answer ids so far
         self._media: dict = {}  # decoded media copies, reused across requests
 
     @property
     def omni(self):
-        """vLLM-Omni's engine inside the driver's pipeline (``AsyncOmni`` or ``Omni``)."""
+        """vLLM-Omni's engine in the pipeline (``AsyncOmni`` or ``Omni``)."""
         return self.pipe.omni
-
-    # ---- requests -------------------------------------------------------------------------
 
     def tokenizer(self):
         if self._tok is None:
@@ -152,8 +125,8 @@ class VariantWorker:
         return self._tok
 
     def engine_prompt(self, spec: dict) -> dict:
-        """The engine prompt of a request spec (chat turns after the first are token ids that
-        repeat the previous turn's prompt and answer exactly)."""
+        """A request spec's engine prompt (a later chat turn: token ids, the previous turn's
+        prompt and answer exactly)."""
         from omni_cache.driver.inputs import build_request
 
         chat = spec.get("chat")
@@ -194,45 +167,37 @@ class VariantWorker:
         params[0].output_kind = RequestOutputKind.DELTA
         return params
 
-    def _next_request_id(self) -> str:
+    def _new_request(self, spec: dict) -> _Request:
         self._seq += 1
-        return f"bench-{self._seq}"
+        return _Request(self, spec, f"bench-{self._seq}")
 
     def run_one(self, spec: dict) -> dict:
-        """One request sent alone (concurrency 1): the driver-clock times plus vLLM's per-request
-        stage breakdown (changes of its histogram sums across the request, valid only because
-        nothing else runs)."""
+        """One request sent alone: the driver-clock times plus vLLM's per-request stage breakdown
+        (changes of its histogram sums across the request: valid as nothing else runs)."""
         before = {st: _hist_sums(st) for st in STAGES}
         if self.stream:
-            row, delta = self.pipe.run_async(self.request(spec, alone=True, before=before))
-            return row
-        rid = self._next_request_id()
-        req = _Request(self, spec, rid)
+            return self.pipe.run_async(self.request(spec, alone=True, before=before))[0]
+        req = self._new_request(spec)
         for o in self.omni.generate([req.prompt], req.params, py_generator=True, use_tqdm=False):
             req.handle(o, time.perf_counter())
         return req.row(time.perf_counter(), _hist_delta(before), talker=(None, None))
 
     async def request(self, spec: dict, *, alone: bool, before: dict | None = None) -> tuple[dict, dict | None]:
-        """Send one request through ``AsyncOmni`` and collect its outputs (the coroutine shared
-        by :meth:`run_one` and :meth:`run_concurrent`). ``alone``: no other request runs, so the
-        change of vLLM's histogram sums since ``before`` is this request's; otherwise the
-        histogram-derived fields are None with the reason. Returns ``(row, delta)``."""
-        rid = self._next_request_id()
-        req = _Request(self, spec, rid)
-        async for o in self.omni.generate(req.prompt, request_id=rid, sampling_params_list=req.params):
+        """``(row, delta)`` of one request through ``AsyncOmni``; ``alone`` (nothing else runs):
+        the change of vLLM's histogram sums since ``before`` is this request's, else None."""
+        req = self._new_request(spec)
+        async for o in self.omni.generate(req.prompt, request_id=req.rid, sampling_params_list=req.params):
             req.handle(o, time.perf_counter())
         end = time.perf_counter()
         delta = _hist_delta(before) if alone and before is not None else None
-        talker = self.hooks.talker_hit(rid) if self.hooks is not None else (None, None)
+        talker = self.hooks.talker_hit(req.rid) if self.hooks is not None else (None, None)
         return req.row(end, delta, talker=talker), delta
 
     def run_concurrent(self, specs: list[dict], concurrency: int) -> dict:
-        """A closed loop with ``concurrency`` requests in flight (like ``vllm bench serve
-        --max-concurrency``): each sender takes the next chain (:func:`request_chains`: a chat
-        conversation's turns in order, or one request) and sends it, so a new request starts as
-        soon as one finishes. Answers ``{"results", "wall_s" (first sent → last output, s),
-        "throughput_rps" (requests without error / wall_s), "n_requests", "n_errors"}``.
-        Streaming (``AsyncOmni``) only."""
+        """A closed loop of ``concurrency`` senders (as ``vllm bench serve --max-concurrency``), each
+        sending the next chain of :func:`request_chains` as soon as its last finished; streaming
+        only. Answers ``{"results", "wall_s" (first sent → last output), "throughput_rps"
+        (requests without error / wall_s), "n_requests", "n_errors", "concurrency"}``."""
         import asyncio
 
         if not self.stream:
@@ -242,18 +207,11 @@ class VariantWorker:
         chains = request_chains(specs)
 
         async def batch():
-            todo: asyncio.Queue = asyncio.Queue()
-            for ch in chains:
-                todo.put_nowait(ch)
-            results: list[dict] = []
+            todo, results = list(reversed(chains)), []
 
             async def sender():
-                while True:
-                    try:
-                        chain = todo.get_nowait()
-                    except asyncio.QueueEmpty:
-                        return
-                    for spec in chain:
+                while todo:
+                    for spec in todo.pop():
                         try:
                             row, _ = await self.request(spec, alone=False)
                         except Exception as exc:  # one bad request must not stop the batch
@@ -274,7 +232,6 @@ class VariantWorker:
         return self.tokenizer().convert_tokens_to_ids("<|im_end|>")
 
     def close(self) -> None:
-        """Stop the pipeline (every stage process)."""
         self._stack.close()
 
 
@@ -293,23 +250,12 @@ def _hist_delta(before: dict) -> dict:
 
 
 def request_chains(specs: list[dict]) -> list[list[dict]]:
-    """Group request specs into chains that must run in order: one chain per chat session
-    (its turns sorted by turn number), every other spec a chain of its own; chains keep the
-    order of their first spec."""
-    chains: list[list[dict]] = []
-    by_session: dict[str, list[dict]] = {}
-    for spec in specs:
-        chat = spec.get("chat")
-        if chat:
-            if chat["session"] not in by_session:
-                by_session[chat["session"]] = []
-                chains.append(by_session[chat["session"]])
-            by_session[chat["session"]].append(spec)
-        else:
-            chains.append([spec])
-    for ch in by_session.values():
-        ch.sort(key=lambda s: s["chat"]["turn"])
-    return chains
+    """Request specs in chains that run in order: one per chat session (turns sorted), every other
+    spec a chain of its own; chains in the order of their first spec."""
+    chains: dict = {}
+    for k, spec in enumerate(specs):
+        chains.setdefault(spec["chat"]["session"] if spec.get("chat") else k, []).append(spec)
+    return [sorted(ch, key=lambda s: s["chat"]["turn"]) if ch[0].get("chat") else ch for ch in chains.values()]
 
 
 def _error_row(spec: dict, exc: BaseException) -> dict:
@@ -322,20 +268,14 @@ class _Request:
 
     def __init__(self, w: VariantWorker, spec: dict, rid: str):
         self.w, self.spec, self.rid = w, spec, rid
-        self.prompt = w.engine_prompt(spec)
-        self.params = w.sampling_params(spec)
-        self.t0 = time.perf_counter()
+        self.prompt, self.params, self.t0 = w.engine_prompt(spec), w.sampling_params(spec), time.perf_counter()
         self.ttft: float | None = None
         self.ttfp: float | None = None
-        self.prompt_ids: list[int] = []
-        self.gen_ids: list[int] = []
-        self.cached = 0
+        self.prompt_ids, self.gen_ids, self.errors = [], [], []
+        self.cached = self.audio_samples = self.packets = 0
         self.text = ""
-        self.audio_samples = 0
-        self.packets = 0
         self.durations: dict[str, float] = {}
         self.stage_metrics: dict = {}
-        self.errors: list[str] = []
 
     def handle(self, o, now: float) -> None:
         if getattr(o, "error", None):
@@ -372,30 +312,18 @@ class _Request:
         ms = lambda t: 1000.0 * (t - self.t0) if t is not None else None  # noqa: E731
         out = {
             "workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
-            "measure": spec.get("measure", True),
-            "streaming": w.stream,
-            "request_id": self.rid,
-            "num_prompt_tokens": len(prompt_ids),
-            "num_cached_tokens": self.cached,
-            "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0,
-            "computed_tokens": None,
-            "num_output_tokens": len(gen_ids),
-            "prefill_ms": None,
-            "prefill_source": UNDER_LOAD,
-            "ttft_ms": ms(self.ttft),
-            "vllm_ttft_ms": s0.get("vllm_ttft_ms"),
-            "ttfp_ms": ms(self.ttfp),
+            "measure": spec.get("measure", True), "streaming": w.stream, "request_id": self.rid,
+            "num_prompt_tokens": len(prompt_ids), "num_cached_tokens": self.cached,
+            "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0, "computed_tokens": None,
+            "num_output_tokens": len(gen_ids), "prefill_ms": None, "prefill_source": UNDER_LOAD,
+            "ttft_ms": ms(self.ttft), "vllm_ttft_ms": s0.get("vllm_ttft_ms"), "ttfp_ms": ms(self.ttfp),
             "talker_prefill_ms": None,
-            "talker_hit_tokens": talker_hit,        # talker prefix-hit tokens (None: talker cache off
-            "talker_prompt_tokens": talker_prompt,  # or not streaming)
-            "talker_decode_ms": None,
-            "code2wav_ms": None,
-            "e2e_ms": ms(end),
+            # talker prefix-hit tokens (None: talker cache off or not streaming)
+            "talker_hit_tokens": talker_hit, "talker_prompt_tokens": talker_prompt,
+            "talker_decode_ms": None, "code2wav_ms": None, "e2e_ms": ms(end),
             "stage_0_gen_ms": self.durations.get("stage_0_gen_ms"),
             "stage_ms": {k: v for k, v in self.durations.items() if isinstance(v, (int, float))},
-            "audio_samples": self.audio_samples,
-            "audio_packets": self.packets,
-            "text": self.text[:80],
+            "audio_samples": self.audio_samples, "audio_packets": self.packets, "text": self.text[:80],
             "error": "; ".join(self.errors) or None,
         }
         if chat := spec.get("chat"):
@@ -446,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
-            op = cmd.get("op")
+            op, todo = cmd.get("op"), cmd.get("specs") or []
             if op == "quit":
                 break
             if op == "mem":
@@ -454,14 +382,13 @@ def main(argv: list[str] | None = None) -> int:
                 _reply({"mem": m, "gpu": gpu_memory([r["pid"] for r in m])})
             elif op == "run_concurrent":
                 try:
-                    _reply(w.run_concurrent(cmd["specs"], int(cmd["concurrency"])))
+                    _reply(w.run_concurrent(todo, int(cmd["concurrency"])))
                 except Exception as exc:  # noqa: BLE001 - answered, the driver records it
-                    _reply({"results": [_error_row(s, exc) for s in cmd["specs"]], "wall_s": None,
-                            "throughput_rps": None, "n_requests": len(cmd["specs"]),
-                            "n_errors": len(cmd["specs"]), "concurrency": cmd.get("concurrency")})
+                    _reply({"results": [_error_row(s, exc) for s in todo], "wall_s": None, "throughput_rps": None,
+                            "n_requests": len(todo), "n_errors": len(todo), "concurrency": cmd.get("concurrency")})
             elif op == "run":
                 out = []
-                for spec in cmd["specs"]:
+                for spec in todo:
                     try:
                         out.append(w.run_one(spec))
                     except Exception as exc:  # one bad request must not stop the variant

@@ -1,11 +1,9 @@
 """Prefill-benchmark workloads: request specs for ``text``, ``image``, ``audio``, multi-turn
 ``chat``, ``miss`` and ``floor`` (what each holds and why: docs/benchmarks.md, "Workloads").
 
-A request spec is a JSON-able dict that :mod:`benchmarks.prefill.worker` turns into an engine
-prompt (:func:`omni_cache.driver.inputs.build_request`: real media through the model's own
-processors): ``workload, round, index, system, text, image, audio, max_tokens, measure, chat``
-(+ ``media_copies``, ``concurrency``). Rounds use distinct questions, so a timed request never
-hits its own full prompt; an untimed request (:func:`warmup_specs`) warms the shared prefix.
+A request spec is a JSON-able dict (``workload, round, index, system, text, image, audio,
+max_tokens, measure, chat``, + ``media_copies``, ``concurrency``) that the worker turns into an
+engine prompt. Rounds use distinct questions: a timed request never hits its own full prompt.
 """
 
 from __future__ import annotations
@@ -130,12 +128,9 @@ def warmup_specs(workloads: list[str], opts: WorkloadOptions) -> list[dict]:
 
 
 def load_warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int) -> list[dict]:
-    """One untimed batch per workload at ``concurrency`` c (chat: the first turn of c
-    conversations), its prompts unlike every timed one (round -2). Why: the first batch of a
-    new size compiles Triton kernels and autotunes (vLLM's fused MoE, the talker's and
-    code2wav's kernels) inside the timed requests — on an H100 the variant that met c = 16
-    first lost 1/2 to 3/4 of its throughput in that batch alone (docs/benchmarks.md), which
-    the rotation of variant order then pinned on one variant per round."""
+    """One untimed batch per workload at ``concurrency`` c (round -2), so that a new batch size
+    compiles and autotunes its kernels before timing (on an H100 the first variant at c = 16
+    lost 1/2 to 3/4 of its throughput in that batch: docs/benchmarks.md)."""
     one = WorkloadOptions(**{**opts.__dict__, "requests": 1})
     out = []
     for w in workloads:
