@@ -185,11 +185,16 @@ def write_result(out: Path, result: dict, name: str = "result.json") -> Path:
     return path
 
 
+#: the prefix of the lines a benchmark writes into a pipeline's log (its freezes and continues)
+HARNESS_MARK = "[omni-cache bench]"
+
+
 def failure_excerpt(log: Path, lines: int = 40) -> dict | None:
     """The cause of a pipeline's death from its log, for ``result.json`` (the logs may stay on the
     host): how many tracebacks it holds, the first and the last (chained exceptions included,
     line prefixes such as ``(EngineCore pid=…)`` kept; the last ``lines`` lines, cut at 300
-    characters, and the exception line). ``None`` without a traceback or a readable log."""
+    characters, the exception line, and ``harness_before``: the benchmark's last line in the log
+    before it, :data:`HARNESS_MARK`, e.g. a freeze). ``None`` without a traceback or a readable log."""
     try:
         text = log.read_text(errors="replace").splitlines()
     except OSError:
@@ -198,10 +203,13 @@ def failure_excerpt(log: Path, lines: int = 40) -> dict | None:
     if not starts:
         return None
     found, end = [], -1
+    marks = [i for i, line in enumerate(text) if line.startswith(HARNESS_MARK)]
     for i in starts:
         if i >= end:  # a traceback chained to the one before belongs to it
             found.append(_traceback_at(text, i, lines))
             end = i + found[-1]["length"]
+            before = [m for m in marks if m < i]
+            found[-1]["harness_before"] = text[before[-1]] if before else None  # e.g. "… continued at 10:15:02"
     return {"log": log.name, "tracebacks": len(found), "first": found[0], "last": found[-1]}
 
 

@@ -112,6 +112,9 @@ class Variant:
         it does not compete with the pipeline being timed."""
         lab.pause_tree(self.proc.pid, paused)
         self.frozen = paused
+        # in the variant's log, among vLLM's lines: a death's traceback can be read against it
+        self.log.write(f"{lab.HARNESS_MARK} {'frozen' if paused else 'continued'} at {time.strftime('%H:%M:%S')}\n")
+        self.log.flush()
 
     def thaw(self) -> None:
         self.freeze(False)

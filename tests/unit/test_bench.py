@@ -699,7 +699,8 @@ class _DyingVariant(_FakeVariant):
         rows = super().run(batch)
         if self.name == "omni_cache" and any(s["workload"] == "chat" for s in batch) and not self.dead:
             self.dead = True
-            self.log.write_text("INFO starting\n(EngineCore pid=7) Traceback (most recent call last):\n"
+            self.log.write_text("INFO starting\n[omni-cache bench] continued at 10:15:02\n"
+                                "(EngineCore pid=7) Traceback (most recent call last):\n"
                                 "(EngineCore pid=7)   File \"runner.py\", line 1, in step\n"
                                 "(EngineCore pid=7) IndexError: index 3013 is out of bounds\nINFO after\n")
         if self.dead:
@@ -724,6 +725,7 @@ def test_a_dead_variant_leaves_its_cause_in_the_result(tmp_path, monkeypatch):
     assert failure["tracebacks"] == 1 and failure["log"] == "log_omni_cache.txt"
     assert failure["first"]["exception"].endswith("IndexError: index 3013 is out of bounds")
     assert failure["first"]["traceback"][0].endswith("Traceback (most recent call last):")
+    assert failure["first"]["harness_before"] == "[omni-cache bench] continued at 10:15:02"
 
 
 def test_gpu_memory_sums_the_variants_processes_over_devices(monkeypatch):
