@@ -87,7 +87,60 @@ def thinker2talker_async_chunk(transfer_manager: Any, multimodal_output: Any, re
     chunks_sent = (getattr(transfer_manager, "put_req_chunk", None) or {}).get(request.external_req_id, 0)
     if chunks_sent > 0 and not getattr(request, "resumable", False):
         multimodal_output = _last_row_only(multimodal_output)
+    _restart_stash_after_preemption(transfer_manager, multimodal_output, request, chunks_sent)
     return qwen3_omni.thinker2talker_async_chunk(transfer_manager, multimodal_output, request, is_finished)
+
+
+#: ``transfer_manager`` attribute: external request id -> ``num_preemptions`` of its last prompt-stash step
+_PREEMPTIONS_ATTR = "_omni_cache_stash_preemptions"
+
+
+def _restart_stash_after_preemption(transfer_manager: Any, multimodal_output: Any, request: Any,
+                                    chunks_sent: int) -> None:
+    """Before a request's first chunk, vLLM-Omni's function stashes its prompt rows step by step
+    in ``transfer_manager.request_payload`` and never resets them on preemption. A request
+    preempted before its first chunk yields rows ``[0, end)`` again in its first step after the
+    resume (its re-hit prefix served from the cache, or recomputed), so the stash of the steps
+    before the preemption must go, or the talker gets those rows twice (the stress test, CPU,
+    2026-11-27: 1,141 rows for a 570-token prompt — rows [0, 570) twice plus one). The runner's
+    own drop at the resume (``OmniCacheRunnerMixin._drop_stashed_prompt_rows``) races with this
+    function, which runs one step later on the connector's save thread; here, in the save
+    thread's order, a step whose request was preempted since the stash's last step empties the
+    stash to zero rows (kept, not popped: vLLM-Omni then concatenates this step's rows to nothing
+    and sends them at once when they already reach past the prompt — a request resumed after its
+    first sampled token — instead of stashing them as a first prefill). A request's preemptions
+    are read from the request snapshot each save carries (vLLM's ``Request.num_preemptions``)."""
+    seen = transfer_manager.__dict__.setdefault(_PREEMPTIONS_ATTR, {})
+    ext = request.external_req_id
+    if chunks_sent > 0:
+        seen.pop(ext, None)
+        return
+    preemptions = int(getattr(request, "num_preemptions", 0) or 0)
+    before = seen.get(ext)
+    seen[ext] = preemptions
+    if before is None or preemptions <= before:
+        return
+    payloads = getattr(transfer_manager, "request_payload", None)
+    stash = payloads.get(ext) if isinstance(payloads, dict) else None
+    if stash is not None:
+        for outer, inner in (("embed", "prefill"), ("hidden_states", "output")):
+            t = (stash.get(outer) or {}).get(inner)
+            if isinstance(t, torch.Tensor):
+                stash[outer][inner] = t[:0]
+        return
+    rows = _step_layers(multimodal_output)  # the runner's drop won the race: a stash of zero rows
+    if rows is not None and isinstance(payloads, dict):
+        empty = rows[:0].detach().cpu()  # vLLM-Omni's stash is on the host
+        payloads[ext] = {"embed": {"prefill": empty}, "hidden_states": {"output": empty.clone()}}
+
+
+def _step_layers(multimodal_output: Any) -> torch.Tensor | None:
+    """One of the step's per-token layer tensors (``hidden_states.layers``), or None."""
+    hs = multimodal_output.get("hidden_states") if isinstance(multimodal_output, dict) else None
+    layers = hs.get("layers") if isinstance(hs, dict) else None
+    if not isinstance(layers, dict):
+        return None
+    return next((v for v in layers.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
 
 
 def _last_row_only(multimodal_output: Any) -> Any:
