@@ -11,6 +11,8 @@ assert on them.
 (a) :func:`served_rows_mismatches` — every row served from the cache equals, bitwise, the row
     its writer computed (the writer: the request whose computation filled the block, logged
     by the engine with ``OMNI_CACHE_HIT_AUDIT``, :class:`omni_cache.engine.metrics.HitAudit`).
+    :func:`read_rows_mismatches` is (a) for the rows a read returned (a digest per block,
+    for reads no hand-off records: a resumed request's).
     :func:`talker_kv_mismatches` is (a) for the talker's served KV blocks (a digest of each
     block at its writer's step and at the read, :mod:`omni_cache.engine.talker_audit`).
 (b) :func:`handoff_mismatches` — omni-cache against vLLM-Omni's built-in cache: every hand-off
@@ -247,6 +249,74 @@ def served_rows_mismatches(reader: Mapping[str, torch.Tensor], hit_tokens: int, 
             if not torch.equal(r[lo:hi], rows[k][lo:hi]):
                 bad.append(f"block {i} ({k}, rows {lo}-{hi}): served rows differ from their writer {w}'s")
     return verified, unverified, bad
+
+
+@dataclass(frozen=True)
+class ReadBlocksCheck:
+    """Oracle (a) over the rows a prefix hit's read returned (:func:`read_rows_mismatches`).
+
+    Attributes:
+        by_digest: blocks whose read rows hash, key by key, as one of the writer's block
+            digests (every key the read returned).
+        by_rows: blocks with no such digest, checked against the writer's recorded hand-off
+            rows (the keys the record holds; a key it does not hold is not compared).
+        unverified: blocks with neither (writer unknown, no digest, no recorded row of it).
+        mismatches: one line per block whose rows differ from their writer's.
+    """
+
+    by_digest: int
+    by_rows: int
+    unverified: int
+    mismatches: tuple[str, ...]
+
+
+def read_rows_mismatches(read: Sequence[Mapping[str, str]], writers: Sequence[str | None],
+                         writer_rows: Mapping[str, Mapping[str, torch.Tensor]], block_size: int, *,
+                         writer_digests: Mapping[tuple[str, int], Sequence[Mapping[str, str]]] | None = None
+                         ) -> ReadBlocksCheck:
+    """Oracle (a) on the read side: the rows a prefix hit's read returned equal, block by
+    block, the rows the block's writer computed — whatever became of them after the read (a
+    request resumed after its prompt hand-off reads its prefix again; those rows feed its
+    recompute and are not handed on, so no recorded hand-off holds them).
+
+    Args:
+        read: per block of the hit, hand-off key → :func:`omni_cache.engine.metrics.rows_digest`
+            of the block's rows as the read returned them.
+        writers: per block of the hit, the request that wrote it (the engine's hit audit).
+        writer_rows: request → its recorded prompt rows (:func:`prompt_rows`; streamed record
+            keys are mapped to hand-off keys, :data:`STREAMED_KEYS`).
+        block_size: tokens per block.
+        writer_digests: ``(writer, block index) → [hand-off key → digest, ...]``, one per time
+            the writer computed the block (:class:`omni_cache.engine.metrics.BlockDigestAudit`).
+
+    Returns:
+        :class:`ReadBlocksCheck`.
+    """
+    from omni_cache.engine.metrics import rows_digest
+
+    by_digest = by_rows = unverified = 0
+    bad = []
+    writer_digests = writer_digests or {}
+    for i, (got, w) in enumerate(zip(read, writers)):
+        digs = writer_digests.get((w, i), []) if w is not None else []
+        digs = [d for d in ([digs] if isinstance(digs, Mapping) else digs) if set(got) <= set(d)]
+        if digs:
+            by_digest += 1
+            if not any(all(d[k] == v for k, v in got.items()) for d in digs):
+                bad.append(f"block {i}: rows read differ from every write of it by {w} ({len(digs)} block digest(s))")
+            continue
+        lo, hi = i * block_size, (i + 1) * block_size
+        rows = writer_rows.get(w, {}) if w is not None else {}
+        pairs = [(k, _digest_key(k, got)) for k, r in rows.items() if r.shape[0] >= hi]
+        pairs = [(k, hk) for k, hk in pairs if hk is not None]
+        if not pairs:
+            unverified += 1
+            continue
+        by_rows += 1
+        for k, hk in pairs:
+            if rows_digest(rows[k][lo:hi]) != got[hk]:
+                bad.append(f"block {i} ({hk}, rows {lo}-{hi}): rows read differ from their writer {w}'s hand-off")
+    return ReadBlocksCheck(by_digest, by_rows, unverified, tuple(bad))
 
 
 @dataclass(frozen=True)

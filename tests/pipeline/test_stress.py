@@ -16,21 +16,32 @@ whatever the batch) must be bitwise equal; the other rows (``hidden_states.outpu
 oracle (c)'s tolerance (16 row-scale ulps, ``omni_cache.exactness.oracles``), not bitwise:
 concurrency changes batch composition, and on CPU a bf16 GEMM row can differ in its last bits
 with the batch it ran in (the test reports how many were bitwise equal). What tells a wrong
-row from a right one bitwise is oracle (a): every row the cache served to a request never
-preempted equals the row its writer computed (the hit audit names the writer; writers that
-were preempted recomputed their rows in another batch, so their blocks are counted
-unverified). Only ``stress_omni`` preempts (``stream_off``'s pool is large), so a row lost or
-doubled around a resume shows; preemptions and resumed hits are counted by omni-cache's
-scheduler (its metrics file, which names the preempted requests) and some compared request
-must have been preempted and served its prefix again on resume, so the test fails if the
-pool stops forcing them. The engine must be alive at the end.
+row from a right one bitwise is oracle (a), over every audited hit of the run — every reader:
+never preempted, preempted (its first read and every read on a resume), aborted, and (CUDA)
+those whose tokens diverged from cache off, which leave the cache-off comparison but not (a).
+The hit audit names each served block's writer; each read's rows, as the read returned them,
+equal the writer's (one of its block digests: every time it computed the block, a preempted
+writer recomputes; else its hand-off rows). Those rows are logged by a read audit the test
+plants in the engine (:func:`tests.pipeline.workloads.audit_reads`): a request resumed after
+its prompt hand-off reads its prefix again for its recompute, and the resumed step's chunk is
+cut to its last row (:func:`omni_cache.engine.handoff.thinker2talker_async_chunk`), so no
+hand-off holds what that read returned. A reader never preempted is also held on what it
+handed the talker (its prompt hand-off's rows = the writer's). No block may be unverified in
+any category (counted per category and printed). Only ``stress_omni`` preempts
+(``stream_off``'s pool is large), so a row lost or doubled around a resume shows;
+preemptions and resumed hits are counted by omni-cache's scheduler (its metrics file, which
+names the preempted requests) and some compared request must have been preempted and served
+its prefix again on resume, so the test fails if the pool stops forcing them. The engine
+must be alive at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import sys
 from collections import Counter
 
 import pytest
@@ -40,6 +51,8 @@ from omni_cache.driver.inputs import build_request, sample_path
 from omni_cache.exactness import oracles
 from omni_cache.exactness.fuzz import _owner, audit_lines, records, writer_digests
 from tests.device import CACHE_OFF_BITWISE
+from tests.pipeline.workloads import READ_AUDIT_ENV, read_audit_dist, read_lines
+from tests.util import REPO
 
 pytestmark = pytest.mark.pipeline
 
@@ -135,7 +148,33 @@ def _chunks_for(d, request_id) -> tuple[dict, list[dict]]:
 
 
 @pytest.fixture(scope="session")
-def stress(stress_omni, stream_off):
+def read_audit(tmp_path_factory):
+    """Turns the read audit (:func:`tests.pipeline.workloads.audit_reads`) on in the engines
+    started next (its entry point on ``PYTHONPATH``); the returned call turns it off again, for
+    engines started after them. Yields that call."""
+    d = tmp_path_factory.mktemp("read-audit-plugin")
+    read_audit_dist(d)
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", READ_AUDIT_ENV)}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(d), str(REPO), saved["PYTHONPATH"]) if p)
+    os.environ[READ_AUDIT_ENV] = "1"
+    sys.path.insert(0, str(d))  # a spawned process takes its parent's sys.path, not PYTHONPATH's
+
+    def off():
+        if str(d) in sys.path:
+            sys.path.remove(str(d))
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    yield off
+    off()
+
+
+@pytest.fixture(scope="session")
+def stress(read_audit, stress_omni, stream_off):
+    read_audit()  # on in stress_omni (started after it), off for the engines of later modules
     runs = {"omni_cache": (stress_omni.dir, *stress_omni.pipe.run_async(_drive(stress_omni.pipe.omni)))}
     # the cache-off engine answers with the stress engine's thinker budget (max_tokens 48)
     sps = stream_off.pipe.default_sampling_params()
@@ -164,6 +203,67 @@ def _writer_rows(d, request_ids, preempted: set[str]) -> dict[str, dict]:
         if recs and "embed.prefill" in recs[0]:
             rows[rid] = oracles.prompt_rows(recs, len(recs[0]["ids.prompt"]))
     return rows
+
+
+#: oracle (a)'s reader categories (:func:`_oracle_a`)
+CATEGORIES = ("never preempted", "preempted, first read", "preempted, read again on resume", "aborted",
+              "tokens diverged (CUDA)")
+
+
+def _category(reader: str, nth_read: int, preempted: set[str], compared: set[str], diverged: set[str]) -> str:
+    """A read's reader category: preempted (its first audited read, or a later one: a
+    resume), else aborted (not compared), else diverged from cache off, else never preempted."""
+    if reader in preempted:
+        return CATEGORIES[1] if nth_read == 1 else CATEGORIES[2]
+    if reader not in compared:
+        return CATEGORIES[3]
+    return CATEGORIES[4] if reader in diverged else CATEGORIES[0]
+
+
+def _oracle_a(d, everyone: list[str], preempted: set[str], compared: set[str], diverged: set[str]) -> dict:
+    """Oracle (a) over every audited hit of the run, every reader: preempted, resumed, aborted
+    and diverged ones included. Two checks, both bitwise, each block against its writer:
+
+    - **read**: the rows each read returned (the read audit, :func:`tests.pipeline.workloads.audit_reads`),
+      against the writer's block digests (every time it computed the block: a preempted writer
+      recomputes) or, without one, its recorded hand-off rows
+      (:func:`omni_cache.exactness.oracles.read_rows_mismatches`);
+    - **received**: the rows a reader never preempted handed the talker (its prompt hand-off),
+      against the writer's hand-off rows or block digests
+      (:func:`omni_cache.exactness.oracles.served_rows_mismatches`). A preempted reader's hand-off
+      holds the rows of one of its reads (which one the records do not say): its reads are
+      held by the read check.
+
+    Asserts no mismatch; returns the counts (``read`` / ``received``: verified, unverified),
+    ``per_category`` (:data:`CATEGORIES` → ``[reads, blocks verified, unverified]``) and
+    ``hits_per_request``."""
+    audited, reads = audit_lines(d), read_lines(d)
+    assert [(x["request"], x["hit_tokens"]) for x in reads] == [(x["request"], x["hit_tokens"]) for x in audited], \
+        f"the read audit ({len(reads)} reads) does not match the hit audit ({len(audited)} hits): did it load?"
+    writer_rows = _writer_rows(d, everyone, preempted)
+    digests = writer_digests(d, everyone)  # a preempted writer's blocks, or those filled while decoding
+    per_category = {c: [0, 0, 0] for c in CATEGORIES}
+    counts = {"read": Counter(), "received": Counter()}
+    bad, hits_per_request = [], Counter()
+    for line, read in zip(audited, reads):
+        reader = _owner(line["request"], everyone)
+        assert reader is not None, line["request"]
+        hits_per_request[reader] += 1
+        writers = [_owner(w, everyone) if w else None for w in line["writers"]]
+        got = oracles.read_rows_mismatches(read["blocks"], writers, writer_rows, 32, writer_digests=digests)
+        bad += [f"{reader} (read {hits_per_request[reader]}): {m}" for m in got.mismatches]
+        counts["read"].update(verified=got.by_digest + got.by_rows, by_digest=got.by_digest, by_rows=got.by_rows,
+                              unverified=got.unverified)
+        cat = per_category[_category(reader, hits_per_request[reader], preempted, compared, diverged)]
+        cat[0], cat[1], cat[2] = cat[0] + 1, cat[1] + got.by_digest + got.by_rows, cat[2] + got.unverified
+        if reader not in preempted and reader in writer_rows:  # its prompt hand-off: what the talker got
+            v, u, b = oracles.served_rows_mismatches(writer_rows[reader], line["hit_tokens"], writers, writer_rows,
+                                                     32, writer_digests=digests)
+            bad += [f"{reader} (hand-off): {m}" for m in b]
+            counts["received"].update(verified=v, unverified=u)
+    assert not bad, bad[:5]
+    return {"read": counts["read"], "received": counts["received"], "per_category": per_category,
+            "hits_per_request": hits_per_request}
 
 
 def _compare_chunk(rid: str, i: int, got: dict, ref: dict) -> tuple[int, int]:
@@ -202,11 +302,11 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
     tokens equal cache off's; every streamed chunk (the prompt hand-off, exactly one, of
     ``prompt + 1`` rows, and one decode chunk per later token, the same count) equal cache
     off's — bitwise for token ids and embedding rows, within oracle (c)'s tolerance for the
-    rest (counted bitwise or not); and oracle (a): every row served from the cache to a
-    request that was never preempted (audited) bitwise equal to the row its writer computed
-    (a writer never preempted: a preempted one recomputes its rows in another batch). Some
-    compared request was preempted and resumed (the scheduler names it), and some was served
-    its prefix again on resume (two audited hits)."""
+    rest (counted bitwise or not); and oracle (a) over every audited hit of every reader
+    (:func:`_oracle_a`: the rows each read returned and, for a reader never preempted, the rows
+    it handed the talker, bitwise equal to the rows their writer computed; none unverified).
+    Some compared request was preempted and resumed (the scheduler names it), and some was
+    served its prefix again on resume (two audited hits), with a verified block."""
     d_off, off, alive_off = stress["off"]
     d_on, on, alive_on = stress["omni_cache"]
     assert alive_on[0] and alive_off[0], "engine not serving after the stress run"
@@ -247,41 +347,28 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
             n, b = _compare_chunk(rid, i, g, r)
             rows, bitwise = rows + n, bitwise + b
     assert len(compared) >= len(never_aborted) + 1, (len(compared), len(never_aborted))
-    # oracle (a) over every audited hit of the compared requests that were never preempted
-    # (a preempted request's hit on resume feeds its recompute, not the prompt hand-off it
-    # sent before; its first hit cannot be told from a resumed one in the audit); writers: any
-    # request of the run (a preempted one's blocks against its block digests)
     everyone = [w[0] for w in work] + ["alive"]
     preempted = {_owner(r, everyone) for r in sched["preempted_requests"]}
     resumed = sorted(preempted & set(compared))
     assert resumed, f"no compared request was preempted and resumed: {sched}"
-    writer_rows = _writer_rows(d_on, everyone, preempted)
-    # a block a preempted writer (or any writer while decoding) filled: its forward's block digests
-    digests = writer_digests(d_on, everyone)
-    verified = unverified = 0
-    bad, hits_per_request = [], Counter()
-    for line in audit_lines(d_on):
-        reader = _owner(line["request"], compared)
-        if reader is None:
-            continue
-        hits_per_request[reader] += 1
-        if reader in preempted:
-            continue
-        own = _chunks_for(d_on, reader)[0]
-        reader_rows = oracles.prompt_rows([own], len(own["ids.prompt"]))
-        writers = [_owner(w, everyone) if w else None for w in line["writers"]]
-        v, u, b = oracles.served_rows_mismatches(reader_rows, line["hit_tokens"], writers, writer_rows, 32,
-                                                 writer_digests=digests)
-        verified, unverified, bad = verified + v, unverified + u, bad + [f"{reader}: {m}" for m in b]
-    assert not bad, bad[:5]
-    # every served block of a never-preempted reader has its writer's rows or block digests
-    # (CPU, 2026-11-27: 129 verified, 0 unverified)
-    assert verified > 0 and unverified == 0, (verified, unverified)
+    oracle_a = _oracle_a(d_on, everyone, preempted, set(compared), set(diverged))
+    verified, unverified = oracle_a["read"]["verified"], oracle_a["read"]["unverified"]
+    hits_per_request = oracle_a["hits_per_request"]
+    # the bound: no block unverified, in any category, read or received (CPU, 2026-11-27: 404
+    # blocks read, all verified by their writer's block digest — never preempted 108, preempted
+    # 84 on the first read and 155 read again on a resume, aborted 57; 165 received)
+    assert verified > 0 and unverified == 0, oracle_a["per_category"]
+    assert oracle_a["received"]["verified"] > 0 and oracle_a["received"]["unverified"] == 0, oracle_a["received"]
+    assert oracle_a["per_category"][CATEGORIES[2]][1] > 0, f"no block read on a resume: {oracle_a['per_category']}"
     resumed_hit = [rid for rid in resumed if hits_per_request[rid] >= 2]
     assert resumed_hit, f"no preempted request was served its prefix again on resume: {hits_per_request}"
     print(f"stress: {len(compared)} requests compared ({len(never_aborted)} never aborted), {rows} rows "
           f"({bitwise} bitwise equal, the rest within {oracles.TOLERANCE_ULPS:g} row-scale ulps); "
           f"{len(aborted)} aborted; tokens diverged from cache off (CUDA): {diverged}; "
-          f"oracle (a): {verified} served blocks verified, {unverified} unverified; "
+          f"oracle (a): {verified} blocks read verified ({oracle_a['read']['by_digest']} by the writer's "
+          f"block digest, {oracle_a['read']['by_rows']} by its hand-off rows), {unverified} unverified; "
+          f"received (hand-off) {dict(oracle_a['received'])}; per reader category [reads, verified, "
+          f"unverified]: "
+          f"{oracle_a['per_category']}; "
           f"preempted and resumed: {resumed}, served a hit again: {resumed_hit}; "
           f"hit tokens {sum(r[1] for r in on.values())}; scheduler {sched}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from omni_cache.driver.inputs import build_request, sample_path
@@ -517,3 +519,66 @@ def assert_talker_workload(on: dict, off: dict, keys: dict, block: int = BLOCK, 
         assert demo.talker_num_cached_tokens > shared[b] * block, (b, demo.talker_num_cached_tokens)
         assert demo.token_ids == off[b].token_ids  # the thinker is not affected
         assert not np.array_equal(demo.audio, off[b].audio), b
+
+
+# ---- the read audit: what a prefix hit's read returned, for reads no hand-off records ----------
+
+#: set in an engine process, :func:`audit_reads` logs every read (test code only)
+READ_AUDIT_ENV = "TEST_READ_AUDIT"
+#: the entry point's distribution name (a throw-away ``*.dist-info`` directory)
+READ_AUDIT_DIST = "omni_cache_test_read_audit"
+
+
+def audit_reads() -> None:
+    """A ``vllm.general_plugins`` entry point (:func:`read_audit_dist`): with
+    :data:`READ_AUDIT_ENV` set and ``OMNI_CACHE_HIT_AUDIT`` on the stage, omni-cache's stage
+    manager also logs each read's rows, per served hit, as the read returned them —
+    ``<audit>/reads-<pid>.jsonl``: ``{"request", "hit_tokens", "blocks": [{hand-off key:
+    rows_digest}, ...]}``, in the hit audit's order — and returns them unchanged. A resumed
+    request's rows read after its prompt hand-off feed its recompute only (the resumed step's
+    chunk is cut to its last row, :func:`omni_cache.engine.handoff.thinker2talker_async_chunk`):
+    this log is the one record of them (:func:`omni_cache.exactness.oracles.read_rows_mismatches`)."""
+    if not os.environ.get(READ_AUDIT_ENV):
+        return
+    from omni_cache import settings
+    from omni_cache.engine.metrics import rows_digest
+    from omni_cache.engine.stage_manager import OmniCacheStageManager
+
+    orig = OmniCacheStageManager.read_hits
+    if getattr(orig, "read_audit", False):
+        return
+
+    def read_hits(self, plan):
+        prefixes = orig(self, plan)
+        out = settings.HIT_AUDIT.get()
+        if out and prefixes:
+            bs = self.block_size
+            lines = [{"request": str(rid), "hit_tokens": int(plan.hits[rid]),
+                      "blocks": [{k: rows_digest(v[i * bs:(i + 1) * bs]) for k, v in rows.items()}
+                                 for i in range(int(plan.hits[rid]) // bs)]}
+                     for rid, rows in prefixes.items()]
+            with (Path(out) / f"reads-{os.getpid()}.jsonl").open("a") as f:
+                f.writelines(json.dumps(line) + "\n" for line in lines)
+        return prefixes
+
+    read_hits.read_audit = True
+    OmniCacheStageManager.read_hits = read_hits
+
+
+def read_audit_dist(directory: Path) -> Path:
+    """A ``*.dist-info`` in ``directory`` declaring :func:`audit_reads` a ``vllm.general_plugins``
+    entry point (put ``directory`` on ``PYTHONPATH`` before an engine starts). Returns it."""
+    d = Path(directory) / f"{READ_AUDIT_DIST}-0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {READ_AUDIT_DIST}\nVersion: 0\n")
+    (d / "entry_points.txt").write_text(
+        f"[vllm.general_plugins]\n{READ_AUDIT_DIST} = tests.pipeline.workloads:audit_reads\n")
+    return d
+
+
+def read_lines(engine_dir) -> list[dict]:
+    """The reads :func:`audit_reads` logged into ``engine_dir/audit``, in order."""
+    lines = []
+    for p in sorted((Path(engine_dir) / "audit").glob("reads-*.jsonl")):
+        lines += [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    return lines

@@ -174,6 +174,35 @@ def test_oracle_a_checks_a_decode_filled_block_against_its_writers_digest(tmp_pa
     assert oracles.served_rows_mismatches(reader, 64, ["w", "w"], {"w": recorded}, 32)[:2] == (1, 1)
 
 
+
+def test_oracle_a_checks_each_read_block_against_its_writers_digest_or_rows():
+    """The read side of (a) (rows a read returned, as digests per block: what a resumed
+    request reads after its hand-off is recorded nowhere else): each block against one of its
+    writer's block digests (any of its writes: a preempted writer recomputes), else its recorded
+    hand-off rows; planted: a read block off by one bit, and a block read from another writer."""
+    from omni_cache.engine.metrics import rows_digest
+
+    full = {"hidden_states.layer_0": _rows(0, n=64), "hidden_states.layer_24": _rows(1, n=64)}
+    blocks = [{k: rows_digest(v[i * 32:(i + 1) * 32]) for k, v in full.items()} for i in range(2)]
+    recomputed = {k: rows_digest(_rows(7, n=32)) for k in full}  # an earlier write of block 1
+    digests = {("w", 1): [recomputed, blocks[1]]}
+    recorded = {"embed.prefill": full["hidden_states.layer_0"][:40],  # block 0 in its hand-off, 1 not
+                "hidden_states.output": full["hidden_states.layer_24"][:40]}
+    got = oracles.read_rows_mismatches(blocks, ["w", "w"], {"w": recorded}, 32, writer_digests=digests)
+    assert (got.by_digest, got.by_rows, got.unverified, got.mismatches) == (1, 1, 0, ())
+    flipped = full["hidden_states.layer_24"].clone()
+    flipped.view(torch.int16)[50, 3] ^= 1
+    wrong = [blocks[0], dict(blocks[1], **{"hidden_states.layer_24": rows_digest(flipped[32:64])})]
+    got = oracles.read_rows_mismatches(wrong, ["w", "w"], {"w": recorded}, 32, writer_digests=digests)
+    assert len(got.mismatches) == 1 and got.mismatches[0].startswith("block 1")
+    assert "2 block digest" in got.mismatches[0]
+    other = [{k: rows_digest(_rows(9, n=32)) for k in full}, blocks[1]]
+    got = oracles.read_rows_mismatches(other, ["w", "w"], {"w": recorded}, 32, writer_digests=digests)
+    assert len(got.mismatches) == 2 and all(m.startswith("block 0") for m in got.mismatches)  # both keys
+    # no digest, no recorded row of the block, or no writer: counted unverified, not passed
+    got = oracles.read_rows_mismatches(blocks, [None, "w"], {"w": recorded}, 32)
+    assert (got.by_digest, got.by_rows, got.unverified) == (0, 0, 2)
+
 def test_prompt_rows_reads_both_record_layouts():
     n = 40
     full = [{"hidden": _rows(0, n=n + 5), "hidden_states.layer_0": _rows(1, n=n + 5), "other": torch.zeros(3)}]
