@@ -93,6 +93,9 @@ def thinker2talker_async_chunk(transfer_manager: Any, multimodal_output: Any, re
 
 #: ``transfer_manager`` attribute: external request id -> ``num_preemptions`` of its last prompt-stash step
 _PREEMPTIONS_ATTR = "_omni_cache_stash_preemptions"
+#: requests remembered there before their first chunk (a request aborted before it never comes
+#: back to pop its entry: the oldest are forgotten past this many)
+_MAX_STASHED_REQUESTS = 4096
 
 
 def _restart_stash_after_preemption(transfer_manager: Any, multimodal_output: Any, request: Any,
@@ -116,8 +119,10 @@ def _restart_stash_after_preemption(transfer_manager: Any, multimodal_output: An
         seen.pop(ext, None)
         return
     preemptions = int(getattr(request, "num_preemptions", 0) or 0)
-    before = seen.get(ext)
-    seen[ext] = preemptions
+    before = seen.pop(ext, None)
+    seen[ext] = preemptions  # (re)inserted last: the oldest entries are first
+    while len(seen) > _MAX_STASHED_REQUESTS:
+        seen.pop(next(iter(seen)))
     if before is None or preemptions <= before:
         return
     payloads = getattr(transfer_manager, "request_payload", None)

@@ -78,3 +78,17 @@ def test_preempted_during_chunked_prefill_restarts_the_stash():
     assert _send(tm, _rows(5, PROMPT), _request(PROMPT + 1, preemptions=1)) is None
     first = _send(tm, _rows(PROMPT, PROMPT + 1), _request(PROMPT + 2, preemptions=1))
     assert _positions(first) == list(range(PROMPT + 1))
+
+
+def test_requests_aborted_before_their_first_chunk_are_forgotten(monkeypatch):
+    """A request that never sends its first chunk (aborted during its prefill) leaves no entry
+    for ever: the oldest are dropped past the bound."""
+    from omni_cache.engine import handoff
+
+    monkeypatch.setattr(handoff, "_MAX_STASHED_REQUESTS", 3)
+    tm = _manager()
+    for i in range(5):
+        req = _request(PROMPT)
+        req.external_req_id = req.request_id = f"r{i}"
+        _send(tm, _rows(0, 4), req)
+    assert list(getattr(tm, handoff._PREEMPTIONS_ATTR)) == ["r2", "r3", "r4"]
