@@ -365,6 +365,11 @@ class _AcceptLayerView:
     def _get_model_config(self):
         return self._cfg
 
+    @property
+    def unwrapped(self) -> Any:
+        """The transfer manager this view reads through (state that must outlive the call goes there)."""
+        return self._tm
+
     def __getattr__(self, name: str):
         return getattr(self._tm, name)
 

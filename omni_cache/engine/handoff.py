@@ -113,7 +113,10 @@ def _restart_stash_after_preemption(transfer_manager: Any, multimodal_output: An
     and sends them at once when they already reach past the prompt — a request resumed after its
     first sampled token — instead of stashing them as a first prefill). A request's preemptions
     are read from the request snapshot each save carries (vLLM's ``Request.num_preemptions``)."""
-    seen = transfer_manager.__dict__.setdefault(_PREEMPTIONS_ATTR, {})
+    seen = getattr(transfer_manager, _PREEMPTIONS_ATTR, None)
+    if seen is None:  # kept on the connector's manager itself, not on a per-call view of it (Gemma's)
+        seen = {}
+        setattr(getattr(transfer_manager, "unwrapped", transfer_manager), _PREEMPTIONS_ATTR, seen)
     ext = request.external_req_id
     if chunks_sent > 0:
         seen.pop(ext, None)

@@ -35,9 +35,12 @@ def _rows(lo: int, hi: int) -> dict:
     return {"hidden_states": {"layers": {0: pos, ACCEPT: pos + 1000}}, "embed": {}}
 
 
-def _send(tm, rows: dict, request) -> torch.Tensor | None:
-    """One save: our wrapper, then what the connector does after a sent chunk."""
-    payload = thinker2talker_async_chunk(tm, rows, request)
+def _send(tm, rows: dict, request, view: bool = False) -> torch.Tensor | None:
+    """One save: our wrapper (``view``: through a fresh per-call view of the manager, as the
+    Gemma thinker's hand-off calls it), then what the connector does after a sent chunk."""
+    from omni_cache.engine.gemma_thinker import _AcceptLayerView
+
+    payload = thinker2talker_async_chunk(_AcceptLayerView(tm, ACCEPT) if view else tm, rows, request)
     if payload is None:
         return None
     tm.put_req_chunk[request.external_req_id] += 1
@@ -56,18 +59,19 @@ def test_unpreempted_prefill_then_decode_sends_prompt_plus_one():
     assert _positions(first) == list(range(PROMPT + 1))
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["qwen3", "gemma-view"])
 @pytest.mark.parametrize("runner_dropped_first", [False, True])
-def test_preempted_after_its_first_token_sends_each_prompt_row_once(runner_dropped_first):
+def test_preempted_after_its_first_token_sends_each_prompt_row_once(runner_dropped_first, view):
     """Preempted after its prefill sampled t0, before the first chunk went out; the resumed step
     yields rows [0, prompt + 1) (re-hit prefix ++ recompute). Without the fix the talker got the
     stale prompt rows followed by all of them again (the stress run: 1,141 rows for 570)."""
     tm = _manager()
-    assert _send(tm, _rows(0, PROMPT), _request(PROMPT + 1)) is None
+    assert _send(tm, _rows(0, PROMPT), _request(PROMPT + 1), view) is None
     if runner_dropped_first:  # the runner's drop at the resume got there before this save
         tm.request_payload.pop("r")
-    first = _send(tm, _rows(0, PROMPT + 1), _request(PROMPT + 2, preemptions=1))
+    first = _send(tm, _rows(0, PROMPT + 1), _request(PROMPT + 2, preemptions=1), view)
     assert first is not None and _positions(first) == list(range(PROMPT + 1))
-    later = _send(tm, _rows(PROMPT + 1, PROMPT + 2), _request(PROMPT + 3, preemptions=1))
+    later = _send(tm, _rows(PROMPT + 1, PROMPT + 2), _request(PROMPT + 3, preemptions=1), view)
     assert _positions(later) == [PROMPT + 1]
 
 
