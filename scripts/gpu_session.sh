@@ -23,6 +23,10 @@
 #      over the four cards (CUDA_VISIBLE_DEVICES), each card's report under OUT/M<card>/report.json
 #   R  on one card, what changed since the lane run of 8aa0b18 (docs/gpu.md, "Fourth session"):
 #      yoco-eager, yoco-compiled and equality-compiled at once (OUT/R/report.json)
+#   N  one 4-GPU hold for two things: the whole lane on cards 0-2 (three groups at a time on each,
+#      merged into OUT/L/report.json) while card 3 runs the full-size benchmark for omni-cache alone
+#      (floor, text, chat, image; c = 1 and 16), to catch the sixth session's engine death
+#      (result.json's variant_failures, the variant's log_omni_cache.txt)
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -111,6 +115,26 @@ for step in "$@"; do
        $PY -m tests.lanes.gpu_check --groups "" --out "$OUT/L" --commit "$COMMIT" \
          --merge "$OUT"/L0/report.json "$OUT"/L1/report.json "$OUT"/L2/report.json "$OUT"/L3/report.json \
          > "$OUT/L.log" 2>&1 ;;
+    N) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
+       $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
+       $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       CUDA_VISIBLE_DEVICES=3 PYTHONFAULTHANDLER=1 $PY -m benchmarks.prefill \
+         --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat,image \
+         --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart \
+         --variants omni_cache --out "$OUT" --name N3 > "$OUT/N3.log" 2>&1 &
+       bench=$!; lane=()
+       for spec in "0:equality-compiled,yoco-eager,equality" "1:streaming,yoco-compiled,main-job" \
+                   "2:serve,stress,equality-default,unit"; do
+         dev=${spec%%:*}
+         CUDA_VISIBLE_DEVICES=$dev $PY -m tests.lanes.gpu_check --groups "${spec#*:}" --jobs 3 --out "$OUT/L$dev" \
+           --commit "$COMMIT" > "$OUT/L$dev.log" 2>&1 &
+         lane+=($!)
+       done
+       wait "${lane[@]}"
+       $PY -m tests.lanes.gpu_check --groups "" --out "$OUT/L" --commit "$COMMIT" \
+         --merge "$OUT"/L0/report.json "$OUT"/L1/report.json "$OUT"/L2/report.json > "$OUT/L.log" 2>&1
+       log "lane merged"; wait $bench ;;
     *) log "unknown step $step" ;;
   esac
   log "step $step rc=$?"
