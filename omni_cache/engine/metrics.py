@@ -4,12 +4,17 @@ Engine processes publish their counters as ``<dir>/<name>-<pid>.json`` (``metric
 stage manager's cache counters; ``scheduler``: the capped scheduler's; ``yoco``: the KV-shared
 thinker's forward counters). Benchmarks and tests read them. Each file is written atomically
 (temporary file + rename), at most once per :attr:`MetricsFile.min_interval_s` unless forced.
+Counters are best-effort: a write that fails is logged once and never raised into the engine —
+the sixth GPU session's full-size engine death was two threads of one thinker (vLLM-Omni's
+background output builder and the step) renaming the same temporary file (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,6 +24,8 @@ from omni_cache import settings
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsFile:
@@ -34,6 +41,8 @@ class MetricsFile:
         self.name = name
         self.min_interval_s = min_interval_s
         self._last = float("-inf")
+        self._lock = threading.Lock()
+        self._warned = False
 
     def path(self) -> Path | None:
         """The file this process writes, or None when ``OMNI_CACHE_METRICS_DIR`` is unset."""
@@ -42,20 +51,30 @@ class MetricsFile:
 
     def publish(self, counters: Mapping | Callable[[], Mapping], *, force: bool = False) -> bool:
         """Write ``counters`` (a mapping, or a callable returning one, evaluated only when the
-        file is written). Returns whether it wrote."""
+        file is written). Returns whether it wrote. Thread-safe: a process's threads (the
+        engine step, vLLM-Omni's background output builder, the save thread) may all publish;
+        each write goes through its own temporary file under one lock. Never raises on a failed
+        write (``OSError``: logged once per file, returns False)."""
         path = self.path()
         if path is None:
             return False
-        now = time.monotonic()
-        if not force and now - self._last < self.min_interval_s:
-            return False
-        self._last = now
-        data = counters() if callable(counters) else counters
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(data)))
-        tmp.replace(path)
-        return True
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._last < self.min_interval_s:
+                return False
+            self._last = now
+            data = counters() if callable(counters) else counters
+            tmp = path.with_name(f".{path.stem}-{threading.get_ident()}.tmp")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(json.dumps(dict(data)))
+                tmp.replace(path)
+            except OSError as e:
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("omni-cache: counters not written to %s (%s); the cache goes on", path, e)
+                return False
+            return True
 
 
 class HitAudit:
