@@ -18,6 +18,13 @@ or could not run (collection error, no tests, time out): never counted as killed
 
     .venv/bin/python -m tests.lanes.mutants --lock /tmp/cpu-heavy.lock
     .venv/bin/python -m tests.lanes.mutants --only bit_flip,cap_disabled --baseline
+
+On a GPU host (issue 44, item 3): ``--device cuda`` runs the selections in the GPU lane's
+environment (:func:`tests.lanes.gpu_check.lane_env`: the CUDA platform, ``OMNI_TEST_DEVICE=cuda``,
+so the tests take their CUDA variants, cache off relaxed as on CUDA) and only the selections that
+start a pipeline — a kill on the GPU is an exactness oracle's, not a unit test's. Without it the
+pipeline tests start the CPU stage configs (the first GPU run, 2026-11-27, errored on every
+pipeline selection: vLLM-Omni's parallel stage admission refuses a CPU config's unresolved devices).
 """
 
 from __future__ import annotations
@@ -124,7 +131,7 @@ class SelectionRun:
 class MutantResult:
     name: str
     models: str
-    verdict: str  # "killed" | "survived" | "error"
+    verdict: str  # "killed" | "survived" | "error" | "skipped"
     minutes: float  # wall, waits for --lock included
     runs: list[SelectionRun]
     #: minutes pytest ran (summed over the selections; no lock wait)
@@ -135,10 +142,26 @@ def _heavy(selection: tuple[str, ...]) -> bool:
     return any(a.startswith("tests/pipeline") for a in selection)
 
 
+def selection_env(device: str) -> dict[str, str]:
+    """The environment a selection runs in: this process's (``cpu``), or the GPU lane's
+    (``cuda``: :func:`tests.lanes.gpu_check.lane_env`).
+
+    Raises:
+        ValueError: another ``device``.
+    """
+    if device == "cpu":
+        return dict(os.environ)
+    if device == "cuda":
+        from tests.lanes.gpu_check import lane_env
+
+        return lane_env()
+    raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+
+
 def run_selection(selection: tuple[str, ...], fault: str | None, plugin_dir: Path, *, lock: str | None,
-                  timeout_s: float, log: Path) -> SelectionRun:
+                  timeout_s: float, log: Path, device: str = "cpu") -> SelectionRun:
     """One pytest run of ``selection`` with ``fault`` planted (None: nothing planted)."""
-    env = dict(os.environ)
+    env = selection_env(device)
     env.pop(ENV, None)
     evidence = log.with_suffix(".planted")
     evidence.unlink(missing_ok=True)
@@ -198,21 +221,23 @@ def pytest_seconds(output: str) -> float | None:
 
 
 def run_mutant(m: Mutant, plugin_dir: Path, out: Path, *, lock: str | None, timeout_s: float,
-               baseline: bool, unit_only: bool = False) -> MutantResult:
+               baseline: bool, unit_only: bool = False, device: str = "cpu") -> MutantResult:
     runs = []
     t0 = time.perf_counter()
     for i, sel in enumerate(m.selections):
-        if unit_only and _heavy(sel):
+        if (unit_only and _heavy(sel)) or (device == "cuda" and not _heavy(sel)):
             continue
         fault = None if baseline else m.name
         tag = ("-unit" if unit_only else "") + ("-baseline" if baseline else "")
         runs.append(run_selection(sel, fault, plugin_dir, lock=lock, timeout_s=timeout_s,
-                                  log=out / f"{m.name}-{i}{tag}.log"))
+                                  log=out / f"{m.name}-{i}{tag}.log", device=device))
         r = runs[-1]
         print(f"  {m.name}: {r.tests}: {r.outcome} in {r.seconds:.0f} s (planted in {r.planted_in} processes) "
               f"{r.failed[:2]}", flush=True)
     outcomes = {r.outcome for r in runs}
-    verdict = "killed" if "failed" in outcomes else "error" if "error" in outcomes else "survived"
+    # skipped: no selection ran (on cuda, a mutant whose selections are all unit tests)
+    verdict = "skipped" if not runs else "killed" if "failed" in outcomes else \
+        "error" if "error" in outcomes else "survived"
     ran = [r.pytest_seconds for r in runs if r.pytest_seconds is not None]
     return MutantResult(m.name, m.models, verdict, round((time.perf_counter() - t0) / 60, 2), runs,
                         round(sum(ran) / 60, 2) if ran else None)
@@ -242,6 +267,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="report folder (default benchmarks/results/mutants-<date>)")
     ap.add_argument("--unit-only", action="store_true",
                     help="run only the selections that start no pipeline (report-unit.json)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: the GPU lane's environment, pipeline selections only (module docstring)")
     ap.add_argument("--rescan", default=None, metavar="DIR",
                     help="only add pytest's own seconds (from the logs) to DIR/report.json")
     args = ap.parse_args(argv)
@@ -261,8 +288,9 @@ def main(argv=None) -> int:
         for m in chosen:
             print(f"[mutants] {m.name}: {m.models}", flush=True)
             results.append(run_mutant(m, plugin_dir, out, lock=args.lock, timeout_s=args.timeout,
-                                      baseline=args.baseline, unit_only=args.unit_only))
+                                      baseline=args.baseline, unit_only=args.unit_only, device=args.device))
     report = {"date": stamp, "commit": commit, "baseline": args.baseline, "unit_only": args.unit_only,
+              "device": args.device,
               "command": "python -m tests.lanes.mutants " + " ".join(argv if argv is not None else sys.argv[1:]),
               "minutes": round((time.perf_counter() - t0) / 60, 2),
               "test_minutes": round(sum(r.test_minutes or 0 for r in results), 2),

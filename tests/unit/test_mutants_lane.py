@@ -30,3 +30,28 @@ def test_a_crash_or_an_error_is_not_a_kill():
 def test_every_fault_has_a_mutant_with_a_selection():
     assert {m.name for m in MUTANTS} == set(FAULTS) and all(m.selections for m in MUTANTS)
     assert len(FAULTS) >= 16  # ten before issue 44, six classes it listed as not planted
+
+
+def test_cuda_runs_pipeline_selections_in_the_lane_environment(monkeypatch, tmp_path):
+    """``--device cuda``: the GPU lane's environment (``OMNI_TEST_DEVICE=cuda``; without it the
+    first GPU run errored on every pipeline selection) and no unit selection; a mutant with
+    only unit selections is ``skipped``, never ``killed``."""
+    import tests.lanes.mutants as lane
+
+    monkeypatch.delenv("OMNI_TEST_DEVICE", raising=False)
+    assert lane.selection_env("cuda")["OMNI_TEST_DEVICE"] == "cuda"
+    assert "OMNI_TEST_DEVICE" not in lane.selection_env("cpu")
+    seen = []
+
+    def fake_run(sel, fault, plugin_dir, *, lock, timeout_s, log, device):
+        seen.append((sel, device))
+        return lane.SelectionRun(" ".join(sel), "failed", 1, 0.0)
+
+    monkeypatch.setattr(lane, "run_selection", fake_run)
+    by_name = {m.name: m for m in MUTANTS}
+    r = lane.run_mutant(by_name["bit_flip"], tmp_path, tmp_path, lock=None, timeout_s=1, baseline=False,
+                        device="cuda")
+    assert seen == [(("tests/pipeline/test_cache_equality.py",), "cuda")] and r.verdict == "killed"
+    r = lane.run_mutant(by_name["ledger_check_off"], tmp_path, tmp_path, lock=None, timeout_s=1,
+                        baseline=False, device="cuda")
+    assert r.verdict == "skipped" and len(seen) == 1
