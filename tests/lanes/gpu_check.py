@@ -257,9 +257,14 @@ def main(argv=None) -> int:
     if "main-job" in groups:  # alone on the card: its stages size their KV by gpu_memory_utilization
         results.append(run_main_job(out, model_dir, group_timeout("main-job", args.timeout)))
     lane_s = time.perf_counter() - t_lane
+    parts = []
     for path in args.merge:
         old = json.loads(Path(path).read_text())
         results += [g for g in old["groups"] if g["group"] not in groups]
+        parts.append({"report": str(path), "commit": old.get("commit"), "gpu": old.get("gpu"),
+                      "lane_wall_s": old.get("lane_wall_s")})
+    # parts run side by side (one per card): the lane took as long as its longest part
+    lane_s = max([lane_s] + [p["lane_wall_s"] or 0 for p in parts])
     tests = [t for g in results for t in g["tests"]]
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
     main_job = next((g for g in results if g["group"] == "main-job"), None)
@@ -267,7 +272,7 @@ def main(argv=None) -> int:
         "commit": args.commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **facts,
         "install": json.loads(Path(args.install_json).read_text()) if args.install_json else None,
         "command": "OMNI_CACHE_CUDA_PLATFORM=1 python -m tests.lanes.gpu_check " + " ".join(argv or sys.argv[1:]),
-        "lane_wall_s": round(lane_s, 1), "counts": counts,
+        "lane_wall_s": round(lane_s, 1), "parts": parts, "counts": counts,
         "passed": counts["failed"] == 0 and counts["error"] == 0 and all(
             g["rc"] == 0 for g in results if g["group"] != "main-job") and (main_job is None or all(
                 main_job["checks"].values())),

@@ -66,3 +66,28 @@ def test_lane_group_killed_at_its_timeout_keeps_the_tests_that_ended(tmp_path, m
     assert gpu_check.group_timeout("streaming") == 2 * gpu_check.MEASURED_S["streaming"]
     assert gpu_check.group_timeout("unit") == gpu_check.MIN_TIMEOUT_S
     assert gpu_check.group_timeout("unit", 30) == 30
+
+
+def test_merged_lane_report_takes_its_longest_part(tmp_path, monkeypatch):
+    """``gpu_check --groups "" --merge A B``: the parts ran side by side on their cards, so the
+    lane's wall time is the longest part's (the first merge wrote 0.0), each part is named, and
+    every part's groups and tests are kept."""
+    import json
+
+    import omni_cache.models
+    from tests.lanes import gpu_check
+
+    monkeypatch.setattr(omni_cache.models, "build_qwen3_omni", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(gpu_check, "host_facts", lambda: {"gpu": "test", "versions": {}})
+    parts = []
+    for i, (group, wall) in enumerate([("equality", 615.0), ("unit", 567.2)]):
+        test = {"test": f"t{i}", "outcome": "passed"}
+        p = tmp_path / f"L{i}.json"
+        p.write_text(json.dumps({"commit": "abc", "gpu": "H200", "lane_wall_s": wall,
+                                 "groups": [{"group": group, "rc": 0, "tests": [test]}]}))
+        parts.append(str(p))
+    assert gpu_check.main(["--groups", "", "--out", str(tmp_path / "L"), "--commit", "abc", "--merge", *parts]) == 0
+    report = json.loads((tmp_path / "L" / "report.json").read_text())
+    assert report["lane_wall_s"] == 615.0
+    assert [p["lane_wall_s"] for p in report["parts"]] == [615.0, 567.2]
+    assert report["counts"]["passed"] == 2 and [g["group"] for g in report["groups"]] == ["equality", "unit"]
