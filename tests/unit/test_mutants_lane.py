@@ -39,7 +39,8 @@ def test_cuda_runs_pipeline_selections_in_the_lane_environment(monkeypatch, tmp_
     import tests.lanes.mutants as lane
 
     monkeypatch.delenv("OMNI_TEST_DEVICE", raising=False)
-    assert lane.selection_env("cuda")["OMNI_TEST_DEVICE"] == "cuda"
+    cuda = lane.selection_env("cuda")
+    assert cuda["OMNI_TEST_DEVICE"] == "cuda" and cuda["OMNI_TEST_BATCH_INVARIANT"] == "0"
     assert "OMNI_TEST_DEVICE" not in lane.selection_env("cpu")
     seen = []
 
