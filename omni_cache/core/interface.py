@@ -31,6 +31,11 @@ class CacheMetrics:
     cache writes / reads; ``seconds_save`` / ``seconds_materialize`` are the stage manager's
     whole per-step host time in the runner's save and hand-off calls (block hashes, writes,
     reads, staging; set by :class:`omni_cache.engine.stage_manager.OmniCacheStageManager`).
+    Parts of them, to place a step's host time without a profiler (docs/gpu.md, "Zero
+    overhead"): ``seconds_plan`` (classify the outputs, plan the step, keep async-scheduling
+    ids), ``seconds_stage`` (stage or merge the hand-off rows), ``seconds_handoff_wait`` (in
+    ``materialize``, waiting for the staged copies), ``seconds_publish`` (writing the counter
+    file, ``OMNI_CACHE_METRICS_DIR``; counted up to the write before the one that carries it).
     ``hits_refused`` counts ``read_prefix`` calls refused as stale or uncovered."""
 
     steps: int = 0
@@ -45,6 +50,10 @@ class CacheMetrics:
     seconds_read: float = 0.0
     seconds_save: float = 0.0
     seconds_materialize: float = 0.0
+    seconds_plan: float = 0.0
+    seconds_stage: float = 0.0
+    seconds_handoff_wait: float = 0.0
+    seconds_publish: float = 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         """Counter name -> value."""

@@ -262,9 +262,11 @@ class OmniCacheStageManager:
         self._ensure_keys(outputs.rows)
         plan = self.plan_step(outputs)
         self.keep_async_inputs(plan)
+        t_plan = time.perf_counter()
         snapshot = self._from_snapshot  # (set only with a stager)
         fresh = self.write_rows(plan, outputs, keep_fresh=not snapshot)
         prefixes = self.read_hits(plan)
+        t_stage = time.perf_counter()
         if snapshot:
             merged = None
             staged = self.stage_prefixes(plan, prefixes) if prefixes else None
@@ -275,8 +277,12 @@ class OmniCacheStageManager:
         step_id = next(self._step_ids)
         self._steps[step_id] = _SavedStep(plan, merged, staged, outputs.passthrough, outputs.num_tokens,
                                           from_snapshot=snapshot)
-        self.step_seconds = time.perf_counter() - t0
-        self.cache.metrics.seconds_save += self.step_seconds
+        t1 = time.perf_counter()
+        self.step_seconds = t1 - t0
+        m = self.cache.metrics
+        m.seconds_save += self.step_seconds
+        m.seconds_plan += t_plan - t0
+        m.seconds_stage += t1 - t_stage
         return step_id
 
     # ---- 2. classify outputs -------------------------------------------------------------
@@ -567,7 +573,10 @@ class OmniCacheStageManager:
                                "snapshot (the runner seam moved: omni_cache/engine/seam.py); set "
                                f"{settings.HANDOFF_STAGING.name}=host")
         if step.staged is not None:
+            t_wait = time.perf_counter()
             step.staged.wait()
+            if self.cache is not None:
+                self.cache.metrics.seconds_handoff_wait += time.perf_counter() - t_wait
         rows = {rid: step.rows(rid) for rid in req_ids}
         hidden = {rid: rows[rid][HIDDEN_KEY] for rid in req_ids if HIDDEN_KEY in rows[rid]}
         mm: dict[str, dict[str, Any]] = {}
@@ -600,10 +609,12 @@ class OmniCacheStageManager:
         (``pool_bytes``), its tier (``pool_tier``) and its bytes of pinned host memory
         (``pool_pinned_bytes``)."""
         if self.cache is not None:
-            self._metrics_file.publish(
-                lambda: {**self.cache.metrics.as_dict(), "last_save_seconds": self.step_seconds,
-                         "pool_bytes": self.cache.nbytes, "pool_tier": self.cache.tier.value,
-                         "pool_pinned_bytes": self.cache.pinned_nbytes}, force=force)
+            t0 = time.perf_counter()
+            if self._metrics_file.publish(
+                    lambda: {**self.cache.metrics.as_dict(), "last_save_seconds": self.step_seconds,
+                             "pool_bytes": self.cache.nbytes, "pool_tier": self.cache.tier.value,
+                             "pool_pinned_bytes": self.cache.pinned_nbytes}, force=force):
+                self.cache.metrics.seconds_publish += time.perf_counter() - t0
 
     def shutdown(self) -> None:
         """Final metrics (log line and file); called from the model runner's ``shutdown``."""

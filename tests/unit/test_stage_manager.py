@@ -227,3 +227,26 @@ def test_materialize_refuses_unknown_requests_and_consumes_the_step():
         eng.manager.materialize(step, ["Z"])
     with pytest.raises(RuntimeError, match="forward produced 2"):
         eng.manager.save_outputs(prefix_rows([1, 2], 0, 2), {}, num_tokens_unpadded=2, num_tokens_padded=2)
+
+
+def test_step_host_time_is_split_into_its_parts(tmp_path, monkeypatch):
+    """``seconds_save`` holds its parts (``seconds_plan``, ``seconds_stage``, the write and
+    read); the counter file's own writes are counted in ``seconds_publish`` (docs/gpu.md: a
+    GPU step's host time placed without a profiler)."""
+    monkeypatch.setenv("OMNI_CACHE_METRICS_DIR", str(tmp_path))
+    eng = FakeEngine()
+    a = list(range(100, 110))
+    eng.add("A", a)
+    eng.step(new=[("A", [3, 7, 9], 0, 10)])
+    b = a[:8] + [1, 2]
+    eng.add("B", b)
+    eng.step(new=[("B", [3, 7, 11], 8, 2)])  # a hit: a forced publish
+    m = eng.manager.metrics()
+    assert m["hits_served"] == 1
+    parts = m["seconds_plan"] + m["seconds_stage"] + m["seconds_write"] + m["seconds_read"]
+    assert 0 < m["seconds_plan"] and 0 < m["seconds_stage"] and parts <= m["seconds_save"]
+    assert m["seconds_publish"] > 0
+    import json
+
+    written = json.loads(next(tmp_path.glob("metrics-*.json")).read_text())
+    assert {"seconds_plan", "seconds_stage", "seconds_handoff_wait", "seconds_publish"} <= set(written)
