@@ -27,6 +27,12 @@
 #      merged into OUT/L/report.json) while card 3 runs the full-size benchmark for omni-cache alone
 #      (floor, text, chat, image; c = 1 and 16), to catch the sixth session's engine death
 #      (result.json's variant_failures, the variant's log_omni_cache.txt)
+#   Y  issue 47, item 1 (never run): Gemma-4-E4B's shape with YOCO at size on a 4-GPU H200 host, one
+#      variant per card (fast prefill off/on x omni-cache off/on), ISL ~8,192 (1,080 shared words +
+#      a question; workload miss: the control without a shared prefix), c = 1, 8 and 32
+#   V  issue 47, item 2 (never run): realtime duplex sessions at Qwen3-Omni-30B-A3B's size on one card
+#      (an H200; card $V_CARD, default 0), three servers one at a time, sessions 1 and 8, 8 turns, with
+#      the oracles (recorded hand-offs): docs/benchmarks.md's GPU command at --rounds 1
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -136,6 +142,17 @@ for step in "$@"; do
        $PY -m tests.lanes.gpu_check --groups "" --out "$OUT/L" --commit "$COMMIT" \
          --merge "$OUT"/L0/report.json "$OUT"/L1/report.json "$OUT"/L2/report.json > "$OUT/L.log" 2>&1
        log "lane merged"; wait $bench ;;
+    Y) $PY -m omni_cache.cli make-model --family gemma4 --size full >> "$OUT/models.log" 2>&1
+       $PY -m benchmarks.prefill --stage-config stage_configs/gemma4_e4b_yoco_h200_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/gemma4-omni-full" --modalities text,miss --prefix-words 1080 \
+         --variants off,fast,omni_cache,fast+omni_cache --requests 8 --repeats 1 --concurrency 1,8,32 \
+         --max-num-seqs 32 --alternation concurrent \
+         --variant-devices "off=0;fast=1;omni_cache=2;fast+omni_cache=3" --out "$OUT" --name Y > "$OUT/Y.log" 2>&1 ;;
+    V) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       CUDA_VISIBLE_DEVICES=${V_CARD:-0} $PY -m benchmarks.realtime_bench \
+         --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy_duplex.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --servers one-at-a-time \
+         --sessions 1,8 --turns 8 --rounds 1 --out "$OUT/V" > "$OUT/V.log" 2>&1 ;;
     *) log "unknown step $step" ;;
   esac
   log "step $step rc=$?"
