@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import random
 import sys
 import time
@@ -288,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "runtime_s": round(time.perf_counter() - t_all, 1),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    lab.write_result(lab.results_dir(args.out, "routing-sim"), result)
     if not args.no_plot:
         plot(rows, args.out / "routing_sim.png")
     print(f"bar (64 replicas, zipf, prefix: hit >= 0.9, max/mean <= 1.3): {'MET' if bar_ok else 'NOT MET'}"
