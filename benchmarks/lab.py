@@ -4,13 +4,13 @@ pipeline or a server).
 
 - :func:`parser` / :func:`add_options` / :func:`model_dir` / :func:`positive_int_list`: the
   shared options and the model they name;
-- :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder and what every
-  result records of where it ran (commit, machine, package versions);
+- :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder, what every
+  result records of where it ran (commit, machine, package versions), writing and announcing it;
 - :func:`variant_config` / :func:`prefix_cache_variant`: stage-config variants of a base config;
 - :func:`start`: the driver's pipeline or server, started as ``omni-cache run`` / ``serve`` do;
 - :func:`process_tree` / :func:`pause_tree` / :func:`nvml`: processes, pausing, GPU memory;
-- :func:`describe` / :func:`fmt` / :func:`figure` / :func:`random_text`: statistics, table
-  cells, plots, prompt filler.
+- :func:`describe` / :func:`stat` / :func:`fmt` / :func:`figure` / :func:`rotate` /
+  :func:`random_text`: statistics, table cells, plots, turn order, prompt filler.
 
 Nothing here imports torch, vLLM or vLLM-Omni at import time.
 """
