@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads((args.rejudge / "report.json").read_text())
         n = rejudge_concurrent_b(report, args.rejudge)
         report["summary"] = summarize(report)
-        (args.rejudge / "report.json").write_text(json.dumps(report, indent=1))
+        lab.write_result(args.rejudge, report, "report.json")
         plot(report, args.rejudge / "ulps.png")
         print(f"[fuzz] rejudged {args.rejudge}: {n} mismatch(es) superseded; violations "
               f"{report['summary']['violations']}")
@@ -218,13 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = time.perf_counter() - t0
     report["summary"] = summarize(report)
     report["conversations"], report["requests"] = report["summary"]["conversations"], report["summary"]["requests"]
-    lab.write_result(out, report, "report.json")
+    lab.write_result(out, report, "report.json", show=report["summary"], also=[out / "ulps.png"])
     plot(report, out / "ulps.png")
-    print(json.dumps(report["summary"], indent=1))
     for m in report["mismatches"]:
         print(f"[fuzz] MISMATCH oracle ({m['oracle']}) seed {m['seed']} {m['conversation']} turn {m['turn']}: "
               f"{m['message']}" + (f"\n  repro: {m['repro']}" if m.get("repro") else ""))
-    print(f"[fuzz] report: {out / 'report.json'}, plot: {out / 'ulps.png'}")
     return 1 if any(report["summary"]["violations"].values()) else 0
 
 

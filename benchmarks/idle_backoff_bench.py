@@ -12,7 +12,6 @@ fresh ``--prompt-tokens`` misses; TTFT and TTFP (s) per request, medians and off
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import time
 
@@ -48,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(0)
         names = list(variants)
         for rnd in range(args.rounds):
-            order = names[rnd % 2:] + names[:rnd % 2]
-            for name in order:
+            for name in lab.rotate(names, rnd):
                 system = f"Request {rnd}-{name}. " + lab.random_text(rng, args.prompt_tokens, tok)
                 r = pipes[name].run(build_request("Summarise it in one sentence.", system=system))
                 if r.error:
@@ -63,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     off, on = names
     summary["ratios_off_over_on"] = {m: summary[off][m]["median"] / summary[on][m]["median"]
                                      for m in ("ttft_s", "ttfp_s")}
-    result = {**lab.stamp("benchmarks.idle_backoff_bench", argv), "args": lab.jsonable(args),
-              "wall_s": time.perf_counter() - t_start, "summary": summary, "requests": records}
-    path = lab.write_result(out, result)
+    lab.write_result(out, {**lab.stamp("benchmarks.idle_backoff_bench", argv), "args": lab.jsonable(args),
+                           "wall_s": time.perf_counter() - t_start, "summary": summary, "requests": records},
+                     show=summary)
 
     title = f"Idle back-off off vs on, streaming, {args.prompt_tokens}-token misses ({args.size} model)"
     with lab.figure(out / "idle_backoff.png", 1, 2, figsize=(9, 4), title=title) as (fig, axes):
@@ -73,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
             ax.boxplot([[r[metric] for r in records if r["variant"] == n] for n in names], tick_labels=names)
             ax.set_ylabel(label)
             ax.set_ylim(bottom=0)
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {path}")
     return 0
 
 

@@ -4,13 +4,13 @@ pipeline or a server).
 
 - :func:`parser` / :func:`add_options` / :func:`model_dir` / :func:`positive_int_list`: the
   shared options and the model they name;
-- :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder and what every
-  result records of where it ran (commit, machine, package versions);
+- :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder, what every
+  result records of where it ran (commit, machine, package versions), writing and announcing it;
 - :func:`variant_config` / :func:`prefix_cache_variant`: stage-config variants of a base config;
 - :func:`start`: the driver's pipeline or server, started as ``omni-cache run`` / ``serve`` do;
 - :func:`process_tree` / :func:`pause_tree` / :func:`nvml`: processes, pausing, GPU memory;
-- :func:`describe` / :func:`fmt` / :func:`figure` / :func:`random_text`: statistics, table
-  cells, plots, prompt filler.
+- :func:`describe` / :func:`stat` / :func:`fmt` / :func:`figure` / :func:`rotate` /
+  :func:`random_text`: statistics, table cells, plots, turn order, prompt filler.
 
 Nothing here imports torch, vLLM or vLLM-Omni at import time.
 """
@@ -177,11 +177,17 @@ def stamp(module: str, argv: Sequence[str] | None = None, *, gpus: list[dict] | 
             "versions": versions()}
 
 
-def write_result(out: Path, result: dict, name: str = "result.json") -> Path:
+def write_result(out: Path, result: dict, name: str = "result.json", *, show: Any = None,
+                 also: Sequence[Path | str] = ()) -> Path:
     """Write ``result`` as indented JSON to ``out / name`` (paths and other non-JSON values as
-    strings); returns the path."""
+    strings); with ``show`` or ``also``, print ``show`` (not None) as indented JSON and a line
+    naming the file and ``also`` (what was written beside it). Returns the path."""
     path = out / name
     path.write_text(json.dumps(result, indent=2, default=str))
+    if show is not None:
+        print(json.dumps(show, indent=2, default=str))
+    if show is not None or also:
+        print("wrote " + " and ".join(map(str, [path, *also])))
     return path
 
 
@@ -229,6 +235,13 @@ def _traceback_at(text: list[str], start: int, lines: int) -> dict:
             exception = line
     return {"line": start + 1, "length": len(block), "exception": (exception or block[-1])[:300],
             "traceback": [line[:300] for line in block[-lines:]]}
+
+
+def rotate(xs: Sequence, k: int) -> list:
+    """``xs`` rotated left by ``k`` (modulo its length): the order of round ``k`` when variants
+    take turns going first."""
+    k %= len(xs)
+    return [*xs[k:], *xs[:k]]
 
 
 def jsonable(args: argparse.Namespace, *, drop: Sequence[str] = ()) -> dict:
@@ -377,6 +390,12 @@ def describe(xs: Sequence[float | None], *stats: str) -> dict[str, float] | None
         return None
     fns = {"median": np.median, "mean": np.mean, "min": np.min, "max": np.max}
     return {**{k: float(fns[k](a) if k in fns else np.percentile(a, float(k[1:]))) for k in stats}, "n": int(a.size)}
+
+
+def stat(xs: Sequence[float | None], name: str = "median") -> float | None:
+    """One statistic of :func:`describe` (``median``, ``mean``, ``min``, ``max``, ``pNN``) of the
+    values of ``xs`` that are not None; None when no value is left."""
+    return (describe(xs, name) or {}).get(name)
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:

@@ -20,16 +20,21 @@ host time of small steps on a ``HOST`` pool on the CPU (also part of a full run)
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from omni_cache.core import HiddenStateCache, KeySpec, Tier
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script (the documented command), not as a module
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import lab  # noqa: E402
+from omni_cache.core import HiddenStateCache, KeySpec, Tier  # noqa: E402
 
 KEYS = ("hidden", "layer_0", "layer_24")
 STEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -120,8 +125,9 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
     nb = tokens // block_size
     rows = {k: torch.randn(tokens, width, device=dev).to(torch.bfloat16) for k in KEYS}
     rng = random.Random(tokens)
-    m = {k: [] for k in ("w_gpu", "w_host", "w_host_ev", "w_host_arr", "r_gpu", "r_host", "r_host_ev",
-                         "w_lat", "r_lat", "w_settle")}
+    m = {k: [] for k in ("write_gpu_ms", "write_host_ms", "write_host_ms_with_events", "write_host_ms_array_forms",
+                         "read_gpu_ms", "read_host_ms", "read_host_ms_with_events", "write_latency_ms",
+                         "read_latency_ms", "write_settle_host_ms")}
     busy = 2.0
     # the ledger update a write deferred (applied by the next lookup anyway); older cores: none
     settle = getattr(cache, "settle", lambda: None)
@@ -177,13 +183,10 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
             for k, v in zip(m, (g, h, h_ev, h_arr, gr, hr, hr_ev, lat_w, lat_r, h_settle)):
                 m[k].append(v)
     nbytes = tokens * width * 2 * len(KEYS)
-    names = {"w_gpu": "write_gpu_ms", "w_host": "write_host_ms", "w_lat": "write_latency_ms", "r_gpu": "read_gpu_ms",
-             "r_host": "read_host_ms", "r_lat": "read_latency_ms", "w_host_arr": "write_host_ms_array_forms",
-             "w_settle": "write_settle_host_ms", "w_host_ev": "write_host_ms_with_events",
-             "r_host_ev": "read_host_ms_with_events"}
     res = {"tier": tier.name, "tokens": tokens, "width": width, "keys": len(KEYS), "bytes": nbytes,
-           **{name: _median(m[k]) for k, name in names.items()},
-           **{f"{names[k]}_all": m[k] for k in ("w_host", "w_host_arr", "w_settle", "r_host")},
+           **{k: _median(v) for k, v in m.items()},
+           **{f"{k}_all": m[k] for k in ("write_host_ms", "write_host_ms_array_forms", "write_settle_host_ms",
+                                         "read_host_ms")},
            "fused_writes": cache._writer is not None}
     res["write_GBps"] = nbytes / res["write_gpu_ms"] / 1e6
     res["read_GBps"] = nbytes / res["read_gpu_ms"] / 1e6
@@ -230,35 +233,28 @@ def bench_cpu(reps: int, width: int = 2048) -> dict:
 
 def plot(res: dict, path: Path) -> None:
     """Per tier and step size: GB/s (with the limits), host ms per call, fraction of the limit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lim = res["limits"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))  # not lab.figure: runs where benchmarks/ is no package
-    for tier, color in (("DEVICE", "tab:blue"), ("PINNED_HOST", "tab:orange")):
-        runs = [r for r in res["runs"] if r["tier"] == tier]
-        for ax, what in zip(axes, ("GBps", "host_ms", "frac")):
-            for op, style in (("write", "o-"), ("read", "s--")):
-                ax.plot([r["tokens"] for r in runs], [r[f"{op}_{what}"] for r in runs], style, color=color,
-                        label=f"{tier} {op}")
-    for name, ls in (("index_copy_rows", ":"), ("index_select_rows", "-."), ("pinned_h2d", ":")):
-        axes[0].axhline(lim[name]["GBps"], color="gray", ls=ls, lw=1)
-        axes[0].annotate(name, (STEP_TOKENS[0], lim[name]["GBps"]), fontsize=7, color="gray")
-    axes[1].axhline(BARS["write_host_ms_8k"], color="red", ls=":", lw=1)
-    axes[2].axhline(0.7, color="red", ls=":", lw=1)
-    for ax, ylabel, title in zip(axes, ("GB/s (payload, GPU time)", "host ms per call", "fraction of limit"),
-                                 ("bandwidth", "host time (bar: write <= 0.2 ms at 8k)",
-                                  "fraction of measured limit (bar 0.7)")):
-        ax.set(xscale="log", yscale="linear" if ax is axes[2] else "log", xlabel="tokens per step", ylabel=ylabel,
-               title=title)
-        ax.set_xticks(STEP_TOKENS, [f"{t // 1024}k" for t in STEP_TOKENS])
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"omni-cache pool, 3 keys x 2048 bf16, {res['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with lab.figure(path, 1, 3, figsize=(16, 4.6), dpi=110, title_size=10,
+                    title=f"omni-cache pool, 3 keys x 2048 bf16, {res['device']}") as (fig, axes):
+        for tier, color in (("DEVICE", "tab:blue"), ("PINNED_HOST", "tab:orange")):
+            runs = [r for r in res["runs"] if r["tier"] == tier]
+            for ax, what in zip(axes, ("GBps", "host_ms", "frac")):
+                for op, style in (("write", "o-"), ("read", "s--")):
+                    ax.plot([r["tokens"] for r in runs], [r[f"{op}_{what}"] for r in runs], style, color=color,
+                            label=f"{tier} {op}")
+        for name, ls in (("index_copy_rows", ":"), ("index_select_rows", "-."), ("pinned_h2d", ":")):
+            axes[0].axhline(lim[name]["GBps"], color="gray", ls=ls, lw=1)
+            axes[0].annotate(name, (STEP_TOKENS[0], lim[name]["GBps"]), fontsize=7, color="gray")
+        axes[1].axhline(BARS["write_host_ms_8k"], color="red", ls=":", lw=1)
+        axes[2].axhline(0.7, color="red", ls=":", lw=1)
+        for ax, ylabel, title in zip(axes, ("GB/s (payload, GPU time)", "host ms per call", "fraction of limit"),
+                                     ("bandwidth", "host time (bar: write <= 0.2 ms at 8k)",
+                                      "fraction of measured limit (bar 0.7)")):
+            ax.set(xscale="log", yscale="linear" if ax is axes[2] else "log", xlabel="tokens per step",
+                   ylabel=ylabel, title=title)
+            ax.set_xticks(STEP_TOKENS, [f"{t // 1024}k" for t in STEP_TOKENS])
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
 
 
 def bars(res: dict) -> list[str]:
@@ -342,7 +338,7 @@ def main() -> None:
     if not a.cpu_only:
         res["bars"] = bars(res)
         print("\n".join(res["bars"]))
-    out.write_text(json.dumps(res, indent=1))
+    lab.write_result(out.parent, res, out.name)
     if not a.cpu_only:
         try:
             plot(res, out.with_suffix(".png"))

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -146,8 +144,7 @@ def main() -> int:
     for wl, d in per.items():
         raw = "\n".join(d.pop("raw"))
         (out / f"profile-{tag}-{wl}.txt").write_text(raw)
-        ms = [x for x in d["prefill_ms"] if x is not None]
-        result["workloads"][wl] = {**d, "prefill_ms_median": statistics.median(ms) if ms else None,
+        result["workloads"][wl] = {**d, "prefill_ms_median": lab.stat(d["prefill_ms"]),
                                    **split_samples(raw)}
         r = result["workloads"][wl]
         print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; "
@@ -155,7 +152,7 @@ def main() -> int:
               f"samples: omni-cache {100 * r['omni_cache_share']:.1f} %, model forward "
               f"{100 * r['model_forward_share']:.1f} %, compute_logits {100 * r['compute_logits_share']:.1f} %")
     path = out / f"profile-{tag}.json"
-    path.write_text(json.dumps(result, indent=2))
+    lab.write_result(out, result, path.name)
     shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {path} and the raw stacks beside it")
     return 0

@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -222,7 +221,7 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                         session_ids[(v, window, rnd, n, i)] = s.session_id
                 for turn in range(args.turns):
                     audios = [_clip(args.seconds, turn, rnd, i) for i in range(n)]
-                    for v in active[k % len(active):] + active[:k % len(active)]:
+                    for v in lab.rotate(active, k):
                         only(v)
                         add(await _turns(servers[v], live[v], audios), live[v], variant=v, window=window, round=rnd,
                             n_sessions=n, turn=turn + 1)
@@ -318,7 +317,7 @@ def floor_bar(records: list[dict], window: str, n: int) -> dict:
     audio p50 ≤ :data:`FLOOR_RATIO` × the floor's and ≤ the built-in's (s). ``verdict`` ``PASS``
     / ``FAIL``, or ``n/a`` where a side has no sample."""
     xs = {v: late_samples(records, v, window, n) for v in ("omni_cache", FLOOR, "builtin")}
-    p50 = {v: _median(x) for v, x in xs.items()}
+    p50 = {v: lab.stat(x) for v, x in xs.items()}
     res = {"omni_cache_p50_s": p50["omni_cache"], "floor_p50_s": p50[FLOOR], "builtin_p50_s": p50["builtin"],
            "samples": {v: len(x) for v, x in xs.items()}, "max_ratio_to_floor": FLOOR_RATIO}
     missing = [v for v, x in xs.items() if not x]
@@ -330,10 +329,6 @@ def floor_bar(records: list[dict], window: str, n: int) -> dict:
     ok_builtin = p50["omni_cache"] <= p50["builtin"]
     return {**res, "verdict": "PASS" if ok_floor and ok_builtin else "FAIL", "ratio_to_floor": ratio,
             "le_floor_ratio": ok_floor, "le_builtin": ok_builtin}
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[int]) -> dict:
@@ -352,7 +347,7 @@ def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[
             out[key][w] = {}
         for n in sessions:
             out["floor_bar"][w][n] = floor_bar(records, w, n)
-            pooled = {v: _median(late_samples(records, v, w, n)) for v in (*VARIANTS, FLOOR)}
+            pooled = {v: lab.stat(late_samples(records, v, w, n)) for v in (*VARIANTS, FLOOR)}
             out["pooled_first_audio_p50_turns_ge_4_s"][w][n] = pooled
             out["first_audio_5x_lower_than_off_turns_ge_4_p50"][w][n] = (
                 None if pooled["off"] is None or pooled["omni_cache"] is None

@@ -12,7 +12,6 @@ blocks. ``result.json`` (:func:`summarize`) and ``routing_bench.png``.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -36,11 +35,6 @@ def _next_prompt(tok, prev: list[int], answer: list[int], turn: int) -> list[int
     return prev + [t for t in answer if t != im_end] + [im_end] + tail
 
 
-def _pct(xs: list[float | None], q: int) -> float | None:
-    """Percentile ``q`` (0-100) of the non-None ``xs`` (:func:`benchmarks.lab.describe`)."""
-    return (lab.describe(xs, f"p{q}") or {}).get(f"p{q}")
-
-
 def summarize(records: list[dict]) -> dict:
     """Per policy: hit ratio (turns >= 2), TTFT / TTFP p50 / p95 (all requests and turns >= 2,
     seconds), per-round medians; plus round-robin / prefix ratios of the p50s."""
@@ -52,9 +46,9 @@ def summarize(records: list[dict]) -> dict:
         for metric in ("ttft_s", "ttfp_s"):
             for name, group in (("all", rs), ("turn2plus", later)):
                 xs = [r[metric] for r in group]
-                s[f"{metric}_p50_{name}"] = _pct(xs, 50)
-                s[f"{metric}_p95_{name}"] = _pct(xs, 95)
-            s[f"{metric}_round_medians"] = [_pct([r[metric] for r in rs if r["round"] == k], 50)
+                s[f"{metric}_p50_{name}"] = lab.stat(xs, "p50")
+                s[f"{metric}_p95_{name}"] = lab.stat(xs, "p95")
+            s[f"{metric}_round_medians"] = [lab.stat([r[metric] for r in rs if r["round"] == k])
                                             for k in sorted({r["round"] for r in rs})]
         out[policy] = s
     ratios = {}
@@ -142,10 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {**lab.stamp("benchmarks.routing_bench", argv), "args": lab.jsonable(args),
               "wall_s": time.perf_counter() - t_start, "summary": summary,
               "requests": [{k: v for k, v in r.items() if k != "answer"} for r in records]}
-    path = lab.write_result(out, result)
+    lab.write_result(out, result, show=summary, also=[out / "routing_bench.png"])
     plot(records, out / "routing_bench.png")
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {path} and {out / 'routing_bench.png'}")
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import random
 import sys
 import time
@@ -22,6 +21,8 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from itertools import accumulate
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -62,37 +63,6 @@ class Workload:
     seed: int = 0
 
 
-class _Fenwick:
-    """Weighted sampling of ready conversations in O(log N) (weight 0 = not ready)."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.t, self.w = n, [0.0] * (n + 1), [0.0] * n
-
-    def set(self, i: int, value: float) -> None:
-        d, self.w[i] = value - self.w[i], value
-        i += 1
-        while i <= self.n:
-            self.t[i] += d
-            i += i & -i
-
-    def total(self) -> float:
-        s, i = 0.0, self.n
-        while i > 0:
-            s += self.t[i]
-            i -= i & -i
-        return s
-
-    def find(self, x: float) -> int:
-        """Smallest index whose prefix sum exceeds ``x``."""
-        pos, step = 0, 1 << self.n.bit_length()
-        while step:
-            nxt = pos + step
-            if nxt <= self.n and self.t[nxt] <= x:
-                pos, x = nxt, x - self.t[nxt]
-            step >>= 1
-        return min(pos, self.n - 1)
-
-
 class _LRU:
     """Ground truth: one replica's KV prefix cache (block hashes, LRU eviction)."""
 
@@ -117,8 +87,6 @@ class _LRU:
 def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
     """Per conversation, per turn: (prompt block hashes, prompt + answer block hashes).
     Block hashes are extended incrementally (``parent=``), equal to hashing each prompt whole."""
-    import numpy as np
-
     rng = random.Random(w.seed)
     gen = np.random.default_rng(w.seed)
     vocab, bs = 150_000, w.block_size
@@ -169,9 +137,7 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
     weight = [1.0 / (i + 1) ** w.zipf_s for i in range(N)]
     rng.shuffle(weight)                              # popularity rank independent of system prompt
     next_turn = [0] * N
-    ready = _Fenwick(N)
-    for i in range(N):
-        ready.set(i, weight[i])
+    ready = np.array(weight)                         # a conversation's weight while its next turn may be sent, else 0
     to_issue = sum(len(c) for c in convs)
     # arrival rate: utilization x capacity with every prompt a miss (no policy overloads)
     mean_blocks = sum(len(t[0]) for c in convs for t in c) / sum(len(c) for c in convs)
@@ -203,12 +169,12 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
     while done < total:
         now, _, kind, data = heapq.heappop(heap)
         if kind == "arrive":
-            tot = ready.total()
-            if tot > 1e-12:
-                c = ready.find(rng.random() * tot)
-                while ready.w[c] == 0.0:             # float residue at an edge
+            cum = np.cumsum(ready)                   # weighted draw: the first prefix sum above x
+            if cum[-1] > 1e-12:
+                c = min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), N - 1)
+                while ready[c] == 0.0:               # float residue at an edge
                     c = (c + 1) % N
-                ready.set(c, 0.0)
+                ready[c] = 0.0
                 to_issue -= 1
                 turn = next_turn[c]
                 next_turn[c] += 1
@@ -234,7 +200,7 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
                 policy.forget(keys[r], evicted)
             done += 1
             if next_turn[c] < w.turns:
-                ready.set(c, weight[c])
+                ready[c] = weight[c]
             if waiting[r] and running[r] < w.batch:
                 start(r, now)
     return {"policy": policy_name, "requests": total, "turn2_hit_ratio": hits / later if later else 0.0,
@@ -288,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "runtime_s": round(time.perf_counter() - t_all, 1),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    lab.write_result(lab.results_dir(args.out, "routing-sim"), result)
     if not args.no_plot:
         plot(rows, args.out / "routing_sim.png")
     print(f"bar (64 replicas, zipf, prefix: hit >= 0.9, max/mean <= 1.3): {'MET' if bar_ok else 'NOT MET'}"

@@ -72,7 +72,7 @@ def summarize(runs: list[dict]) -> dict:
     out: dict = {}
     for v in sorted({r["variant"] for r in runs}):
         rs = [r for r in runs if r["variant"] == v]
-        fig = {k: (lab.describe([r["headline"].get(k) for r in rs], "median") or {}).get("median") for k in HEADLINE}
+        fig = {k: lab.stat([r["headline"].get(k) for r in rs]) for k in HEADLINE}
         q = sum(r["stage0_prefix_cache"].get("vllm:prefix_cache_queries_total", 0.0) for r in rs)
         h = sum(r["stage0_prefix_cache"].get("vllm:prefix_cache_hits_total", 0.0) for r in rs)
         out[v] = {**fig, "thinker_hit_ratio": h / q if q else 0.0, "completed": sum(r["completed"] or 0 for r in rs),
@@ -118,19 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     order = [v.strip() for v in args.order.split(",")]
     runs = []
     for cycle in range(args.cycles):
-        for variant in order[cycle % len(order):] + order[:cycle % len(order)]:
+        for variant in lab.rotate(order, cycle):
             runs.append(_run_variant(args, variant, cycle, model_dir, out_dir))
             print(f"[{variant} #{cycle}] " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1]["headline"].items()
                                                       if isinstance(v, (int, float))), flush=True)
     summary = summarize(runs)
     result = {"benchmark": "serve_bench (vllm-omni bench serve --omni)", **lab.stamp("benchmarks.serve_bench", argv),
               "model": str(model_dir), "args": lab.jsonable(args), "summary": summary, "runs": runs}
-    path = lab.write_result(out_dir, result)
-    png = plot(summary, out_dir / "serve_bench.png",
-               f"vllm-omni bench serve --omni, prefix_repetition {args.prefix_len}+{args.suffix_len} tokens, "
-               f"{args.num_prompts} prompts, concurrency {args.max_concurrency}")
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {path} and {png}")
+    lab.write_result(out_dir, result, show=summary, also=[out_dir / "serve_bench.png"])
+    plot(summary, out_dir / "serve_bench.png",
+         f"vllm-omni bench serve --omni, prefix_repetition {args.prefix_len}+{args.suffix_len} tokens, "
+         f"{args.num_prompts} prompts, concurrency {args.max_concurrency}")
     return 0
 
 

@@ -11,7 +11,6 @@ repeats of ``--order``; p50/p90/p99 and on/off ratios (docs/serving.md, "Load").
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -149,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             for cycle in range(args.cycles) for variant in args.order.split(",")]
     result = {"benchmark": "serve_load", **lab.stamp("benchmarks.serve_load", argv), "model": str(model_dir),
               "args": lab.jsonable(args), "summary": _summary(runs), "runs": runs}
-    print(json.dumps(result["summary"], indent=2))
-    print(f"wrote {lab.write_result(out_dir, result)}")
+    lab.write_result(out_dir, result, show=result["summary"])
     return 0
 
 

@@ -21,7 +21,6 @@ import base64
 import contextlib
 import datetime as dt
 import io
-import json
 import os
 import random
 import signal
@@ -359,9 +358,10 @@ def after_exit(tag: str, baseline: set[str]) -> dict:
     return {"left": left[:50], "n_left": len(left), "pass": not left}
 
 
-def run(args) -> dict:
+def run(args, argv: list[str] | None = None) -> dict:
     """Start a server, :func:`drive` it, stop it (timed), check :func:`after_exit`, write the
-    result and the plot; returns the result (with ``out_dir``)."""
+    result (``argv``: the command's, default this process's) and the plot; returns the result
+    (with ``out_dir``)."""
     model_dir = lab.model_dir(args.size, args.model)
     out_dir = lab.results_dir(args.out, "soak")
     tag = f"soak{dt.datetime.now():%Y%m%d%H%M%S}"
@@ -376,21 +376,20 @@ def run(args) -> dict:
     time.sleep(1.0)
     bars = {**d["bars"], "shm_empty_after_exit": after_exit(tag, baseline)}
     result = {
-        "benchmark": "soak", **lab.stamp("benchmarks.soak", args.argv),
-        "model": str(model_dir), "stage_config": str(args.stage_config), "args": lab.jsonable(args, drop=("argv",)),
+        "benchmark": "soak", **lab.stamp("benchmarks.soak", argv),
+        "model": str(model_dir), "stage_config": str(args.stage_config), "args": lab.jsonable(args),
         "ready_s": round(srv.ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
         "requests_per_s": round(len(d["records"]) / d["wall_s"], 3), "counts": d["counts"],
         "statuses": d["statuses"], "stop": stop, "shm_after_exit": {**shm_entries(tag, baseline)},
         "summary": {"pass": all(b["pass"] for b in bars.values()), "bars": bars},
         "samples": d["samples"], "requests": d["records"],
     }
-    lab.write_result(out_dir, result)
+    lab.write_result(out_dir, result, show={k: result[k] for k in ("counts", "statuses", "stop", "stream_wall_s")},
+                     also=[out_dir / "soak.png"])
     _plot(d["samples"], out_dir / "soak.png", args.warmup)
-    print(json.dumps({k: result[k] for k in ("counts", "statuses", "stop", "stream_wall_s")}, indent=1))
     for name, bar in bars.items():
         print(f"{'PASS' if bar['pass'] else 'FAIL'}  {name}: "
               f"{ {k: v for k, v in bar.items() if k not in ('pass', 'examples')} }")
-    print(f"wrote {out_dir / 'result.json'} and soak.png")
     result["out_dir"] = str(out_dir)
     return result
 
@@ -407,10 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-every", type=int, default=50, help="progress line every N requests")
     ap.add_argument("--seed", type=int, default=0, help="the mix's seed")
     args = ap.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
     if not SHM.is_dir():
         ap.error("/dev/shm is not a directory here")
-    result = run(args)
+    result = run(args, argv)
     return 0 if result["summary"]["pass"] else 1
 
 

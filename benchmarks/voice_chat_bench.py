@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             system = f"Conversation {rnd + 1}. {DEFAULT_SYSTEM_PROMPT}"
             history = {v: [] for v in VARIANTS}
             for turn in range(args.turns):
-                k = (rnd * args.turns + turn) % len(VARIANTS)
-                for v in VARIANTS[k:] + VARIANTS[:k]:
+                for v in lab.rotate(VARIANTS, rnd * args.turns + turn):
                     req = build_request(QUESTIONS[turn], audio=speech, system=system, history=history[v])
                     r = pipes[v].run(req)
                     if r.error:
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {**lab.stamp("benchmarks.voice_chat_bench", argv), "args": lab.jsonable(args),
               "wall_s": time.perf_counter() - t_start, "summary": summary, "ratios": ratios, "bars": bars,
               "requests": records}
-    path = lab.write_result(out, result)
+    lab.write_result(out, result, show={"ratios": ratios, "bars": bars}, also=[out / "voice_chat.png"])
 
     with lab.figure(out / "voice_chat.png", 1, 2, figsize=(11, 4),
                     title=f"Voice chat ({args.turns} speech turns, {args.rounds} rounds, {args.size} model): "
@@ -139,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
             ax.set_ylabel(label)
             ax.set_ylim(bottom=0)
             ax.legend()
-    print(json.dumps({"ratios": ratios, "bars": bars}, indent=2))
-    print(f"wrote {path}")
     return 0
 
 

@@ -46,7 +46,7 @@ class Variant:
     """A variant's worker process; ``call`` sends one JSON command and waits for its answer."""
 
     def __init__(self, name: str, model: str, cfg: Path, log: Path, *, env: dict[str, str], stream: bool = True):
-        self.name, self.log_path, self.log, self.ready, self.frozen = name, log, open(log, "a"), None, False
+        self.name, self.log_path, self.log, self.frozen = name, log, open(log, "a"), False
         cmd = [sys.executable, "-m", "benchmarks.prefill.worker", "--model", model, "--stage-config", str(cfg)]
         self.proc = subprocess.Popen(cmd + ([] if stream else ["--no-stream"]), cwd=REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
@@ -72,8 +72,7 @@ class Variant:
         return msg
 
     def wait_ready(self, timeout: float = 1800) -> dict:
-        self.ready = self.read(timeout)
-        return self.ready
+        return self.read(timeout)
 
     def send(self, cmd: dict) -> None:
         try:
@@ -215,11 +214,6 @@ def parse_variant_devices(text: str | None, variants: list[str]) -> dict[str, st
     if len(cards) != len(set(cards)):
         raise ValueError(f"--variant-devices: variants share a card ({text!r}); give each its own")
     return out
-
-
-def _rotate(xs: list, k: int) -> list:
-    k %= len(xs)
-    return xs[k:] + xs[:k]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -491,12 +485,12 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                     for var in live:
                         rewarm(var, w)
                     for i, spec in enumerate(round_specs[(w, r)]):
-                        for var in _rotate(live, r + i):
+                        for var in lab.rotate(live, r + i):
                             bar.set_postfix_str(f"round {r} {w} {var.name}")
                             with awake(var):
                                 record(var.name, var.run([spec]))
                     for k, c in enumerate(loads):  # one batch per variant, order rotated per round
-                        for var in _rotate(live, r + k):
+                        for var in lab.rotate(live, r + k):
                             with awake(var):
                                 run_load(var, w, r, c)
                     checkpoint()
@@ -515,7 +509,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             alternation["how"] = ("one pipeline at a time, restarted every round; variant order rotated "
                                   "per round; all workloads of a round run on one pipeline before the next")
             for r in rounds:
-                for k, v in enumerate(_rotate(variants, r)):
+                for k, v in enumerate(lab.rotate(variants, r)):
                     if not (r == 0 and k == 0):
                         live.append(start(v))
                         ready_and_warm(live[-1])
@@ -532,7 +526,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                     live.remove(var)
                     checkpoint()
         alternation["variant_order_per_round"] = (
-            [",".join(_rotate(variants, r)) for r in rounds] if mode == "restart"
+            [",".join(lab.rotate(variants, r)) for r in rounds] if mode == "restart"
             else "per request: variants rotated by (round + request index); under load (c > 1) one batch per "
                  "variant, variants rotated by (round + index of c in --concurrency)")
     except WorkerDied as exc:  # keep what was measured; the JSON and the exit code say it is partial

@@ -110,7 +110,7 @@ def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off"
             pairs = [ref_rows[(r.get("round"), r.get("index"))]["prefill_ms"] / r["prefill_ms"]
                      for r in valid(by_variant[v])
                      if (r.get("round"), r.get("index")) in ref_rows and r["prefill_ms"] > 0]
-            s["speedup_paired"] = statistics.median(pairs) if pairs else None
+            s["speedup_paired"] = lab.stat(pairs)
             s["speedup_paired_ci95"] = bootstrap_median_ci(pairs)
             for m in ("ttft_ms", "ttfp_ms", "e2e_ms"):
                 if ref.get(m) and s.get(m):
@@ -413,7 +413,7 @@ def summarize_batches(batches: list[dict]) -> dict[str, Any]:
         s[m] = describe([r.get(m) for r in ok])
     s["hit_ratio"] = _hit_ratio(ok, None)
     tps = [b["throughput_rps"] for b in batches if b.get("throughput_rps") is not None]
-    s["throughput_rps"] = {"median": statistics.median(tps) if tps else None, "per_round": tps}
+    s["throughput_rps"] = {"median": lab.stat(tps), "per_round": tps}
     s["wall_s"] = [b.get("wall_s") for b in batches]
     s["source"] = batches[0].get("source", "closed loop") if batches else None
     return s

@@ -86,10 +86,9 @@ def _hist_sums(stage: str = "0") -> dict[str, float]:
         if fam.name not in want:
             continue
         for s in fam.samples:
-            if s.name.endswith("_sum") and s.labels.get("stage") == stage:
-                out[fam.name] = out.get(fam.name, 0.0) + float(s.value)
-            if s.name.endswith("_count") and s.labels.get("stage") == stage:
-                out[fam.name + ":count"] = out.get(fam.name + ":count", 0.0) + float(s.value)
+            if s.labels.get("stage") == stage and s.name.endswith(("_sum", "_count")):
+                key = fam.name + (":count" if s.name.endswith("_count") else "")
+                out[key] = out.get(key, 0.0) + float(s.value)
     return out
 
 
@@ -237,7 +236,6 @@ class VariantWorker:
 
 #: why the vLLM histogram-derived fields are None under load
 UNDER_LOAD = "unavailable under concurrency: vLLM's histogram sums are per engine, not per request"
-_HIST_FIELDS = ("prefill_ms", "computed_tokens", "talker_prefill_ms", "talker_decode_ms", "code2wav_ms")
 
 
 def _hist_delta(before: dict) -> dict:
