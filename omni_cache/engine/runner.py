@@ -76,8 +76,6 @@ class OmniCacheRunnerMixin:
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._restart_resumed_payloads(scheduler_output)
         audit = self._talker_kv_audit()
-        if audit is not None:
-            audit.before_step(self, scheduler_output)
         cc = self.cache_config
         if not (cc.kv_sharing_fast_prefill and _batch_needs_full_prefill(self, scheduler_output)):
             out = super().execute_model(scheduler_output, *args, **kwargs)

@@ -11,8 +11,14 @@ JSON line per event, in step order:
 - ``{"kind": "write", "request", "block", "block_id", "digest"}`` — after the step in which
   ``request`` computed the last row of its block ``block`` (index in the request), stored in
   KV block ``block_id``; ``digest``: :func:`kv_block_digests` of that block over every layer;
-- ``{"kind": "read", ...}`` — the same for each block of a new request's prefix hit, before the
-  step that serves it;
+- ``{"kind": "read", ...}`` — the same for each block of a new request's prefix hit, after the
+  step that served it and after that step's writes: vLLM caches a block when it allocates it,
+  so a request scheduled in the same step as the block's writer is served it in that step (a
+  same-step hit; the writer's KV is written before the layer's attention reads it). Logged
+  before the step, such a read came before its write and digested a block not yet computed —
+  the CPU CI's one flaky failure of the talker oracle (2026-11-27, "served, never written"). A
+  served block is not written during the step that serves it (it is full and referenced), so a
+  read digested after the step is the KV the reader attended to;
 - ``{"kind": "error", "message"}`` — a KV layout it cannot index (no single block dimension):
   the audit stops there (a warning in the stage's log) and the oracle reports it.
 
@@ -110,17 +116,10 @@ class TalkerKVAudit:
             f.writelines(json.dumps({"kind": kind, "request": rid, "block": i, "block_id": b, "digest": d}) + "\n"
                          for (rid, i, b), d in zip(events, digests))
 
-    def before_step(self, runner: Any, scheduler_output: Any) -> None:
-        """Reads: each new request's prefix-hit blocks, before the step's forward."""
-        bs = self.block_size
-        reads = [(new.req_id, i, int(new.block_ids[0][i]))
-                 for new in scheduler_output.scheduled_new_reqs
-                 for i in range(int(new.num_computed_tokens) // bs)]
-        self._log(runner, "read", reads)
-
     def after_step(self, runner: Any, scheduler_output: Any) -> None:
-        """Writes: the blocks each scheduled request filled in this step (its forward enqueued;
-        the digest's copy waits for it on the stream)."""
+        """The step's writes — the blocks each scheduled request filled (its forward enqueued;
+        the digest's copy waits for it on the stream) — then its reads: each new request's
+        prefix-hit blocks (module docstring: same-step hits)."""
         bs = self.block_size
         start = {new.req_id: int(new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -135,3 +134,7 @@ class TalkerKVAudit:
                 if (i + 1) * bs > c:
                     writes.append((rid, i, int(state.block_ids[0][i])))
         self._log(runner, "write", writes)
+        reads = [(new.req_id, i, int(new.block_ids[0][i]))
+                 for new in scheduler_output.scheduled_new_reqs
+                 for i in range(int(new.num_computed_tokens) // bs)]
+        self._log(runner, "read", reads)

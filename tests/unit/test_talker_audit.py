@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omni_cache.engine.talker_audit import TalkerKVAudit, kv_block_digests
+from omni_cache.engine.talker_audit import TalkerKVAudit, _block_dim, kv_block_digests
 from omni_cache.exactness.oracles import talker_kv_mismatches
 
 BS, NUM_BLOCKS = 4, 9
@@ -54,7 +54,7 @@ def _talker_runner(**more):
                            cache_config=SimpleNamespace(block_size=BS), **more)
 
 
-def test_audit_logs_reads_before_and_writes_after_a_step(tmp_path, monkeypatch):
+def test_audit_logs_a_steps_writes_then_its_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_CACHE_HIT_AUDIT", str(tmp_path))
     kv = _kv("flash")
     runner = _talker_runner(kv_cache_config=SimpleNamespace(num_blocks=NUM_BLOCKS), kv_caches=kv,
@@ -63,17 +63,35 @@ def test_audit_logs_reads_before_and_writes_after_a_step(tmp_path, monkeypatch):
     audit = TalkerKVAudit.for_runner(runner)
     # step 1: the writer prefills 10 tokens (blocks 0 and 1 full, block 2 partial)
     step1 = _so(new=[("w", [3, 4, 6], 0)], scheduled={"w": 10})
-    audit.before_step(runner, step1)
     audit.after_step(runner, step1)
     # step 2: the writer decodes 2 tokens (block 2 fills); the reader arrives with a 4-token hit
     step2 = _so(new=[("r", [3, 8], 4)], cached=[("w", 10)], scheduled={"w": 2, "r": 3})
-    audit.before_step(runner, step2)
     audit.after_step(runner, step2)
     events = [json.loads(line) for line in next(tmp_path.glob("talker-kv-*.jsonl")).read_text().splitlines()]
     got = [(e["kind"], e["request"], e["block"], e["block_id"]) for e in events]
-    assert got == [("write", "w", 0, 3), ("write", "w", 1, 4), ("read", "r", 0, 3), ("write", "w", 2, 6)]
+    assert got == [("write", "w", 0, 3), ("write", "w", 1, 4), ("write", "w", 2, 6), ("read", "r", 0, 3)]
     bad, served = talker_kv_mismatches(events)
     assert not bad and [(s.reader, s.writer, s.block) for s in served] == [("r", "w", 0)]
+
+
+def test_a_same_step_hit_is_read_after_its_write(tmp_path, monkeypatch):
+    """vLLM caches a block when it allocates it, so a request scheduled in the writer's own step
+    is served the block in that step (the CPU CI's flaky "served, never written", 2026-11-27):
+    the read is logged after the step's writes and digests the KV the writer left."""
+    monkeypatch.setenv("OMNI_CACHE_HIT_AUDIT", str(tmp_path))
+    kv = _kv("flash")
+    runner = _talker_runner(kv_cache_config=SimpleNamespace(num_blocks=NUM_BLOCKS), kv_caches=kv,
+                            requests={"w": SimpleNamespace(block_ids=([3, 4],)),
+                                      "r": SimpleNamespace(block_ids=([3, 8],))})
+    audit = TalkerKVAudit.for_runner(runner)
+    step = _so(new=[("w", [3, 4], 0), ("r", [3, 8], 4)], scheduled={"w": 6, "r": 2})
+    for layer in kv:  # the step's forward: w's KV written into block 3, r attends to it
+        layer.select(_block_dim(layer, NUM_BLOCKS), 3).fill_(1.5)
+    audit.after_step(runner, step)
+    events = [json.loads(line) for line in next(tmp_path.glob("talker-kv-*.jsonl")).read_text().splitlines()]
+    assert [(e["kind"], e["request"], e["block_id"]) for e in events] == [("write", "w", 3), ("read", "r", 3)]
+    bad, served = talker_kv_mismatches(events)
+    assert not bad and [(s.reader, s.writer) for s in served] == [("r", "w")]
 
 
 def test_audit_is_off_unless_set_and_on_the_talker(monkeypatch, tmp_path):
@@ -111,8 +129,8 @@ def test_audit_of_a_layout_it_cannot_index_stops_and_is_reported(tmp_path, monke
     runner = _talker_runner(kv_cache_config=SimpleNamespace(num_blocks=NUM_BLOCKS),
                             kv_caches=[torch.zeros(2, NUM_BLOCKS * 2, BS)], requests={})
     audit = TalkerKVAudit.for_runner(runner)
-    audit.before_step(runner, _so(new=[("r", [3], 4)]))
-    audit.before_step(runner, _so(new=[("s", [4], 4)]))  # stopped: nothing more is logged
+    audit.after_step(runner, _so(new=[("r", [3], 4)]))
+    audit.after_step(runner, _so(new=[("s", [4], 4)]))  # stopped: nothing more is logged
     events = [json.loads(line) for line in next(tmp_path.glob("talker-kv-*.jsonl")).read_text().splitlines()]
     assert [e["kind"] for e in events] == ["error"]
     bad, _ = talker_kv_mismatches(events)
