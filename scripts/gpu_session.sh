@@ -24,9 +24,9 @@
 #   R  on one card, what changed since the lane run of 8aa0b18 (docs/gpu.md, "Fourth session"):
 #      yoco-eager, yoco-compiled and equality-compiled at once (OUT/R/report.json)
 #   N  one 4-GPU hold for two things: the whole lane on cards 0-2 (three groups at a time on each,
-#      merged into OUT/L/report.json) while card 3 runs the full-size benchmark for omni-cache alone
-#      (floor, text, chat, image; c = 1 and 16), to catch the sixth session's engine death
-#      (result.json's variant_failures, the variant's log_omni_cache.txt)
+#      merged into OUT/L/report.json) while card 3 runs the full-size benchmark, omni-cache then
+#      cache off, one pipeline at a time (floor, text, chat; c = 1 and 16): the sixth session's
+#      engine death gone or not (result.json's variant_failures), and the step-time counters
 #   Y  issue 47, item 1 (never run): Gemma-4-E4B's shape with YOCO at size on a 4-GPU H200 host, one
 #      variant per card (fast prefill off/on x omni-cache off/on), ISL ~8,192 (1,080 shared words +
 #      a question; workload miss: the control without a shared prefix), c = 1, 8 and 32
@@ -127,9 +127,9 @@ for step in "$@"; do
        $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
        CUDA_VISIBLE_DEVICES=3 PYTHONFAULTHANDLER=1 $PY -m benchmarks.prefill \
          --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
-         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat,image \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat \
          --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart \
-         --variants omni_cache --out "$OUT" --name N3 > "$OUT/N3.log" 2>&1 &
+         --variants omni_cache,off --out "$OUT" --name N3 > "$OUT/N3.log" 2>&1 &
        bench=$!; lane=()
        for spec in "0:equality-compiled,yoco-eager,equality" "1:streaming,yoco-compiled,main-job" \
                    "2:serve,stress,equality-default,unit"; do
