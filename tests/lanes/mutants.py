@@ -14,7 +14,8 @@ A mutant is **killed** only when a test of some selection fails on an assertion 
 refusal a test expects); the report records which test and which message killed it.
 **error** when a selection fails otherwise (an engine crash, another exception, a fixture error)
 or could not run (collection error, no tests, time out): never counted as killed;
-**survived** when every selection passed. Writes ``report.json`` into ``--out``; prints a table.
+**survived** when every selection passed. Writes ``report.json`` into ``--out`` after every mutant
+(``complete``, ``pending``: the mutants not run yet, so a run cut short keeps what it did); prints a table.
 
     .venv/bin/python -m tests.lanes.mutants --lock /tmp/cpu-heavy.lock
     .venv/bin/python -m tests.lanes.mutants --only bit_flip,cap_disabled --baseline
@@ -285,6 +286,23 @@ def main(argv=None) -> int:
                             text=True).stdout.strip()
     results = []
     t0 = time.perf_counter()
+    report_path = out / ("report-unit.json" if args.unit_only else "report.json")
+
+    def write_report() -> dict:
+        # after every mutant, so a run cut short (a GPU hold's end, a timeout) keeps what it did
+        report = {"date": stamp, "commit": commit, "baseline": args.baseline, "unit_only": args.unit_only,
+                  "device": args.device,
+                  "command": "python -m tests.lanes.mutants " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "minutes": round((time.perf_counter() - t0) / 60, 2),
+                  "test_minutes": round(sum(r.test_minutes or 0 for r in results), 2),
+                  "killed": sum(r.verdict == "killed" for r in results), "mutants": len(results),
+                  "complete": len(results) == len(chosen),
+                  "pending": [m.name for m in chosen[len(results):]],
+                  "results": [asdict(r) for r in results]}
+        report_path.write_text(json.dumps(report, indent=1) + "\n")
+        return report
+
+    report = write_report()
     with tempfile.TemporaryDirectory(prefix="omni-cache-mutants-") as tmp:
         plugin_dir = Path(tmp)
         write_plugin_dist(plugin_dir)
@@ -292,14 +310,7 @@ def main(argv=None) -> int:
             print(f"[mutants] {m.name}: {m.models}", flush=True)
             results.append(run_mutant(m, plugin_dir, out, lock=args.lock, timeout_s=args.timeout,
                                       baseline=args.baseline, unit_only=args.unit_only, device=args.device))
-    report = {"date": stamp, "commit": commit, "baseline": args.baseline, "unit_only": args.unit_only,
-              "device": args.device,
-              "command": "python -m tests.lanes.mutants " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "minutes": round((time.perf_counter() - t0) / 60, 2),
-              "test_minutes": round(sum(r.test_minutes or 0 for r in results), 2),
-              "killed": sum(r.verdict == "killed" for r in results), "mutants": len(results),
-              "results": [asdict(r) for r in results]}
-    (out / ("report-unit.json" if args.unit_only else "report.json")).write_text(json.dumps(report, indent=1) + "\n")
+            report = write_report()
     print(f"\n{'mutant':<26} {'verdict':<9} {'min':>5}  tests")
     for r in results:
         print(f"{r.name:<26} {r.verdict:<9} {r.minutes:>5.1f}  " + " | ".join(

@@ -3,6 +3,10 @@ assertion, never by a crash or another exception (issue 44, item 3)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from tests.lanes.mutants import MUTANTS, assertion_failure
 from tests.mutants import FAULTS
 
@@ -56,3 +60,29 @@ def test_cuda_runs_pipeline_selections_in_the_lane_environment(monkeypatch, tmp_
     r = lane.run_mutant(by_name["ledger_check_off"], tmp_path, tmp_path, lock=None, timeout_s=1,
                         baseline=False, device="cuda")
     assert r.verdict == "skipped" and len(seen) == 1
+
+
+def test_report_is_written_after_every_mutant(monkeypatch, tmp_path):
+    """A run cut short (the GPU hold of 2026-11-27 ended 4.5 min into the step, before the
+    report was written at the end) keeps every mutant it finished: ``report.json`` after each
+    one, ``complete`` false and the rest ``pending``."""
+    import tests.lanes.mutants as lane
+
+    class HoldEnded(Exception):
+        pass
+
+    calls = []
+
+    def fake_mutant(m, plugin_dir, out, **kw):
+        if calls:
+            raise HoldEnded
+        calls.append(m.name)
+        return lane.MutantResult(m.name, m.models, "killed", 0.1, [], None)
+
+    monkeypatch.setattr(lane, "run_mutant", fake_mutant)
+    monkeypatch.setattr(lane, "write_plugin_dist", lambda d: None)
+    with pytest.raises(HoldEnded):
+        lane.main(["--only", "bit_flip,slot_shift", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["name"] for r in report["results"]] == calls and report["killed"] == 1
+    assert report["complete"] is False and len(report["pending"]) == 1
