@@ -210,13 +210,24 @@ def _write_batch_shift() -> None:
 
 def _seam_off_by_one() -> None:
     """An off-by-one at the seam between cached and fresh rows: a hit request's hand-off
-    repeats its last cached row and drops its last fresh one (same length). On CUDA with
-    ``snapshot`` staging the seam is made in ``StagedStep.complete`` instead: not planted there."""
+    repeats its last cached row and drops its last fresh one (same length). Planted where the
+    seam is made: ``merge`` (the host tier, the CPU) and ``stage_handoff`` (CUDA's default
+    ``host`` staging, before the rows go to pinned memory). On CUDA with ``snapshot`` staging
+    the seam is made in ``StagedStep.complete`` instead: not planted there."""
     import torch
 
     from omni_cache.engine.stage_manager import OmniCacheStageManager
 
     orig = OmniCacheStageManager.merge
+    orig_stage = OmniCacheStageManager.stage_handoff
+
+    def stage_handoff(self, plan, fresh, prefixes):
+        shifted = dict(fresh)
+        for rid in prefixes:
+            shifted[rid] = {k: torch.cat([prefixes[rid][k][-1:].to(t.device, t.dtype), t[:-1]])
+                            if k in prefixes[rid] and prefixes[rid][k].shape[0] and t.shape[0] else t
+                            for k, t in fresh[rid].items()}
+        return orig_stage(self, plan, shifted, prefixes)
 
     def merge(plan, fresh, prefixes):
         merged = orig(plan, fresh, prefixes)
@@ -228,6 +239,7 @@ def _seam_off_by_one() -> None:
         return merged
 
     OmniCacheStageManager.merge = staticmethod(merge)
+    OmniCacheStageManager.stage_handoff = stage_handoff
 
 
 def _ledger_check_off() -> None:

@@ -56,7 +56,7 @@ def test_cuda_runs_pipeline_selections_in_the_lane_environment(monkeypatch, tmp_
     by_name = {m.name: m for m in MUTANTS}
     r = lane.run_mutant(by_name["bit_flip"], tmp_path, tmp_path, lock=None, timeout_s=1, baseline=False,
                         device="cuda")
-    assert seen == [(("tests/pipeline/test_cache_equality.py",), "cuda")] and r.verdict == "killed"
+    assert seen == [(("tests/pipeline/test_cache_equality.py", "-k", "served_rows"), "cuda")] and r.verdict == "killed"
     r = lane.run_mutant(by_name["ledger_check_off"], tmp_path, tmp_path, lock=None, timeout_s=1,
                         baseline=False, device="cuda")
     assert r.verdict == "skipped" and len(seen) == 1
@@ -86,3 +86,34 @@ def test_report_is_written_after_every_mutant(monkeypatch, tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert [r["name"] for r in report["results"]] == calls and report["killed"] == 1
     assert report["complete"] is False and len(report["pending"]) == 1
+
+
+def test_seam_fault_reaches_cudas_host_staging(monkeypatch):
+    """``seam_off_by_one`` is planted where CUDA makes the seam too (``stage_handoff``, the
+    default ``host`` staging; the eighth GPU session's mutants would otherwise have run it where
+    it is never called): a hit's staged rows repeat its last cached row, a miss's are untouched.
+    Runs the stager's CPU contract (``HostStager(cpu)``: the same staging, no stream)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from omni_cache.core.staging import HostStager
+    from omni_cache.engine.stage_manager import OmniCacheStageManager
+    from tests.mutants import FAULTS
+
+    for name in ("merge", "stage_handoff"):  # restored after the test (the fault patches the class)
+        monkeypatch.setattr(OmniCacheStageManager, name, OmniCacheStageManager.__dict__[name])
+    prefix, fresh = torch.arange(8.).reshape(4, 2), torch.arange(100., 106.).reshape(3, 2)
+    mgr = SimpleNamespace(_stager=HostStager(torch.device("cpu")))
+    plan = SimpleNamespace(req_ids=["hit", "miss"], handoff_keys=["hidden"])
+
+    def staged():
+        step = OmniCacheStageManager.stage_handoff(mgr, plan, {"hit": {"hidden": fresh}, "miss": {"hidden": fresh}},
+                                                   {"hit": {"hidden": prefix}})
+        return step.rows("hit")["hidden"], step.rows("miss")["hidden"]
+
+    hit, miss = staged()
+    assert torch.equal(hit, torch.cat([prefix, fresh])) and torch.equal(miss, fresh)
+    FAULTS["seam_off_by_one"]()
+    hit, miss = staged()
+    assert torch.equal(hit, torch.cat([prefix, prefix[-1:], fresh[:-1]])) and torch.equal(miss, fresh)
