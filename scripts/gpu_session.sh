@@ -20,7 +20,9 @@
 #   H  G's pipelines on cards 0-2, trimmed to fit one 30-minute hold (floor, text, chat, image; c = 1
 #      and 16), while card 3 runs the lane's equality-compiled and streaming groups (OUT/H3/report.json)
 #   M  the mutation run on a 4-GPU host (issue 44, item 3): tests.lanes.mutants --device cuda, the 14 planted
-#      faults with a pipeline selection split over the four cards (CUDA_VISIBLE_DEVICES), each card's report under OUT/M<card>/report.json
+#      faults with a pipeline selection split over the four cards (CUDA_VISIBLE_DEVICES), each card's report under
+#      OUT/M<card>/report.json (written after every mutant); ~2 min a selection warm: ~8-9 min.
+#      MUTANT_CARDS overrides the split ("card:m1,m2 card:m3 ...")
 #   R  on one card, what changed since the lane run of 8aa0b18 (docs/gpu.md, "Fourth session"):
 #      yoco-eager, yoco-compiled and equality-compiled at once (OUT/R/report.json)
 #   N  one 4-GPU hold for two things: the whole lane on cards 0-2 (three groups at a time on each,
@@ -96,10 +98,10 @@ for step in "$@"; do
     M) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
        # --device cuda: the lane's environment, pipeline selections only (the 14 mutants that have one)
-       for spec in "0:foreign_block,slot_shift,stale_generation,cap_disabled" \
-                   "1:talker_length_keys,talker_media_dropped,talker_seed_dropped,bit_flip" \
-                   "2:decode_rows_corrupted,write_batch_shift,seam_off_by_one" \
-                   "3:key_misaligned,async_placeholders_unresolved,resume_rows_lost"; do
+       for spec in ${MUTANT_CARDS:-"0:foreign_block,stale_generation,talker_length_keys,cap_disabled" \
+                   "1:slot_shift,talker_seed_dropped,talker_media_dropped,decode_rows_corrupted" \
+                   "2:bit_flip,seam_off_by_one,write_batch_shift" \
+                   "3:async_placeholders_unresolved,resume_rows_lost,key_misaligned"}; do
          dev=${spec%%:*}
          CUDA_VISIBLE_DEVICES=$dev $PY -m tests.lanes.mutants --device cuda --only "${spec#*:}" --out "$OUT/M$dev" \
            > "$OUT/M$dev.log" 2>&1 &
