@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,10 +38,6 @@ from omni_cache.core import HiddenStateCache, KeySpec, Tier  # noqa: E402
 KEYS = ("hidden", "layer_0", "layer_24")
 STEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
 BARS = {"write_host_ms_8k": 0.2, "device_write_frac": 0.70, "pinned_read_frac_8k": 0.70}
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 class GpuTimer:
@@ -86,12 +81,8 @@ class GpuTimer:
         fn()
         busy = max(2.0, 3 * (time.perf_counter() - t0) * 1e3 + 1.0)
         torch.cuda.synchronize()
-        gpu, host = [], []
-        for _ in range(reps):
-            g, h, _ = self.run(fn, busy)
-            gpu.append(g)
-            host.append(h)
-        return {"gpu_ms": _median(gpu), "host_ms": _median(host), "busy_ms": busy}
+        gpu, host, _ = zip(*(self.run(fn, busy) for _ in range(reps)))
+        return {"gpu_ms": float(np.median(gpu)), "host_ms": float(np.median(host)), "busy_ms": busy}
 
 
 def measure_limits(timer: GpuTimer, width: int) -> dict:
@@ -184,7 +175,7 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
                 m[k].append(v)
     nbytes = tokens * width * 2 * len(KEYS)
     res = {"tier": tier.name, "tokens": tokens, "width": width, "keys": len(KEYS), "bytes": nbytes,
-           **{k: _median(v) for k, v in m.items()},
+           **{k: float(np.median(v)) for k, v in m.items()},
            **{f"{k}_all": m[k] for k in ("write_host_ms", "write_host_ms_array_forms", "write_settle_host_ms",
                                          "read_host_ms")},
            "fused_writes": cache._writer is not None}
@@ -209,7 +200,7 @@ def bench_cpu(reps: int, width: int = 2048) -> dict:
             t0 = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t0) * 1e6)
-        cases[name] = {"median_us": _median(ts), "min_us": min(ts)}
+        cases[name] = {"median_us": float(np.median(ts)), "min_us": min(ts)}
 
     # decode step: 32 requests x 1 token, each with a 64-block table, mid-block positions
     tables = [rng.sample(range(num_blocks), 64) for _ in range(32)]
@@ -308,8 +299,7 @@ def main() -> None:
         torch.cuda.empty_cache()  # the limits' buffers
         for name, v in res["limits"].items():
             print(f"limit {name:18s} {v['GBps']:8.1f} GB/s  ({v['gpu_ms']:.3f} ms)", flush=True)
-        res["runs"] = []
-        res["runs_unfused"] = []
+        res.update(runs=[], runs_unfused=[])
         for tier, fused in ((Tier.DEVICE, True), (Tier.PINNED_HOST, True), (Tier.DEVICE, False),
                             (Tier.PINNED_HOST, False)):
             keys = [KeySpec(k, a.width, torch.bfloat16) for k in KEYS]

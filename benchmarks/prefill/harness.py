@@ -23,17 +23,9 @@ from typing import Any
 from benchmarks import lab
 from benchmarks.prefill import summary as S
 from benchmarks.prefill.worker import RESULT_PREFIX
-from benchmarks.prefill.workloads import (
-    WORKLOADS,
-    WorkloadOptions,
-    check_media,
-    load_warmup_specs,
-    specs,
-    warmup_specs,
-)
+from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, check_media, specs, warmup_specs
 from omni_cache.driver.variants import VARIANTS, YOCO_VARIANTS, MemorySettings, variant_stage_config
 
-REPO = Path(__file__).resolve().parent.parent.parent
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -48,7 +40,7 @@ class Variant:
     def __init__(self, name: str, model: str, cfg: Path, log: Path, *, env: dict[str, str], stream: bool = True):
         self.name, self.log_path, self.log, self.frozen = name, log, open(log, "a"), False
         cmd = [sys.executable, "-m", "benchmarks.prefill.worker", "--model", model, "--stage-config", str(cfg)]
-        self.proc = subprocess.Popen(cmd + ([] if stream else ["--no-stream"]), cwd=REPO, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd + ([] if stream else ["--no-stream"]), cwd=lab.REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         self._q: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -71,8 +63,8 @@ class Variant:
             raise WorkerDied(f"variant {self.name}: worker exited (rc={self.proc.wait()}); see {self.log_path}")
         return msg
 
-    def wait_ready(self, timeout: float = 1800) -> dict:
-        return self.read(timeout)
+    def wait_ready(self) -> dict:
+        return self.read(1800)
 
     def send(self, cmd: dict) -> None:
         try:
@@ -138,13 +130,10 @@ def gpu_inventory() -> list[dict]:
 
     try:
         with lab.nvml() as nv:
-            out = []
-            for i in range(nv.nvmlDeviceGetCount()):
-                h = nv.nvmlDeviceGetHandleByIndex(i)
-                m = nv.nvmlDeviceGetMemoryInfo(h)
-                out.append({"index": i, "name": text(nv.nvmlDeviceGetName(h)), "memory_total": int(m.total),
-                            "memory_free": int(m.free), "driver": text(nv.nvmlSystemGetDriverVersion())})
-            return out
+            hs = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+            return [{"index": i, "name": text(nv.nvmlDeviceGetName(h)), "memory_total": int(m.total),
+                     "memory_free": int(m.free), "driver": text(nv.nvmlSystemGetDriverVersion())}
+                    for i, h in enumerate(hs) for m in [nv.nvmlDeviceGetMemoryInfo(h)]]
     except lab.NvmlMissing:
         return []
 
@@ -255,7 +244,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "default AsyncOmni, async_chunk true (TTFP = the first audio packet)")
     add("--thinker-cache-only", action="store_true", help="omni-cache variants without the talker's prefix cache "
         "(default: as the stage config says)")
-    add("--out", default=str(REPO / "benchmarks" / "results"), help="results root; a run dir is made in it")
+    add("--out", default=str(lab.RESULTS), help="results root; a run dir is made in it")
     add("--name", help="run directory name (default: prefill-<timestamp>)")
 
 
@@ -287,9 +276,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     workloads = [w.strip() for w in args.modalities.split(",") if w.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    opts = WorkloadOptions(requests=args.requests, prefix_words=args.prefix_words, image=args.image,
-                           audio=args.audio, media_doc_words=args.media_doc_words,
-                           chat_answer_tokens=args.chat_answer_tokens, media_copies=args.media_copies)
+    opts = WorkloadOptions(**{k: getattr(args, k) for k in ("requests", "prefix_words", "image", "audio",
+                                                            "media_doc_words", "chat_answer_tokens", "media_copies")})
     try:  # everything checked before a model is built or a pipeline starts
         bad = [w for w in workloads if w not in WORKLOADS] + [v for v in variants if v not in VARIANTS + YOCO_VARIANTS]
         if bad or not workloads or not variants or args.requests < 1 or args.repeats < 1:
@@ -317,14 +305,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"note: {load_note}", file=sys.stderr)
     model = str(lab.model_dir(args.size, args.model and Path(args.model).resolve(), child=True))
 
-    out = Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = lab.results_dir(Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S")), "prefill")
     gpus = gpu_inventory()
     stamp = lab.stamp("benchmarks.prefill", argv, gpus=gpus)
     mem = _memory_settings(args, gpu_host=bool(gpus))
     cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
                                     talker_prefix_caching=_talker_cache(args, v)) for v in variants}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(lab.REPO), os.environ.get("PYTHONPATH")]))}
     if mem.malloc_arena_max:
         env["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
     if mem.cpu_executor == "uni":  # else vLLM's CPU platform turns "uni" into "mp" (a worker process per stage)
@@ -354,10 +341,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         starts[var.name].append(var.wait_ready()["start_s"])
         bar.set_postfix_str(f"warming {var.name}")
         warm[var.name].extend(var.run(warmup_specs(workloads, opts)))
-        for c in loads:  # batch shapes of every c compiled / autotuned before timing (see load_warmup_specs)
+        for c in loads:  # batch shapes of every c compiled / autotuned before timing (see warmup_specs)
             bar.set_postfix_str(f"warming {var.name} c={c}")
-            ans = var.run_concurrent(load_warmup_specs(workloads, opts, c), c)
-            warm[var.name].extend({**row, "concurrency": c} for row in ans.pop("results"))
+            ans = var.run_concurrent(warmup_specs(workloads, opts, c), c)
+            warm[var.name].extend({**row, "concurrency": c} for row in ans["results"])
         sample_mem(var, "after warm-up")
 
     def sample_mem(var: Variant, when: str) -> None:

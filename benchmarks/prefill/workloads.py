@@ -49,16 +49,10 @@ def _question(r: int, i: int, n: int, c: int = 1) -> str:
     return f"Question {label}: " + words(n, 1000 + 37 * r + i) + "?"
 
 
-def load_requests(requests: int, concurrency: int) -> int:
-    """Requests per round of a non-chat workload at ``concurrency`` c: ``requests`` at c = 1,
-    else max(``requests``, 2·c), so every one of the c senders of the closed loop sends at
-    least two requests (a batch is a loop, not a single burst of c)."""
-    return requests if concurrency == 1 else max(requests, 2 * concurrency)
-
-
 def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
     """The request specs of ``workload`` in round ``r`` (in send order) at ``concurrency`` c:
-    ``opts.requests`` requests at c = 1, :func:`load_requests` at c > 1; chat: one conversation
+    ``opts.requests`` requests at c = 1, max(``opts.requests``, 2·c) at c > 1 (each of the c senders of
+    the closed loop sends at least two: a loop, not a single burst of c); chat: one conversation
     of ``opts.requests`` turns, at c > 1 c of them (each turn 1 a miss), listed turn by turn.
     Prompts at one c repeat none of another c's (:func:`_question`).
 
@@ -70,7 +64,7 @@ def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) ->
     c = concurrency
     image, audio = opts.media()
     doc = words(opts.prefix_words, 1)
-    n = load_requests(opts.requests, c)
+    n = opts.requests if c == 1 else max(opts.requests, 2 * c)
     q = lambda r, i: _question(r, i, opts.suffix_words, c)  # noqa: E731
     base = {"workload": workload, "round": r, "image": None, "audio": None, "max_tokens": None,
             "measure": True, "chat": None, "system": DEFAULT_SYSTEM_PROMPT}
@@ -116,27 +110,16 @@ def _conversation(base: dict, r: int, opts: WorkloadOptions, doc: str, q, *, ses
     return out
 
 
-def warmup_specs(workloads: list[str], opts: WorkloadOptions) -> list[dict]:
-    """One untimed request per workload that puts its shared prefix in the cache (and warms the
-    engine: first-request costs such as lazy imports are not timed)."""
-    out = []
-    for w in workloads:
-        s = dict(specs(w, -1, WorkloadOptions(**{**opts.__dict__, "requests": 1}))[0])
-        s.update(measure=False, index=-1, chat=None, max_tokens=None)
-        out.append(s)
-    return out
-
-
-def load_warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int) -> list[dict]:
-    """One untimed batch per workload at ``concurrency`` c (round -2), so that a new batch size
-    compiles and autotunes its kernels before timing (on an H100 the first variant at c = 16
-    lost 1/2 to 3/4 of its throughput in that batch: docs/benchmarks.md)."""
+def warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
+    """Untimed requests, per workload: at c = 1 one that puts its shared prefix in the cache (and
+    warms the engine: first-request costs such as lazy imports are not timed); at ``concurrency``
+    c > 1 one batch (round -2), so that a new batch size compiles and autotunes its kernels before
+    timing (on an H100 the first variant at c = 16 lost 1/2 to 3/4 of its throughput in that
+    batch: docs/benchmarks.md)."""
     one = WorkloadOptions(**{**opts.__dict__, "requests": 1})
-    out = []
-    for w in workloads:
-        for s in specs(w, -2, one, concurrency=concurrency):
-            out.append({**s, "measure": False})
-    return out
+    if concurrency == 1:
+        return [dict(specs(w, -1, one)[0], measure=False, index=-1, chat=None, max_tokens=None) for w in workloads]
+    return [{**s, "measure": False} for w in workloads for s in specs(w, -2, one, concurrency=concurrency)]
 
 
 def image_copy(image, k: int):
