@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import random
 import sys
 import time
@@ -138,18 +139,18 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
     rng.shuffle(weight)                              # popularity rank independent of system prompt
     next_turn = [0] * N
     ready = np.array(weight)                         # a conversation's weight while its next turn may be sent, else 0
-    to_issue = sum(len(c) for c in convs)
+    total = to_issue = sum(len(c) for c in convs)
     # arrival rate: utilization x capacity with every prompt a miss (no policy overloads)
     mean_blocks = sum(len(t[0]) for c in convs for t in c) / sum(len(c) for c in convs)
     rate = w.utilization * R * w.batch / (w.t_fixed + w.t_block * mean_blocks)
-    total = sum(len(c) for c in convs)
     heap: list[tuple[float, int, str, tuple]] = []
-    seq = hits = later = cached = prompt_blocks = done = 0
+    seq = itertools.count()  # the heap's tie-break
+    hits = later = cached = prompt_blocks = done = 0
     now = 0.0
     reasons: dict[str, int] = {}
 
     def start(r: int, t: float) -> None:
-        nonlocal seq, hits, later, cached, prompt_blocks
+        nonlocal hits, later, cached, prompt_blocks
         c, turn, prompt, full = waiting[r].popleft()
         running[r] += 1
         h = kv[r].leading_hits(prompt)
@@ -161,11 +162,9 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
             prompt_blocks += len(prompt)
         dur = w.t_fixed + w.t_block * (len(prompt) - h)
         busy[r] += dur
-        seq += 1
-        heapq.heappush(heap, (t + dur, seq, "finish", (r, c, full)))
+        heapq.heappush(heap, (t + dur, next(seq), "finish", (r, c, full)))
 
-    seq += 1
-    heapq.heappush(heap, (rng.expovariate(rate), seq, "arrive", ()))
+    heapq.heappush(heap, (rng.expovariate(rate), next(seq), "arrive", ()))
     while done < total:
         now, _, kind, data = heapq.heappop(heap)
         if kind == "arrive":
@@ -188,8 +187,7 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
                 if running[r] < w.batch:
                     start(r, now)
             if to_issue:
-                seq += 1
-                heapq.heappush(heap, (now + rng.expovariate(rate), seq, "arrive", ()))
+                heapq.heappush(heap, (now + rng.expovariate(rate), next(seq), "arrive", ()))
         else:
             r, c, full = data
             running[r] -= 1

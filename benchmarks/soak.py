@@ -87,9 +87,8 @@ def _media() -> dict[str, str]:
 
     from omni_cache.driver.inputs import load_audio, sample_path
 
-    img = Image.open(sample_path("astronaut.jpg")).convert("RGB").resize((64, 64))
     buf = io.BytesIO()
-    img.save(buf, format="PNG")
+    Image.open(sample_path("astronaut.jpg")).convert("RGB").resize((64, 64)).save(buf, format="PNG")
     audio, sr = load_audio(sample_path("speech.wav"))
     jpeg = open(sample_path("astronaut.jpg"), "rb").read()[:4000]
     return {"image": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(),
@@ -163,8 +162,7 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
     rec = {"i": k, "kind": kind, "id": rid, "status": None, "ok": False, "error": None}
     t0 = time.perf_counter()
     q = QUESTIONS[k % len(QUESTIONS)] + f" ({k})"
-    headers = {"X-Request-Id": rid}
-    common = {"model": model, "max_tokens": max_tokens, "seed": k, "extra_headers": headers}
+    common = {"model": model, "max_tokens": max_tokens, "seed": k, "extra_headers": {"X-Request-Id": rid}}
     import openai
 
     try:
@@ -202,18 +200,15 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
                                                      modalities=["text"], **common)
                 rec["error"] = "a bad request was answered 200"
             except openai.BadRequestError as e:
-                rec["status"] = e.status_code
                 msg = e.body.get("message", "") if isinstance(e.body, dict) else str(e)
-                rec["message_chars"] = len(msg)
-                rec["ok"] = e.status_code == 400
+                rec.update(status=e.status_code, message_chars=len(msg), ok=e.status_code == 400)
         elif kind == "realtime":
             from omni_cache.driver.realtime import RealtimeSession, speech_clip
 
             async with RealtimeSession(realtime_url, timeout=300, instructions="Soak.") as s:
                 turn = await s.turn(speech_clip(1.0, offset_s=0.3 * k))
             rec["ok"] = len(turn.audio) > 0
-        if rec["status"] is None:
-            rec["status"] = 200
+        rec["status"] = rec["status"] or 200
     except openai.APIStatusError as e:
         rec["status"], rec["error"] = e.status_code, str(e)[:300]
     except Exception as e:  # noqa: BLE001 - a lost request, recorded

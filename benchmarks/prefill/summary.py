@@ -16,6 +16,7 @@ from benchmarks import lab
 
 METRICS = ("prefill_ms", "ttft_ms", "vllm_ttft_ms", "ttfp_ms", "e2e_ms", "stage_0_gen_ms",
            "talker_prefill_ms", "talker_decode_ms", "code2wav_ms", "handoff_ms")
+TOKENS = ("num_prompt_tokens", "num_cached_tokens", "computed_tokens")
 #: TTFP = TTFT + these + hand-off (per request; see benchmarks.prefill.worker)
 TTFP_PARTS = ("ttft_ms", "talker_prefill_ms", "talker_decode_ms", "code2wav_ms")
 
@@ -90,16 +91,10 @@ def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off"
     out: dict[str, dict[str, Any]] = {}
     for v, rows in by_variant.items():
         ok = valid(rows)
-        s: dict[str, Any] = {"n": len(ok), "n_errors": sum(1 for r in rows if r.get("error"))}
-        for m in METRICS:
-            s[m] = describe([metric(r, m) for r in ok])
-        s["hit_ratio"] = _hit_ratio(ok, 0.0)
-        for m in ("num_prompt_tokens", "num_cached_tokens", "computed_tokens"):
-            s[m] = describe([r.get(m) for r in ok])
-        rounds = _rounds(ok)
-        s["prefill_ms_per_round"] = {str(k): statistics.median(r["prefill_ms"] for r in ok if r.get("round") == k)
-                                     for k in rounds}
-        out[v] = s
+        out[v] = {"n": len(ok), "n_errors": sum(1 for r in rows if r.get("error")), "hit_ratio": _hit_ratio(ok, 0.0),
+                  **{m: describe([metric(r, m) for r in ok]) for m in (*METRICS, *TOKENS)},
+                  "prefill_ms_per_round": {str(k): statistics.median(r["prefill_ms"] for r in ok if r.get("round") == k)
+                                           for k in _rounds(ok)}}
     ref = out.get(reference)
     ref_rows = {(r.get("round"), r.get("index")): r for r in valid(by_variant.get(reference, []))}
     for v, s in out.items():
@@ -504,16 +499,12 @@ def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
             metric = "ttfp_ms" if ttfp else "ttft_ms"
             top, bot = axes[0][k], axes[1][k]
             for v in dict.fromkeys(v for c in cs for v in by_c[c]):
-                pts = [(int(c), by_c[c].get(v)) for c in cs]
-                for key, style in (("median", "-"), ("p95", "--")):
-                    xy = [(c, _stat(s, metric, key)) for c, s in pts if _stat(s, metric, key) is not None]
+                for ax, m, key, style, label in ((top, metric, "median", "-", f"{v} p50"),
+                                                 (top, metric, "p95", "--", f"{v} p95"),
+                                                 (bot, "throughput_rps", "median", "-", v)):
+                    xy = [(int(c), y) for c in cs if (y := _stat(by_c[c].get(v), m, key)) is not None]
                     if xy:
-                        top.plot(*zip(*xy), style, marker="o", ms=3, color=COLORS.get(v, "#55a868"),
-                                 label=f"{v} {'p50' if key == 'median' else 'p95'}")
-                xy = [(c, _stat(s, "throughput_rps", "median")) for c, s in pts
-                      if _stat(s, "throughput_rps", "median") is not None]
-                if xy:
-                    bot.plot(*zip(*xy), "-", marker="o", ms=3, color=COLORS.get(v, "#55a868"), label=v)
+                        ax.plot(*zip(*xy), style, marker="o", ms=3, color=COLORS.get(v, "#55a868"), label=label)
             name = metric.replace("_ms", "").upper()
             for ax, what in ((top, f"{name} p50 / p95"), (bot, "throughput")):
                 if cs:

@@ -41,15 +41,10 @@ def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
 
     out = []
     for p in lab.process_tree(pid or os.getpid()):
-        try:
-            mi = p.memory_full_info()
-            ct = p.cpu_times()
-            cmd = " ".join(p.cmdline())[:120]
-            out.append({"pid": p.pid, "name": p.name(), "cmd": cmd,
-                        "rss": int(mi.rss), "pss": int(getattr(mi, "pss", 0)), "uss": int(mi.uss),
-                        "cpu_s": float(ct.user + ct.system)})
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            mi, ct = p.memory_full_info(), p.cpu_times()
+            out.append({"pid": p.pid, "name": p.name(), "cmd": " ".join(p.cmdline())[:120], "rss": int(mi.rss),
+                        "pss": int(getattr(mi, "pss", 0)), "uss": int(mi.uss), "cpu_s": float(ct.user + ct.system)})
     return out
 
 
@@ -267,13 +262,10 @@ class _Request:
     def __init__(self, w: VariantWorker, spec: dict, rid: str):
         self.w, self.spec, self.rid = w, spec, rid
         self.prompt, self.params, self.t0 = w.engine_prompt(spec), w.sampling_params(spec), time.perf_counter()
-        self.ttft: float | None = None
-        self.ttfp: float | None = None
-        self.prompt_ids, self.gen_ids, self.errors = [], [], []
+        self.ttft = self.ttfp = None  # perf_counter() at the first text token / audio packet
+        self.prompt_ids, self.gen_ids, self.errors, self.text = [], [], [], ""
         self.cached = self.audio_samples = self.packets = 0
-        self.text = ""
-        self.durations: dict[str, float] = {}
-        self.stage_metrics: dict = {}
+        self.durations, self.stage_metrics = {}, {}
 
     def handle(self, o, now: float) -> None:
         if getattr(o, "error", None):
