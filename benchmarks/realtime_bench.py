@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
@@ -125,11 +126,11 @@ def _config(out: Path, variant: str, base: Path, record: bool) -> Path:
     return cfg
 
 
-def _clip(seconds: float, turn: int, rnd: int, session: int) -> bytes:
-    """The utterance of a session's 0-based ``turn``: the same in every variant and the floor."""
+def _clips(seconds: float, turn: int, rnd: int, n: int) -> list[bytes]:
+    """The utterances of sessions 0..n-1's 0-based ``turn``: the same in every variant and the floor."""
     from omni_cache.driver.realtime import speech_clip
 
-    return speech_clip(seconds, 0.9 + 1.7 * turn + 0.37 * rnd + 0.23 * session)
+    return [speech_clip(seconds, 0.9 + 1.7 * turn + 0.37 * rnd + 0.23 * session) for session in range(n)]
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ def _print(rec: dict) -> None:
 async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict], session_ids: dict) -> dict:
     """Every round × N × window of the variants in ``active`` (servers up): the cold first turn of
     each (returned), the sessions' turns, the floor (when :data:`FLOOR_ON` is active)."""
-    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT
+    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT as SYSTEM_PROMPT
     from omni_cache.driver.realtime import RealtimeSession, speech_clip
 
     def only(v):  # the one server not paused
@@ -191,10 +192,12 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
             if name in active:
                 _pause(srv, name != v and args.pause_idle)
 
-    def open_session(v, rnd, n, i, window):
-        text = f"Session {rnd + 1}.{i + 1} of {n} ({window} window). {DEFAULT_SYSTEM_PROMPT}"
-        return RealtimeSession(servers[v].realtime_url, instructions=text, extra_body={"omni_cache_window": window},
-                               ping_interval=None)
+    async def open_sessions(v, rnd, n, window) -> list:  # N sessions of one group, opened at once
+        ss = [RealtimeSession(servers[v].realtime_url, extra_body={"omni_cache_window": window}, ping_interval=None,
+                              instructions=f"Session {rnd + 1}.{i + 1} of {n} ({window} window). {SYSTEM_PROMPT}")
+              for i in range(n)]
+        await asyncio.gather(*(s.open() for s in ss))
+        return ss
 
     def add(results: list[dict], sessions: list, **where) -> None:  # one record per session's turn
         for i, r in enumerate(results):
@@ -215,12 +218,11 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                 live: dict[str, list] = {}
                 for v in active:
                     only(v)
-                    live[v] = [open_session(v, rnd, n, i, window) for i in range(n)]
-                    await asyncio.gather(*(s.open() for s in live[v]))
+                    live[v] = await open_sessions(v, rnd, n, window)
                     for i, s in enumerate(live[v]):
                         session_ids[(v, window, rnd, n, i)] = s.session_id
                 for turn in range(args.turns):
-                    audios = [_clip(args.seconds, turn, rnd, i) for i in range(n)]
+                    audios = _clips(args.seconds, turn, rnd, n)
                     for v in lab.rotate(active, k):
                         only(v)
                         add(await _turns(servers[v], live[v], audios), live[v], variant=v, window=window, round=rnd,
@@ -232,10 +234,8 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                 if FLOOR_ON in active:  # the floor: each turn's utterance in fresh sessions, no history
                     only(FLOOR_ON)
                     for turn in range(args.turns):
-                        fresh = [open_session(FLOOR_ON, rnd, n, i, window) for i in range(n)]
-                        await asyncio.gather(*(s.open() for s in fresh))
-                        clips = [_clip(args.seconds, turn, rnd, i) for i in range(n)]
-                        res = await _turns(servers[FLOOR_ON], fresh, clips)
+                        fresh = await open_sessions(FLOOR_ON, rnd, n, window)
+                        res = await _turns(servers[FLOOR_ON], fresh, _clips(args.seconds, turn, rnd, n))
                         await asyncio.gather(*(s.close() for s in fresh))
                         add(res, fresh, variant=FLOOR, window=window, round=rnd, n_sessions=n, turn=turn + 1,
                             server=FLOOR_ON)
@@ -293,16 +293,12 @@ def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, ses
 def summarize(records: list[dict], turns: int, sessions: list[int]) -> dict:
     """Per ``variant/window/N/turn`` (with :data:`FLOOR`), each of :data:`METRICS`: p50 / p95 / min
     / max / n over sessions and rounds (seconds, tokens; None without a sample, e.g. hits at N > 1)."""
-    out = {}
-    for v in (*VARIANTS, FLOOR):
-        for w in WINDOWS:
-            for n in sessions:
-                for t in range(1, turns + 1):
-                    rs = [r for r in records if r["variant"] == v and r["window"] == w and r["n_sessions"] == n
-                          and r["turn"] == t]
-                    out[f"{v}/{w}/{n}/{t}"] = {m: lab.describe([r.get(m) for r in rs], "p50", "p95", "min", "max")
-                                                for m in METRICS}
-    return out
+    by = collections.defaultdict(list)
+    for r in records:
+        by[f"{r['variant']}/{r['window']}/{r['n_sessions']}/{r['turn']}"].append(r)
+    keys = [f"{v}/{w}/{n}/{t}" for v in (*VARIANTS, FLOOR) for w in WINDOWS for n in sessions
+            for t in range(1, turns + 1)]
+    return {k: {m: lab.describe([r.get(m) for r in by[k]], "p50", "p95", "min", "max") for m in METRICS} for k in keys}
 
 
 def late_samples(records: list[dict], variant: str, window: str, n: int, metric: str = "first_audio_s") -> list[float]:
@@ -339,12 +335,10 @@ def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[
         c = summary[f"{v}/{w}/{n}/{t}"]["first_audio_s"]
         return c["p50"] if c else None
 
-    out: dict = {"floor_bar": {}, "pooled_first_audio_p50_turns_ge_4_s": {},
-                 "first_audio_5x_lower_than_off_turns_ge_4_p50": {}, "first_audio_le_builtin_every_turn_p50": {},
-                 "per_turn_ratios": {}}
+    out: dict = {k: {w: {} for w in WINDOWS} for k in (
+        "floor_bar", "pooled_first_audio_p50_turns_ge_4_s", "first_audio_5x_lower_than_off_turns_ge_4_p50",
+        "first_audio_le_builtin_every_turn_p50", "per_turn_ratios")}
     for w in WINDOWS:
-        for key in out:
-            out[key][w] = {}
         for n in sessions:
             out["floor_bar"][w][n] = floor_bar(records, w, n)
             pooled = {v: lab.stat(late_samples(records, v, w, n)) for v in (*VARIANTS, FLOOR)}
