@@ -1,18 +1,8 @@
-"""The benchmarks' lab: what every benchmark shares, and the only way a benchmark starts an
-engine (``tests/unit/test_layout.py`` holds that no other benchmark module constructs a
-pipeline or a server).
-
-- :func:`parser` / :func:`add_options` / :func:`model_dir` / :func:`positive_int_list`: the
-  shared options and the model they name;
-- :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder, what every
-  result records of where it ran (commit, machine, package versions), writing and announcing it;
-- :func:`variant_config` / :func:`prefix_cache_variant`: stage-config variants of a base config;
-- :func:`start`: the driver's pipeline or server, started as ``omni-cache run`` / ``serve`` do;
-- :func:`process_tree` / :func:`pause_tree` / :func:`nvml`: processes, pausing, GPU memory;
-- :func:`describe` / :func:`stat` / :func:`fmt` / :func:`figure` / :func:`rotate` /
-  :func:`random_text`: statistics, table cells, plots, turn order, prompt filler.
-
-Nothing here imports torch, vLLM or vLLM-Omni at import time.
+"""The benchmarks' lab: what every benchmark shares (options, the results folder and the stamp
+of a result, stage-config variants, processes, statistics, table cells, plots, prompt filler)
+and the only way a benchmark starts an engine, :func:`start` (``tests/unit/test_layout.py``
+holds that no other benchmark module constructs a pipeline or a server). docs/benchmarks.md,
+"The lab". Nothing here imports torch, vLLM or vLLM-Omni at import time.
 """
 
 from __future__ import annotations

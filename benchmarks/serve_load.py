@@ -42,19 +42,13 @@ async def _one_chat(client, model: str, system: str, question: str, max_tokens: 
             stream_options={"include_usage": True},
             messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
         async for chunk in stream:
-            now = time.perf_counter() - t0
-            extra = chunk.model_extra or {}
-            modality = extra.get("modality", "text")
+            now = time.perf_counter() - t0  # > 0: a first time is kept by `or`
+            modality = (chunk.model_extra or {}).get("modality", "text")
             content = chunk.choices[0].delta.content if chunk.choices else None
-            if content:
-                if modality == "audio":
-                    rec["audio_chunks"] += 1
-                    if rec["ttfp_s"] is None:
-                        rec["ttfp_s"] = now
-                elif modality == "text":
-                    rec["text_chars"] += len(content)
-                    if rec["ttft_s"] is None:
-                        rec["ttft_s"] = now
+            if content and modality == "audio":
+                rec.update(audio_chunks=rec["audio_chunks"] + 1, ttfp_s=rec["ttfp_s"] or now)
+            elif content and modality == "text":
+                rec.update(text_chars=rec["text_chars"] + len(content), ttft_s=rec["ttft_s"] or now)
             if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None and modality == "text":
                 rec["prompt_tokens"] = chunk.usage.prompt_tokens
                 rec["cached_tokens"] = chunk.usage.prompt_tokens_details.cached_tokens

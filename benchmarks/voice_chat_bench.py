@@ -83,25 +83,22 @@ def main(argv: list[str] | None = None) -> int:
                         raise SystemExit(f"{v} round {rnd} turn {turn + 1}: {r.error}")
                     history[v] = req.turns[1:] + [Turn("assistant", r.text)]
                     talker = _talker_record(metrics[v], r.request_id)
-                    rec = dict(variant=v, round=rnd, turn=turn + 1, request_id=r.request_id,
-                               thinker_prompt_tokens=r.num_prompt_tokens, thinker_cached_tokens=r.num_cached_tokens,
-                               talker_prompt_tokens=talker.get("prompt_tokens"),
-                               talker_cached_tokens=talker.get("cached_tokens"),
-                               talker_prefill_s=talker.get("prefill_s"), ttft_s=r.ttft_s, ttfp_s=r.ttfp_s)
-                    records.append(rec)
+                    records.append(rec := dict(
+                        variant=v, round=rnd, turn=turn + 1, request_id=r.request_id,
+                        thinker_prompt_tokens=r.num_prompt_tokens, thinker_cached_tokens=r.num_cached_tokens,
+                        **{f"talker_{k}": talker.get(k) for k in ("prompt_tokens", "cached_tokens", "prefill_s")},
+                        ttft_s=r.ttft_s, ttfp_s=r.ttfp_s))
                     tp = rec["talker_prefill_s"]
                     print(f"round {rnd + 1}/{args.rounds} turn {turn + 1} {v:>14}: thinker {r.num_prompt_tokens} tok "
                           f"(hit {r.num_cached_tokens}), talker {rec['talker_prompt_tokens']} tok "
                           f"(hit {rec['talker_cached_tokens']}), talker prefill "
                           f"{'?' if tp is None else f'{tp * 1e3:.1f} ms'}, TTFP {r.ttfp_s:.2f} s", flush=True)
 
-    def cell(v: str, turn: int, metric: str) -> dict | None:
-        return lab.describe([r[metric] for r in records if r["variant"] == v and r["turn"] == turn],
-                            "median", "min", "max")
-
     turns = list(range(1, args.turns + 1))
-    summary = {v: {t: {m: cell(v, t, m) for m in ("ttfp_s", "talker_prefill_s", "talker_cached_tokens",
-                                                    "talker_prompt_tokens", "thinker_cached_tokens")}
+    summary = {v: {t: {m: lab.describe([r[m] for r in records if r["variant"] == v and r["turn"] == t],
+                                       "median", "min", "max")
+                       for m in ("ttfp_s", "talker_prefill_s", "talker_cached_tokens", "talker_prompt_tokens",
+                                 "thinker_cached_tokens")}
                    for t in turns} for v in VARIANTS}
 
     def med(v, t, m):
