@@ -136,8 +136,7 @@ def plot(report: dict, path: Path) -> None:
                        label=f"{kind}: least {v['min']:.1f}, {share:.0%} of {v['rows']} rows beyond tolerance")
         ax.set_xscale("log")
         ax.set_xticks([0.01, 0.1, 1, 10, 100, 1000], ["bitwise\nequal", "0.1", "1", "10", "100", "1000"])
-        ax.set_xlabel("largest prompt-row difference from cache off (row-scale bf16 ulps)")
-        ax.set_ylabel("requests")
+        ax.set(xlabel="largest prompt-row difference from cache off (row-scale bf16 ulps)", ylabel="requests")
         ax.set_title(f"exactness fuzz: {summ['conversations']} conversations, {summ['requests']} requests; "
                      f"violations a={summ['violations']['a']} b={summ['violations']['b']} c={summ['violations']['c']}",
                      fontsize=9)

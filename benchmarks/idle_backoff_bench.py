@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     with lab.figure(out / "idle_backoff.png", 1, 2, figsize=(9, 4), title=title) as (fig, axes):
         for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP (s)")):
             ax.boxplot([[r[metric] for r in records if r["variant"] == n] for n in names], tick_labels=names)
-            ax.set_ylabel(label)
-            ax.set_ylim(bottom=0)
+            ax.set(ylabel=label, ylim=(0, None))
     return 0
 
 

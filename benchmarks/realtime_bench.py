@@ -397,11 +397,8 @@ def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str
                         ax.plot(ts, ys, ls, marker=styles[v][0], color=styles[v][1],
                                 lw=2.2 if v == FLOOR else 1.4,
                                 label=f"floor (no history), {w} instructions" if v == FLOOR else f"{v}, {w} window")
-                ax.set_title(f"N = {n} session{'s' if n > 1 else ''} at once")
-                ax.set_xlabel("turn")
-                ax.set_ylabel(f"commit → first {'audio' if m == 'first_audio_s' else 'text'} delta (s), p50")
-                ax.set_ylim(bottom=0)
-                ax.set_xticks(ts)
+                ax.set(title=f"N = {n} session{'s' if n > 1 else ''} at once", xlabel="turn", xticks=ts, ylim=(0, None),
+                       ylabel=f"commit → first {'audio' if m == 'first_audio_s' else 'text'} delta (s), p50")
         axes[0][0].legend(fontsize=7)
 
 

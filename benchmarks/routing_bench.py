@@ -75,8 +75,7 @@ def plot(records: list[dict], path: Path) -> None:
                 first = [r[metric] for r in records if r["policy"] == p and r["turn"] == 0 and r[metric] is not None]
                 ax.scatter([i - 0.15] * len(first), first, s=10, c="tab:gray", label="turn 1" if i == 1 else None)
                 ax.scatter([i + 0.15] * len(later), later, s=10, c="tab:blue", label="turn >= 2" if i == 1 else None)
-            ax.set_ylabel(label)
-            ax.set_ylim(bottom=0)
+            ax.set(ylabel=label, ylim=(0, None))
             ax.legend(fontsize=8)
 
 

@@ -271,11 +271,8 @@ def plot(rows: list[dict], path: Path) -> None:
                 x = [r["replicas"] for r in rs]
                 axes[0][j].plot(x, [r["turn2_hit_ratio"] for r in rs], marker="o", label=p)
                 axes[1][j].plot(x, [r["load_max_mean"] for r in rs], marker="o", label=p)
-            axes[0][j].set_title(f"{skew} conversation popularity")
-            axes[0][j].set_ylabel("turn >= 2 hit ratio")
-            axes[0][j].set_ylim(0, 1.05)
-            axes[1][j].set_ylabel("max / mean requests per replica")
-            axes[1][j].set_xlabel("thinker replicas")
+            axes[0][j].set(title=f"{skew} conversation popularity", ylabel="turn >= 2 hit ratio", ylim=(0, 1.05))
+            axes[1][j].set(ylabel="max / mean requests per replica", xlabel="thinker replicas")
             axes[1][j].set_xscale("log", base=2)
             axes[0][j].axhline(0.9, color="grey", ls=":", lw=1)
             axes[1][j].axhline(1.3, color="grey", ls=":", lw=1)

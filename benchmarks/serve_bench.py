@@ -93,8 +93,7 @@ def plot(summary: dict, path: Path, title: str) -> Path:
                               color="#888888" if v == "off" else "#dd8452")
                 for b, x in zip(bars, vals):
                     ax.text(b.get_x() + b.get_width() / 2, x, f"{x:.0f}", ha="center", va="bottom", fontsize=7)
-            ax.set_xticks([i + 0.19 for i in range(3)])
-            ax.set_xticklabels(["p50", "p90", "p99"])
+            ax.set_xticks([i + 0.19 for i in range(3)], ["p50", "p90", "p99"])
             ax.set_title({"ttft": "TTFT (text), ms", "audio_ttfp": "TTFP (first audio packet), ms"}[metric], fontsize=9)
             ax.legend(fontsize=7)
     return path

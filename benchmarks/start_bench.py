@@ -86,8 +86,7 @@ def _plot(samples: dict, path: Path) -> None:
             ax.scatter([i] * len(ys), ys, label=v)
             ax.hlines(statistics.median(ys), i - 0.2, i + 0.2)
         ax.set_xticks(range(len(VARIANTS)), [f"{v} executor" for v in VARIANTS])
-        ax.set_ylabel("pipeline start (s)")
-        ax.set_title("Qwen3-Omni, 3 stages, this machine")
+        ax.set(ylabel="pipeline start (s)", title="Qwen3-Omni, 3 stages, this machine")
 
 
 if __name__ == "__main__":

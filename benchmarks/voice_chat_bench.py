@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 ax.errorbar(turns, ys, yerr=[[y - x["min"] * scale if x else 0 for y, x in zip(ys, c)],
                                              [x["max"] * scale - y if x else 0 for y, x in zip(ys, c)]],
                             marker=marker, capsize=3, label=v)
-            ax.set_xlabel("turn")
-            ax.set_ylabel(label)
-            ax.set_ylim(bottom=0)
+            ax.set(xlabel="turn", ylabel=label, ylim=(0, None))
             ax.legend()
     return 0
 

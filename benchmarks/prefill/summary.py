@@ -311,8 +311,7 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
 
 def _variant_axis(ax, vs: list[str]) -> None:
     """Variant names as x ticks, a combined variant (``fast+omni_cache``) on two lines."""
-    ax.set_xticks(range(len(vs)))
-    ax.set_xticklabels([v.replace("+", "+\n") for v in vs], fontsize=8)
+    ax.set_xticks(range(len(vs)), [v.replace("+", "+\n") for v in vs], fontsize=8)
 
 
 def _prefill_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> None:
@@ -509,11 +508,9 @@ def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
             for ax, what in ((top, f"{name} p50 / p95"), (bot, "throughput")):
                 if cs:
                     ax.set_xscale("log", base=2)
-                    ax.set_xticks([int(c) for c in cs])
-                    ax.set_xticklabels(cs, fontsize=8)
-                ax.set_xlabel("concurrency" if ax is bot else "")
+                    ax.set_xticks([int(c) for c in cs], cs, fontsize=8)
+                ax.set(xlabel="concurrency" if ax is bot else "", ylim=(0, None))
                 ax.set_title(f"{w}: {what}", fontsize=9)
-                ax.set_ylim(bottom=0)
                 if k == 0 and ax.lines:
                     ax.legend(fontsize=6)
             if k == 0:
