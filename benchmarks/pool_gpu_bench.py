@@ -106,10 +106,6 @@ def measure_limits(timer: GpuTimer, width: int) -> dict:
     return lim
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
 def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks: int, block_size: int,
                reps: int, cache: HiddenStateCache) -> dict:
     dev = torch.device("cuda")
@@ -167,7 +163,8 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
         lat_r = (time.perf_counter() - t0) * 1e3
         hr, _ = timer.host(read, busy)
         gr, hr_ev, out = timer.run(read, busy)
-        if not all(_same_bits(out[k], rows[k]) for k in KEYS):
+        if not all(out[k].dtype == rows[k].dtype and torch.equal(out[k].view(torch.int16), rows[k].view(torch.int16))
+                   for k in KEYS):  # bitwise
             raise AssertionError(f"{tier.name} {tokens}: read rows differ from the written rows")
         busy = max(2.0, 3 * max(h_ev, hr_ev) + 1.0)
         if rep >= 2:

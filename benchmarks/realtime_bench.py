@@ -173,14 +173,6 @@ async def _turns(server, sessions: list, audios: list[bytes]) -> list[dict]:
     return list(await asyncio.gather(*(_turn(server, s, a, False) for s, a in zip(sessions, audios))))
 
 
-def _print(rec: dict) -> None:
-    print(f"round {rec['round'] + 1} N={rec['n_sessions']} {rec['window']:>10} turn {rec['turn']} "
-          f"{rec['variant']:>10}#{rec['session']}: first audio {lab.fmt(rec['first_audio_s'], '.2f')} s, text "
-          f"{lab.fmt(rec['first_text_s'], '.2f')} s, thinker {lab.fmt(rec['thinker_hit'], '.0f')}/"
-          f"{lab.fmt(rec['thinker_prompt'], '.0f')}" + (f"  ERROR {rec['error']}" if rec.get("error") else ""),
-          flush=True)
-
-
 async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict], session_ids: dict) -> dict:
     """Every round × N × window of the variants in ``active`` (servers up): the cold first turn of
     each (returned), the sessions' turns, the floor (when :data:`FLOOR_ON` is active)."""
@@ -201,8 +193,12 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
 
     def add(results: list[dict], sessions: list, **where) -> None:  # one record per session's turn
         for i, r in enumerate(results):
-            records.append({**where, "session": i, "session_id": sessions[i].session_id, **r})
-            _print(records[-1])
+            records.append(rec := {**where, "session": i, "session_id": sessions[i].session_id, **r})
+            print(f"round {rec['round'] + 1} N={rec['n_sessions']} {rec['window']:>10} turn {rec['turn']} "
+                  f"{rec['variant']:>10}#{i}: first audio {lab.fmt(rec['first_audio_s'], '.2f')} s, text "
+                  f"{lab.fmt(rec['first_text_s'], '.2f')} s, thinker {lab.fmt(rec['thinker_hit'], '.0f')}/"
+                  f"{lab.fmt(rec['thinker_prompt'], '.0f')}" + (f"  ERROR {r['error']}" if r.get("error") else ""),
+                  flush=True)
 
     cold = {}
     for v in active:  # the throwaway first turn of each server

@@ -38,7 +38,7 @@ class Variant:
     """A variant's worker process; ``call`` sends one JSON command and waits for its answer."""
 
     def __init__(self, name: str, model: str, cfg: Path, log: Path, *, env: dict[str, str], stream: bool = True):
-        self.name, self.log_path, self.log, self.frozen = name, log, open(log, "a"), False
+        self.name, self.log_path, self.log, self.frozen = name, log, open(log, "a", buffering=1), False
         cmd = [sys.executable, "-m", "benchmarks.prefill.worker", "--model", model, "--stage-config", str(cfg)]
         self.proc = subprocess.Popen(cmd + ([] if stream else ["--no-stream"]), cwd=lab.REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
@@ -50,8 +50,7 @@ class Variant:
             if line.startswith(RESULT_PREFIX):
                 self._q.put(json.loads(line[len(RESULT_PREFIX):]))
             else:
-                self.log.write(line)
-                self.log.flush()
+                self.log.write(line)  # line-buffered: the log is current when the worker dies
         self._q.put(None)
 
     def read(self, timeout: float) -> dict:
@@ -105,7 +104,6 @@ class Variant:
         self.frozen = paused
         # in the variant's log, among vLLM's lines: a death's traceback can be read against it
         self.log.write(f"{lab.HARNESS_MARK} {'frozen' if paused else 'continued'} at {time.strftime('%H:%M:%S')}\n")
-        self.log.flush()
 
     def thaw(self) -> None:
         self.freeze(False)
@@ -451,8 +449,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if mode == "concurrent":
             alternation["how"] = ("all variants up at once; each request sent to every variant in turn, "
                                   "order rotated by (round + request index)")
-            for v in variants[1:]:
-                live.append(start(v))
+            live += [start(v) for v in variants[1:]]
             for var in live[1:]:
                 ready_and_warm(var)
             bar.set_postfix_str(f"idle probe {args.idle_probe_s:.0f} s")

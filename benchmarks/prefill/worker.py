@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import functools
 import json
 import os
 import sys
@@ -102,7 +104,7 @@ class VariantWorker:
         self.family = self.pipe.stage_config.thinker_family  # the prompt's media placeholders
         # the talker's hit is reported only where its content identity is installed (talker cache on)
         self.hooks = self.pipe.hooks if hooks_wanted(self.pipe.stage_config) else None
-        self.start_s, self.model, self._tok, self._seq = self.pipe.start_s, model, None, 0
+        self.start_s, self.model, self._seq = self.pipe.start_s, model, 0
         self.sessions: dict[str, list[int]] = {}  # chat session → prompt + answer ids so far
         self._media: dict = {}  # decoded media copies, reused across requests
 
@@ -111,12 +113,11 @@ class VariantWorker:
         """vLLM-Omni's engine in the pipeline (``AsyncOmni`` or ``Omni``)."""
         return self.pipe.omni
 
+    @functools.cached_property
     def tokenizer(self):
-        if self._tok is None:
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-            self._tok = AutoTokenizer.from_pretrained(self.model)
-        return self._tok
+        return AutoTokenizer.from_pretrained(self.model)
 
     def engine_prompt(self, spec: dict) -> dict:
         """A request spec's engine prompt (a later chat turn: token ids, the previous turn's
@@ -125,7 +126,7 @@ class VariantWorker:
 
         chat = spec.get("chat")
         if chat and chat["turn"] > 0:
-            tail = self.tokenizer().encode(f"\n<|im_start|>user\n{spec['text']}<|im_end|>\n<|im_start|>assistant\n")
+            tail = self.tokenizer.encode(f"\n<|im_start|>user\n{spec['text']}<|im_end|>\n<|im_start|>assistant\n")
             return {"prompt_token_ids": self.sessions[chat["session"]] + [self._im_end()] + tail}
         k = int(spec.get("media_copies") or 1)
         if k > 1 and (spec.get("image") or spec.get("audio")):
@@ -154,7 +155,7 @@ class VariantWorker:
     def sampling_params(self, spec: dict) -> list:
         from vllm.sampling_params import RequestOutputKind
 
-        params = [p.clone() if hasattr(p, "clone") else __import__("copy").deepcopy(p)
+        params = [p.clone() if hasattr(p, "clone") else copy.deepcopy(p)
                   for p in self.omni.default_sampling_params_list]
         if spec.get("max_tokens"):
             params[0].max_tokens = int(spec["max_tokens"])
@@ -182,8 +183,7 @@ class VariantWorker:
         req = self._new_request(spec)
         async for o in self.omni.generate(req.prompt, request_id=req.rid, sampling_params_list=req.params):
             req.handle(o, time.perf_counter())
-        end = time.perf_counter()
-        delta = _hist_delta(before) if alone and before is not None else None
+        end, delta = time.perf_counter(), _hist_delta(before) if alone and before is not None else None
         talker = self.hooks.talker_hit(req.rid) if self.hooks is not None else (None, None)
         return req.row(end, delta, talker=talker), delta
 
@@ -223,7 +223,7 @@ class VariantWorker:
                 "n_requests": len(results), "n_errors": len(results) - ok, "concurrency": concurrency}
 
     def _im_end(self) -> int:
-        return self.tokenizer().convert_tokens_to_ids("<|im_end|>")
+        return self.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def close(self) -> None:
         self._stack.close()
@@ -307,10 +307,9 @@ class _Request:
             "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0, "computed_tokens": None,
             "num_output_tokens": len(gen_ids), "prefill_ms": None, "prefill_source": UNDER_LOAD,
             "ttft_ms": ms(self.ttft), "vllm_ttft_ms": s0.get("vllm_ttft_ms"), "ttfp_ms": ms(self.ttfp),
-            "talker_prefill_ms": None,
+            "talker_prefill_ms": None, "talker_decode_ms": None, "code2wav_ms": None, "e2e_ms": ms(end),
             # talker prefix-hit tokens (None: talker cache off or not streaming)
             "talker_hit_tokens": talker_hit, "talker_prompt_tokens": talker_prompt,
-            "talker_decode_ms": None, "code2wav_ms": None, "e2e_ms": ms(end),
             "stage_0_gen_ms": self.durations.get("stage_0_gen_ms"),
             "stage_ms": {k: v for k, v in self.durations.items() if isinstance(v, (int, float))},
             "audio_samples": self.audio_samples, "audio_packets": self.packets, "text": self.text[:80],
@@ -319,8 +318,7 @@ class _Request:
         if chat := spec.get("chat"):
             out["session"], out["turn"] = chat["session"], chat["turn"]
         if delta is None:
-            out["stage_breakdown"] = UNDER_LOAD
-            return out
+            return {**out, "stage_breakdown": UNDER_LOAD}
         n_fin = delta["0"].get("vllm:request_prefill_time_seconds:count", 0.0)
 
         def per_request_ms(sid: str, family: str) -> float | None:
