@@ -83,16 +83,12 @@ def summarize(report: dict) -> dict:
     def rows_differ(r, field="vs_off"):
         return any(d["differing"] for d in r[field])
 
-    def worst(r, field="vs_off"):
-        return max((d["max_ulps"] for d in r[field]), default=0.0)
-
     served_differ = [r for r in hit if any(d["first_from_hit"] is not None and d["first_from_hit"] < 0
                                            for d in r["vs_off"])]
     foreign = fuzz.merge_foreign(g["foreign_ulps"] for g in report["groups"])
-    by_mode_cache: collections.Counter = collections.Counter()
-    for g in report["groups"]:  # requests per mode and cache
-        by_mode_cache[f"{'streaming' if g['streaming'] else 'non-streaming'}/{g['cache']}"] += len(g["requests"])
-    ulps = [worst(r) for r in hit]
+    by_mode_cache = collections.Counter(f"{'streaming' if g['streaming'] else 'non-streaming'}/{g['cache']}"
+                                        for g in report["groups"] for _ in g["requests"])  # requests per mode, cache
+    ulps = [max((d["max_ulps"] for d in r["vs_off"]), default=0.0) for r in hit]
     return {
         "conversations": sum(len({r["conversation"] for r in g["requests"]}) for g in report["groups"]),
         "requests": len(reqs), "requests_with_hit": len(hit),

@@ -31,7 +31,6 @@ KINDS = ("pipeline", "streaming", "server")
 
 
 # ---- options ------------------------------------------------------------------------------
-
 def parser(doc: str, name: str, **options: Any) -> argparse.ArgumentParser:
     """An argument parser described by ``doc``'s first paragraph, with :func:`add_options`'
     shared options (``options``: its keywords)."""
@@ -104,7 +103,6 @@ def model_dir(size: str, model: str | os.PathLike | None = None, *, family: str 
 
 
 # ---- results ------------------------------------------------------------------------------
-
 def results_dir(out: str | os.PathLike | None, name: str) -> Path:
     """``out``, or ``benchmarks/results/<name>-<YYYYmmdd-HHMMSS>`` (local time); created;
     absolute."""
@@ -240,7 +238,6 @@ def jsonable(args: argparse.Namespace, *, drop: Sequence[str] = ()) -> dict:
 
 
 # ---- stage-config variants ------------------------------------------------------------------
-
 def variant_config(base: str | os.PathLike, out: Path, name: str, *,
                    stages: Mapping[int, Mapping[str, Any]] | None = None,
                    env: Mapping[int, Mapping[str, str | None]] | None = None) -> Path:
@@ -269,7 +266,6 @@ def prefix_cache_variant(base: str | os.PathLike, out: Path, variant: str) -> Pa
 
 
 # ---- starting engines -----------------------------------------------------------------------
-
 @contextlib.contextmanager
 def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
           engine_args: Mapping[str, Any] | None = None, log: Path | None = None,
@@ -319,7 +315,6 @@ def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
 
 
 # ---- processes ------------------------------------------------------------------------------
-
 def process_tree(pid: int) -> list:
     """``psutil`` processes of ``pid`` and all its descendants; ``[]`` once it is gone."""
     import psutil
@@ -368,7 +363,6 @@ def nvml() -> Iterator[Any]:
 
 
 # ---- plots and statistics ----------------------------------------------------------------
-
 def describe(xs: Sequence[float | None], *stats: str) -> dict[str, float] | None:
     """``n`` and ``stats`` of the values of ``xs`` that are not None: ``median``, ``mean``,
     ``min``, ``max`` or ``pNN`` (the NN-th percentile, linear interpolation between order
@@ -386,6 +380,11 @@ def stat(xs: Sequence[float | None], name: str = "median") -> float | None:
     """One statistic of :func:`describe` (``median``, ``mean``, ``min``, ``max``, ``pNN``) of the
     values of ``xs`` that are not None; None when no value is left."""
     return (describe(xs, name) or {}).get(name)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, None where either is None or zero."""
+    return a / b if a and b else None
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:
@@ -417,7 +416,6 @@ def figure(path: Path, *grid: int, title: str | None = None, title_size: float |
 
 
 # ---- prompts --------------------------------------------------------------------------------
-
 WORDS = ("river harbour bridge lantern garden meadow castle forest market window silver copper "
          "morning evening winter summer painter sailor teacher doctor village station library "
          "careful quiet bright gentle ancient distant golden narrow patient curious").split()

@@ -47,7 +47,6 @@ METRICS = ("first_audio_s", "first_text_s", "thinker_prompt", "thinker_hit", "ta
 
 
 # -- inputs --------------------------------------------------------------------------------------
-
 def parse_sessions(text: str) -> list[int]:
     """``--sessions`` (:func:`benchmarks.lab.positive_int_list`)."""
     return lab.positive_int_list(text, "--sessions", "1,8")
@@ -134,7 +133,6 @@ def _clips(seconds: float, turn: int, rnd: int, n: int) -> list[bytes]:
 
 
 # -- running ---------------------------------------------------------------------------------------
-
 def _pause(server, paused: bool) -> None:
     if server.proc is not None:
         lab.pause_tree(server.proc.pid, paused)
@@ -241,7 +239,6 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
 
 
 # -- oracles, summary, bars ---------------------------------------------------------------------------
-
 def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, sessions: list[int]) -> dict:
     """Oracles (a) on every N, (b) and (c) on N = 1 (module docstring)."""
     from omni_cache.exactness import oracles
@@ -346,8 +343,7 @@ def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[
             out["first_audio_le_builtin_every_turn_p50"][w][n] = (
                 None if any(a is None or b is None for a, b in pairs) else all(a <= b for a, b in pairs))
             out["per_turn_ratios"][w][n] = {
-                t: {f"{v}_over_omni": (p50(v, w, n, t) / p50("omni_cache", w, n, t)
-                                       if p50(v, w, n, t) and p50("omni_cache", w, n, t) else None)
+                t: {f"{v}_over_omni": lab.ratio(p50(v, w, n, t), p50("omni_cache", w, n, t))
                     for v in ("off", "builtin", FLOOR)} for t in range(1, turns + 1)}
     return out
 
@@ -377,7 +373,6 @@ def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int) ->
 
 
 # -- plot --------------------------------------------------------------------------------------------
-
 def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str) -> None:
     """First audio and first text p50 per turn (s) per variant and window; one column per N."""
     with lab.figure(path, 2, len(sessions), figsize=(6.5 * len(sessions), 8), squeeze=False,
@@ -399,7 +394,6 @@ def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str
 
 
 # -- main --------------------------------------------------------------------------------------------
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, validated before anything starts (``SystemExit`` 2 naming the flag or
     file at fault); adds ``stage_config_path`` and ``stage_config_raw``."""

@@ -45,18 +45,14 @@ def summarize(records: list[dict]) -> dict:
         s = {"requests": len(rs), "hit_ratio_turn2plus": (sum(r["hit"] for r in later) / len(later)) if later else None}
         for metric in ("ttft_s", "ttfp_s"):
             for name, group in (("all", rs), ("turn2plus", later)):
-                xs = [r[metric] for r in group]
-                s[f"{metric}_p50_{name}"] = lab.stat(xs, "p50")
-                s[f"{metric}_p95_{name}"] = lab.stat(xs, "p95")
+                d = lab.describe([r[metric] for r in group], "p50", "p95") or {}
+                s.update({f"{metric}_{p}_{name}": d.get(p) for p in ("p50", "p95")})
             s[f"{metric}_round_medians"] = [lab.stat([r[metric] for r in rs if r["round"] == k])
                                             for k in sorted({r["round"] for r in rs})]
         out[policy] = s
-    ratios = {}
-    for key in ("ttft_s_p50_all", "ttft_s_p95_all", "ttfp_s_p50_all", "ttfp_s_p95_all",
-                "ttft_s_p50_turn2plus", "ttfp_s_p50_turn2plus"):
-        a, b = out["vllm_omni"].get(key), out["prefix"].get(key)
-        ratios[f"{key}_vllm_omni_over_prefix"] = (a / b) if a and b else None
-    out["ratios"] = ratios
+    out["ratios"] = ratios = {f"{k}_vllm_omni_over_prefix": lab.ratio(out["vllm_omni"].get(k), out["prefix"].get(k))
+                              for k in ("ttft_s_p50_all", "ttft_s_p95_all", "ttfp_s_p50_all", "ttfp_s_p95_all",
+                                          "ttft_s_p50_turn2plus", "ttfp_s_p50_turn2plus")}
     out["bars"] = {
         "hit_ratio_turn2plus_prefix >= 0.95": (out["prefix"]["hit_ratio_turn2plus"] or 0) >= 0.95,
         "ttft_p50 vllm_omni / prefix >= 1.8": (ratios["ttft_s_p50_all_vllm_omni_over_prefix"] or 0) >= 1.8,

@@ -205,8 +205,7 @@ def _stat(s: dict | None, metric: str, key: str) -> float | None:
     return ((s or {}).get(metric) or {}).get(key)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
+_ratio = lab.ratio
 
 
 def _check(name: str, value: float | None, target: float, ok) -> dict[str, Any]:
@@ -368,7 +367,6 @@ def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> Non
 
 
 # ---- under load (--concurrency c > 1) ------------------------------------------------------
-
 #: driver-clock metrics summarized under load (vLLM's histogram-derived ones are not per request there)
 LOAD_METRICS = ("ttft_ms", "ttfp_ms", "e2e_ms")
 #: the load bars (issue 38): multi-turn chat at c = LOAD_CHAT_C with h ≥ LOAD_CHAT_MIN_HIT:
@@ -520,7 +518,6 @@ def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
 
 
 # ---- memory per variant ----------------------------------------------------------------------
-
 def memory_per_variant(samples: list[dict], omni_metrics: list[dict], variants: list[str]) -> dict[str, Any]:
     """Per variant, in bytes, from its last memory sample (``samples``: the harness's) and
     omni-cache's metrics files (``omni_metrics``, rows with ``variant``): ``pss_bytes`` /

@@ -79,9 +79,7 @@ def _hist_sums(stage: str = "0") -> dict[str, float]:
             "vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
             "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"}
     out: dict[str, float] = {}
-    for fam in REGISTRY.collect():
-        if fam.name not in want:
-            continue
+    for fam in (f for f in REGISTRY.collect() if f.name in want):
         for s in fam.samples:
             if s.labels.get("stage") == stage and s.name.endswith(("_sum", "_count")):
                 key = fam.name + (":count" if s.name.endswith("_count") else "")
@@ -235,11 +233,7 @@ UNDER_LOAD = "unavailable under concurrency: vLLM's histogram sums are per engin
 
 def _hist_delta(before: dict) -> dict:
     """Change of every stage's histogram sums/counts since ``before`` (:func:`_hist_sums`)."""
-    delta = {}
-    for sid in STAGES:
-        after = _hist_sums(sid)
-        delta[sid] = {k: after.get(k, 0.0) - before[sid].get(k, 0.0) for k in after}
-    return delta
+    return {sid: {k: v - before[sid].get(k, 0.0) for k, v in _hist_sums(sid).items()} for sid in STAGES}
 
 
 def request_chains(specs: list[dict]) -> list[list[dict]]:
