@@ -20,6 +20,7 @@ host time of small steps on a ``HOST`` pool on the CPU (also part of a full run)
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
 import time
@@ -37,6 +38,8 @@ from omni_cache.core import HiddenStateCache, KeySpec, Tier  # noqa: E402
 
 KEYS = ("hidden", "layer_0", "layer_24")
 STEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
+#: per tier: the limits a write and a read are measured against (:func:`measure_limits`)
+LIMITS = {Tier.DEVICE: ("index_copy_rows", "index_select_rows"), Tier.PINNED_HOST: ("pinned_d2h", "pinned_h2d")}
 BARS = {"write_host_ms_8k": 0.2, "device_write_frac": 0.70, "pinned_read_frac_8k": 0.70}
 
 
@@ -297,24 +300,19 @@ def main() -> None:
         for name, v in res["limits"].items():
             print(f"limit {name:18s} {v['GBps']:8.1f} GB/s  ({v['gpu_ms']:.3f} ms)", flush=True)
         res.update(runs=[], runs_unfused=[])
-        for tier, fused in ((Tier.DEVICE, True), (Tier.PINNED_HOST, True), (Tier.DEVICE, False),
-                            (Tier.PINNED_HOST, False)):
+        for fused, tier in itertools.product((True, False), (Tier.DEVICE, Tier.PINNED_HOST)):
             keys = [KeySpec(k, a.width, torch.bfloat16) for k in KEYS]
             cache = HiddenStateCache(a.num_blocks, a.block_size, keys, device="cuda", tier=tier, fused=fused)
             for tokens in (a.tokens if fused else a.unfused_tokens):
                 r = bench_tier(timer, tier, tokens, a.width, a.num_blocks, a.block_size, a.repeats, cache)
-                wl, rl = (("index_copy_rows", "index_select_rows") if tier is Tier.DEVICE
-                          else ("pinned_d2h", "pinned_h2d"))
-                r["write_limit"], r["read_limit"] = wl, rl
-                r["write_frac"] = r["write_GBps"] / res["limits"][wl]["GBps"]
-                r["read_frac"] = r["read_GBps"] / res["limits"][rl]["GBps"]
+                wl, rl = LIMITS[tier]
+                r.update(write_limit=wl, read_limit=rl, write_frac=r["write_GBps"] / res["limits"][wl]["GBps"],
+                         read_frac=r["read_GBps"] / res["limits"][rl]["GBps"])
                 res["runs" if fused else "runs_unfused"].append(r)
-                print(f"{tier.name:11s}{'' if fused else ' unfused'} {tokens:6d} tok  "
-                      f"write gpu {r['write_gpu_ms']:7.3f} ms "
-                      f"{r['write_GBps']:7.1f} GB/s ({100 * r['write_frac']:4.0f}% {wl})  "
-                      f"host {r['write_host_ms']:.3f} ms "
-                      f"(arrays {r['write_host_ms_array_forms']:.3f}, events {r['write_host_ms_with_events']:.3f}, "
-                      f"deferred ledger update {r['write_settle_host_ms']:.3f})"
+                print(f"{tier.name:11s}{'' if fused else ' unfused'} {tokens:6d} tok  write gpu "
+                      f"{r['write_gpu_ms']:7.3f} ms {r['write_GBps']:7.1f} GB/s ({100 * r['write_frac']:4.0f}% {wl})  "
+                      f"host {r['write_host_ms']:.3f} ms (arrays {r['write_host_ms_array_forms']:.3f}, events "
+                      f"{r['write_host_ms_with_events']:.3f}, deferred ledger update {r['write_settle_host_ms']:.3f})"
                       f"  | read gpu {r['read_gpu_ms']:7.3f} ms {r['read_GBps']:7.1f} GB/s "
                       f"({100 * r['read_frac']:4.0f}% {rl})  host {r['read_host_ms']:.3f} ms", flush=True)
             del cache

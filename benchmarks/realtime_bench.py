@@ -20,7 +20,6 @@ import asyncio
 import collections
 import contextlib
 import hashlib
-import json
 import math
 import time
 from pathlib import Path
@@ -477,13 +476,12 @@ def main(argv: list[str] | None = None) -> int:
                           for k, x in oracle.items()},
               "oracle_details": oracle, "summary": summary, "turns": records,
               "sessions": {"/".join(map(str, k)): x for k, x in session_ids.items()}}
-    path = lab.write_result(out, result)
+    shown = {"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"]}
+    lab.write_result(out, result, show={**shown, "oracles": result["oracles"]}, also=[out / "realtime.png"])
     _plot(summary, args.turns, args.sessions, out / "realtime.png",
           f"Realtime sessions ({args.rounds} rounds, {args.turns} voice turns, {model_name}, "
           f"{args.stage_config_path.name}, servers {args.servers})")
-    print(json.dumps({"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"],
-                      "oracles": result["oracles"]}, indent=2))
-    print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else "") + f"; wrote {path}")
+    print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else ""))
     return 0
 
 

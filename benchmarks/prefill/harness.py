@@ -326,8 +326,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     load_specs = {(w, r, c): specs(w, r, opts, concurrency=c) for w in workloads for r in rounds for c in loads}
     #: load_samples[workload][str(c)][variant]: one batch per round (run_load)
     load_samples = {w: {str(c): {v: [] for v in variants} for c in loads} for w in workloads}
-    total = sum(len(s) for s in [*round_specs.values(), *load_specs.values()]) * len(variants)
-    bar = tqdm(total=total, desc="requests x variants", unit="req")
+    bar = tqdm(total=sum(map(len, [*round_specs.values(), *load_specs.values()])) * len(variants),
+               desc="requests x variants", unit="req")
     rewarm_specs = {s["workload"]: s for s in warmup_specs(workloads, opts)}
 
     def start(v: str) -> Variant:
