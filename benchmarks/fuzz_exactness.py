@@ -198,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{report['summary']['violations']}")
         return 1 if any(report["summary"]["violations"].values()) else 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = set(modes) - {"streaming", "non-streaming"}
-    if bad:
+    if bad := set(modes) - {"streaming", "non-streaming"}:
         ap.error(f"--modes: unknown {sorted(bad)} (streaming, non-streaming)")
     knobs = Knobs(turns=args.turns, variants=args.variants, system_words=args.system_words,
                   media=not args.no_media, concurrent=not args.no_concurrent)

@@ -193,8 +193,7 @@ def failure_excerpt(log: Path, lines: int = 40) -> dict | None:
         text = log.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    starts = [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]
-    if not starts:
+    if not (starts := [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]):
         return None
     found, end = [], -1
     marks = [i for i, line in enumerate(text) if line.startswith(HARNESS_MARK)]

@@ -252,23 +252,20 @@ def bars(res: dict) -> list[str]:
     by = {(r["tier"], r["tokens"]): r for r in res["runs"]}
     lines = []
     for tier in ("DEVICE", "PINNED_HOST"):
-        r = by.get((tier, 8192))
-        if r:
+        if r := by.get((tier, 8192)):
             ok = r["write_host_ms"] <= BARS["write_host_ms_8k"]
             lines.append(f"{'PASS' if ok else 'FAIL'} write host time {tier} 8k: {r['write_host_ms']:.3f} ms "
                          f"(array forms {r['write_host_ms_array_forms']:.3f} ms; bar <= {BARS['write_host_ms_8k']} ms; "
                          f"its deferred ledger update, applied by the next lookup: "
                          f"{r.get('write_settle_host_ms', float('nan')):.3f} ms)")
     fr = [r["write_frac"] for r in res["runs"] if r["tier"] == "DEVICE"]
-    r8 = by.get(("DEVICE", 8192))
-    if r8:
+    if r8 := by.get(("DEVICE", 8192)):
         ok = r8["write_frac"] >= BARS["device_write_frac"]
         lines.append(f"{'PASS' if ok else 'FAIL'} device write 8k: {r8['write_GBps']:.0f} GB/s = "
                      f"{100 * r8['write_frac']:.0f}% of index_copy_ rows "
                      f"{res['limits']['index_copy_rows']['GBps']:.0f} "
                      f"GB/s (bar >= 70%; all sizes {min(fr) * 100:.0f}-{max(fr) * 100:.0f}%)")
-    r = by.get(("PINNED_HOST", 8192))
-    if r:
+    if r := by.get(("PINNED_HOST", 8192)):
         ok = r["read_frac"] >= BARS["pinned_read_frac_8k"]
         lines.append(f"{'PASS' if ok else 'FAIL'} pinned-host hit read 8k: {r['read_GBps']:.1f} GB/s = "
                      f"{100 * r['read_frac']:.0f}% of pinned H2D {res['limits']['pinned_h2d']['GBps']:.1f} GB/s "

@@ -112,8 +112,7 @@ def main() -> int:
         for s in warmup_specs(workloads, opts):  # untimed: shared prefixes, first-request costs
             w.run_one(s)
         name = f"stage{args.stage}"
-        target = [p for p in psutil.Process().children(recursive=True) if name in p.name()]
-        if not target:
+        if not (target := [p for p in psutil.Process().children(recursive=True) if name in p.name()]):
             print(f"error: no engine-core process of stage {args.stage} (name with {name!r}) found", file=sys.stderr)
             return 1
         todo = list(zip(*[specs(wl, 0, opts) for wl in workloads]))

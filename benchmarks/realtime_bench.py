@@ -99,8 +99,7 @@ def check_stage_config(path: Path, sessions: list[int], servers: str) -> dict:
             if "gpu_memory_utilization" in st:
                 for dev in str(st.get("devices", "0")).split(","):
                     share[dev.strip()] = share.get(dev.strip(), 0.0) + float(st["gpu_memory_utilization"])
-        full = {d: s for d, s in share.items() if 3 * s > 1}
-        if full:
+        if full := {d: s for d, s in share.items() if 3 * s > 1}:
             raise ValueError(f"--stage-config {path}: three servers at once need 3 × {max(full.values()):.2f} of "
                              f"GPU {', '.join(sorted(full))}; use --servers one-at-a-time")
     return raw
@@ -308,8 +307,7 @@ def floor_bar(records: list[dict], window: str, n: int) -> dict:
     p50 = {v: lab.stat(x) for v, x in xs.items()}
     res = {"omni_cache_p50_s": p50["omni_cache"], "floor_p50_s": p50[FLOOR], "builtin_p50_s": p50["builtin"],
            "samples": {v: len(x) for v, x in xs.items()}, "max_ratio_to_floor": FLOOR_RATIO}
-    missing = [v for v, x in xs.items() if not x]
-    if missing:
+    if missing := [v for v, x in xs.items() if not x]:
         return {**res, "verdict": "n/a", "ratio_to_floor": None,
                 "reason": f"no turn >= {LATE_TURN} with a first audio delta for {', '.join(missing)}"}
     ratio = p50["omni_cache"] / p50[FLOOR] if p50[FLOOR] > 0 else math.inf

@@ -140,8 +140,7 @@ def gpu_fit(one: dict | None, gpus: list[dict], others: int, margin: int) -> tup
     """Whether ``others`` more pipelines like ``one`` (its ``gpu`` memory row: ``per_device``
     index → bytes) fit each device's free memory (``gpus``: :func:`gpu_inventory` with ``one``
     up) with ``margin`` bytes to spare; and why, in words."""
-    per = (one or {}).get("per_device") or {}
-    if not per:
+    if not (per := (one or {}).get("per_device") or {}):
         return False, "the first pipeline's GPU memory is unknown (NVML); one pipeline at a time"
     free = {g["index"]: g["memory_free"] for g in gpus}
     lines, ok = [], True
@@ -194,8 +193,7 @@ def parse_variant_devices(text: str | None, variants: list[str]) -> dict[str, st
         if not ids or not all(d.isdigit() for d in ids):
             raise ValueError(f"--variant-devices: {name}'s devices {devs!r} are not comma-separated integers")
         out[name] = ",".join(ids)
-    missing = [v for v in variants if v not in out]
-    if missing:
+    if missing := [v for v in variants if v not in out]:
         raise ValueError(f"--variant-devices: no devices for {missing}")
     cards = [d for devs in out.values() for d in devs.split(",")]
     if len(cards) != len(set(cards)):
