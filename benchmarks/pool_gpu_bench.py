@@ -102,11 +102,8 @@ def measure_limits(timer: GpuTimer, width: int) -> dict:
              "index_select_rows": (lambda: pool.index_select(0, slots), rows.nbytes),
              "pinned_h2d": (lambda: gpu.copy_(host, non_blocking=True), host.nbytes),
              "pinned_d2h": (lambda: host.copy_(gpu, non_blocking=True), host.nbytes)}
-    lim = {}
-    for name, (fn, nbytes) in cases.items():
-        lim[name] = {**timer.bench(fn), "bytes": nbytes}
-        lim[name]["GBps"] = nbytes / lim[name]["gpu_ms"] / 1e6
-    return lim
+    lim = {name: {**timer.bench(fn), "bytes": nbytes} for name, (fn, nbytes) in cases.items()}
+    return {name: {**v, "GBps": v["bytes"] / v["gpu_ms"] / 1e6} for name, v in lim.items()}
 
 
 def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks: int, block_size: int,
@@ -128,11 +125,8 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
         tensor, block hashes as ``(first, uint64 array)``)."""
         blocks = torch.randperm(num_blocks)[:nb]
         hashes = [rng.getrandbits(64) for _ in range(nb)]
-        if arrays:
-            args = (blocks, 0, rows, (0, np.array(hashes, dtype=np.uint64)))
-        else:
-            blocks = blocks.tolist()
-            args = (blocks, 0, rows, dict(enumerate(hashes)))
+        blocks = blocks if arrays else blocks.tolist()
+        args = (blocks, 0, rows, (0, np.array(hashes, dtype=np.uint64)) if arrays else dict(enumerate(hashes)))
         return (lambda: cache.write_request_rows(req, *args)), blocks, hashes
 
     for rep in range(reps + 2):
@@ -179,9 +173,7 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
            **{f"{k}_all": m[k] for k in ("write_host_ms", "write_host_ms_array_forms", "write_settle_host_ms",
                                          "read_host_ms")},
            "fused_writes": cache._writer is not None}
-    res["write_GBps"] = nbytes / res["write_gpu_ms"] / 1e6
-    res["read_GBps"] = nbytes / res["read_gpu_ms"] / 1e6
-    return res
+    return {**res, **{f"{op}_GBps": nbytes / res[f"{op}_gpu_ms"] / 1e6 for op in ("write", "read")}}
 
 
 def bench_cpu(reps: int, width: int = 2048) -> dict:

@@ -79,10 +79,7 @@ class _LRU:
                 self.d.move_to_end(h)
             else:
                 self.d[h] = None
-        ev = []
-        while len(self.d) > self.cap:
-            ev.append(self.d.popitem(last=False)[0])
-        return ev
+        return [self.d.popitem(last=False)[0] for _ in range(len(self.d) - self.cap)]  # evicted, oldest first
 
 
 def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
@@ -98,19 +95,13 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
         k = bisect_left(sys_cum, rng.random() * sys_cum[-1])
         toks = list(systems[k])
         hashes: list[int] = []                     # of toks' first len(hashes) full blocks
-
-        def extend(upto: list[int], known: list[int]) -> list[int]:
-            n = len(known)
-            tail = upto[n * bs:]
-            if n == 0:
-                return request_block_hashes(tail, bs)
-            return known + chained_block_hashes(tail, bs, parent=known[-1])
-
         turns = []
         for _ in range(w.turns):
             toks += gen.integers(0, vocab, rng.randint(*w.user_tokens)).tolist()
             answer = gen.integers(0, vocab, rng.randint(*w.answer_tokens)).tolist()
-            full = extend(toks + answer, hashes)
+            tail = (toks + answer)[len(hashes) * bs:]  # hashed on from the last known block
+            full = (hashes + chained_block_hashes(tail, bs, parent=hashes[-1]) if hashes
+                    else request_block_hashes(tail, bs))
             turns.append((full[: len(toks) // bs], full))  # chained: the prompt's are a prefix
             toks += answer
             hashes = full
