@@ -141,9 +141,8 @@ class Sampler(threading.Thread):
         self.t0, self._halt = time.perf_counter(), threading.Event()
 
     def sample(self) -> dict:
-        s = {"t_s": round(time.perf_counter() - self.t0, 2), "requests_done": self.progress(),
-             **shm_entries(self.tag, self.baseline), **tree_usage(self.pid)}
-        self.samples.append(s)
+        self.samples.append(s := {"t_s": round(time.perf_counter() - self.t0, 2), "requests_done": self.progress(),
+                                  **shm_entries(self.tag, self.baseline), **tree_usage(self.pid)})
         return s
 
     def run(self) -> None:
@@ -252,9 +251,8 @@ def _bars(samples: list[dict], drained: dict, records: list[dict], warmup: int, 
     seg = np.array([s["tagged_segments"] for s in after])
     quarter = max(1, len(after) // 4)
     first_q, last_q = float(np.median(seg[:quarter])), float(np.median(seg[-quarter:]))
-    tenth = max(1, len(after) // 10)
-    rss_first = float(np.median([s["rss"] for s in after[:tenth]]))
-    rss_last = float(np.median([s["rss"] for s in after[-tenth:]]))
+    tenth, rss = max(1, len(after) // 10), np.array([s["rss"] for s in after])
+    rss_first, rss_last = float(np.median(rss[:tenth])), float(np.median(rss[-tenth:]))
     rss_growth = (rss_last - rss_first) / rss_first if rss_first else 0.0
     fds = [s["fds"] for s in after]
     lost = [r for r in records if not r["ok"]]
@@ -363,10 +361,9 @@ def run(args, argv: list[str] | None = None) -> dict:
     baseline = set(os.listdir(SHM))
     with lab.start("server", model_dir, args.stage_config, log=out_dir / "server.log", ready_timeout=1500,
                    label="soak") as srv:
-        d = drive(srv, requests=args.requests, concurrency=args.concurrency, warmup=args.warmup,
-                  max_tokens=args.max_tokens, sample_s=args.sample_s, drain_s=args.drain_s,
-                  shm_slack=args.shm_slack, report_every=args.report_every, seed=args.seed, tag=tag,
-                  baseline=baseline)
+        d = drive(srv, tag=tag, baseline=baseline, **{k: getattr(args, k) for k in (
+            "requests", "concurrency", "warmup", "max_tokens", "sample_s", "drain_s", "shm_slack", "report_every", "seed")
+        })
         stop = _stop_timed(srv)
     time.sleep(1.0)
     bars = {**d["bars"], "shm_empty_after_exit": after_exit(tag, baseline)}
