@@ -34,6 +34,9 @@ import numpy as np
 from benchmarks import lab
 
 SHM = Path("/dev/shm")
+#: the command's options that :func:`drive` takes as they are
+DRIVE_OPTIONS = ("requests", "concurrency", "warmup", "max_tokens", "sample_s", "drain_s", "shm_slack", "report_every",
+                 "seed")
 KIND_WEIGHTS = {"text": 3, "text+audio": 2, "stream": 2, "image": 1, "audio-in": 1, "video": 1, "bad": 1,
                 "abort": 1, "realtime": 1}
 QUESTIONS = ("What do you see?", "Say hello.", "Count to three.", "What is the weather like?",
@@ -361,9 +364,7 @@ def run(args, argv: list[str] | None = None) -> dict:
     baseline = set(os.listdir(SHM))
     with lab.start("server", model_dir, args.stage_config, log=out_dir / "server.log", ready_timeout=1500,
                    label="soak") as srv:
-        d = drive(srv, tag=tag, baseline=baseline, **{k: getattr(args, k) for k in (
-            "requests", "concurrency", "warmup", "max_tokens", "sample_s", "drain_s", "shm_slack", "report_every", "seed")
-        })
+        d = drive(srv, tag=tag, baseline=baseline, **{k: getattr(args, k) for k in DRIVE_OPTIONS})
         stop = _stop_timed(srv)
     time.sleep(1.0)
     bars = {**d["bars"], "shm_empty_after_exit": after_exit(tag, baseline)}
