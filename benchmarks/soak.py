@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from benchmarks import lab
 
@@ -125,8 +126,6 @@ def shm_entries(tag: str, baseline: set[str]) -> dict:
 
 def tree_usage(pid: int) -> dict:
     """RSS (bytes) and open file descriptors summed over process ``pid`` and its descendants."""
-    import psutil
-
     rss = fds = n = 0
     for p in lab.process_tree(pid):
         with contextlib.suppress(psutil.Error):
@@ -293,8 +292,6 @@ def _plot(samples: list[dict], out: Path, warmup: int) -> None:
 def _stop_timed(srv) -> dict:
     """SIGTERM the server; seconds until every stage process (``VLLM::*``: engine cores and
     workers) and the server itself are gone."""
-    import psutil
-
     kids = [p for p in lab.process_tree(srv.proc.pid)[1:] if p.name().startswith("VLLM")]
     t0 = time.perf_counter()
     srv.proc.send_signal(signal.SIGTERM)

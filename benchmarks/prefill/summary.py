@@ -7,6 +7,7 @@ A sample (one request on one variant) is a row of :mod:`benchmarks.prefill.worke
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from pathlib import Path
@@ -181,10 +182,7 @@ def ttfp_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str = "
 
 def _prefill_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str) -> list[dict[str, Any]]:
     s, off, bi = summ.get(variant), summ.get("off"), summ.get("builtin")
-
-    def med(x):
-        return _stat(x, "prefill_ms", "median")
-
+    med = functools.partial(_stat, metric="prefill_ms", key="median")
     if workload == "floor":
         return []  # a reference measurement, no bar
     if workload == "miss":

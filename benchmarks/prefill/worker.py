@@ -340,8 +340,7 @@ def _num_audio_samples(o) -> int:
 
 
 def _reply(obj: dict) -> None:
-    sys.stdout.write(RESULT_PREFIX + json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    print(RESULT_PREFIX + json.dumps(obj), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,9 +67,7 @@ def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) ->
     n = opts.requests if c == 1 else max(opts.requests, 2 * c)
     q = lambda r, i: _question(r, i, opts.suffix_words, c)  # noqa: E731
     base = {"workload": workload, "round": r, "image": None, "audio": None, "max_tokens": None,
-            "measure": True, "chat": None, "system": DEFAULT_SYSTEM_PROMPT}
-    if c > 1:
-        base["concurrency"] = c
+            "measure": True, "chat": None, "system": DEFAULT_SYSTEM_PROMPT, **({"concurrency": c} if c > 1 else {})}
     if workload == "text":
         return [{**base, "index": i, "text": f"{doc}\n\n{q(r, i)}"} for i in range(n)]
     if workload in ("image", "audio"):
