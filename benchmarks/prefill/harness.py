@@ -364,6 +364,21 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             with awake(var):
                 warm[var.name].extend(var.run([rewarm_specs[w]]))
 
+    def run_round(group: list[Variant], r: int, w: str) -> None:
+        """Round ``r`` of ``w`` on ``group``: each re-warmed, each request sent to every one in turn (order
+        rotated by round + request index), then one batch per c each (rotated by round + index of c)."""
+        for var in group:
+            rewarm(var, w)
+        for i, spec in enumerate(round_specs[(w, r)]):
+            for var in lab.rotate(group, r + i):
+                bar.set_postfix_str(f"round {r} {w} {var.name}")
+                with awake(var):
+                    record(var.name, var.run([spec]))
+        for k, c in enumerate(loads):
+            for var in lab.rotate(group, r + k):
+                with awake(var):
+                    run_load(var, w, r, c)
+
     def record(v: str, rows: list[dict]) -> None:
         for row in rows:
             samples[row["workload"]][v].append({**row, "variant": v})
@@ -464,17 +479,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             cpu0 = {var.name: var.cpu_s() for var in live}
             for r in rounds:
                 for w in workloads:
-                    for var in live:
-                        rewarm(var, w)
-                    for i, spec in enumerate(round_specs[(w, r)]):
-                        for var in lab.rotate(live, r + i):
-                            bar.set_postfix_str(f"round {r} {w} {var.name}")
-                            with awake(var):
-                                record(var.name, var.run([spec]))
-                    for k, c in enumerate(loads):  # one batch per variant, order rotated per round
-                        for var in lab.rotate(live, r + k):
-                            with awake(var):
-                                run_load(var, w, r, c)
+                    run_round(live, r, w)
                     checkpoint()
             # idle pipelines must not steal CPU from the one being timed: CPU seconds each pipeline
             # used during the timed phase vs the wall time of its own requests
@@ -497,12 +502,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                         ready_and_warm(live[-1])
                     var = live[-1]
                     for w in workloads:
-                        bar.set_postfix_str(f"round {r} {w} {v}")
-                        rewarm(var, w)
-                        for spec in round_specs[(w, r)]:
-                            record(v, var.run([spec]))
-                        for c in loads:
-                            run_load(var, w, r, c)
+                        run_round([var], r, w)
                     sample_mem(var, f"end of round {r}")
                     var.close()
                     live.remove(var)
