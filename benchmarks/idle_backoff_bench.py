@@ -16,6 +16,8 @@ import random
 import time
 
 from benchmarks import lab
+from omni_cache import settings
+from omni_cache.driver.inputs import build_request
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,9 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
-
-    from omni_cache import settings
-    from omni_cache.driver.inputs import build_request
 
     out = lab.results_dir(args.out, "idle-backoff")
     model = lab.model_dir(args.size, args.model)

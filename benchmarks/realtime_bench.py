@@ -24,7 +24,13 @@ import math
 import time
 from pathlib import Path
 
+import yaml
+
 from benchmarks import lab
+from omni_cache import settings
+from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT as SYSTEM_PROMPT
+from omni_cache.driver.realtime import RealtimeSession, prefix_cache_counters, speech_clip
+from omni_cache.driver.stage_config import StageConfigError, bundled_stage_config, load_stage_config
 
 VARIANTS = ("off", "builtin", "omni_cache")
 WINDOWS = ("stock", "omni_cache")
@@ -57,8 +63,6 @@ def resolve_stage_config(text: str) -> Path:
     Raises:
         ValueError: neither.
     """
-    from omni_cache.driver.stage_config import bundled_stage_config
-
     p = Path(text).expanduser()
     if p.is_file():
         return p.resolve()
@@ -80,8 +84,6 @@ def check_stage_config(path: Path, sessions: list[int], servers: str) -> dict:
         ValueError: invalid, not duplex, ``duplex_session.max_sessions`` below the largest
             ``--sessions``, or ``--servers together`` with GPU shares three servers cannot hold.
     """
-    from omni_cache.driver.stage_config import StageConfigError, load_stage_config
-
     try:
         raw = load_stage_config(path).raw
     except StageConfigError as exc:
@@ -106,9 +108,6 @@ def check_stage_config(path: Path, sessions: list[int], servers: str) -> dict:
 
 
 def _config(out: Path, variant: str, base: Path, record: bool) -> Path:
-    import yaml
-
-    from omni_cache import settings
     from omni_cache.exactness.fuzz import recording_stage_config
 
     cfg = recording_stage_config(out / variant, variant, streaming=True, in_process=True, base=base)
@@ -125,8 +124,6 @@ def _config(out: Path, variant: str, base: Path, record: bool) -> Path:
 
 def _clips(seconds: float, turn: int, rnd: int, n: int) -> list[bytes]:
     """The utterances of sessions 0..n-1's 0-based ``turn``: the same in every variant and the floor."""
-    from omni_cache.driver.realtime import speech_clip
-
     return [speech_clip(seconds, 0.9 + 1.7 * turn + 0.37 * rnd + 0.23 * session) for session in range(n)]
 
 
@@ -139,8 +136,6 @@ def _pause(server, paused: bool) -> None:
 async def _turn(server, session, audio: bytes, metrics: bool) -> dict:
     """One voice turn (seconds from the commit); ``metrics``: the server's /metrics deltas as the
     turn's hits (only when nothing else runs on the server)."""
-    from omni_cache.driver.realtime import prefix_cache_counters
-
     before = await asyncio.to_thread(prefix_cache_counters, server.url) if metrics else {}
     try:
         t = await session.turn(audio)
@@ -172,9 +167,6 @@ async def _turns(server, sessions: list, audios: list[bytes]) -> list[dict]:
 async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict], session_ids: dict) -> dict:
     """Every round × N × window of the variants in ``active`` (servers up): the cold first turn of
     each (returned), the sessions' turns, the floor (when :data:`FLOOR_ON` is active)."""
-    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT as SYSTEM_PROMPT
-    from omni_cache.driver.realtime import RealtimeSession, speech_clip
-
     def only(v):  # the one server not paused
         for name, srv in servers.items():
             if name in active:

@@ -16,7 +16,10 @@ import random
 import time
 from pathlib import Path
 
+import yaml
+
 from benchmarks import lab
+from omni_cache import settings
 
 POLICIES = ("prefix", "vllm_omni")
 QUESTIONS = ["Tell me a story about it.", "And then what happened?", "Why did that happen?",
@@ -86,15 +89,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from omni_cache import settings
-
     out = lab.results_dir(args.out, "routing-bench")
     model = lab.model_dir(args.size, args.model)
     tok = AutoTokenizer.from_pretrained(model)
     cfg = lab.variant_config(args.stage_config, out, "routing", stages={0: {"num_replicas": 2}},
                              env={0: {settings.ROUTING.name: "prefix"}})
-    import yaml
-
     block = int(next(s for s in yaml.safe_load(cfg.read_text())["stages"] if s["stage_id"] == 0)["block_size"])
     records: list[dict] = []
     t_start = time.perf_counter()

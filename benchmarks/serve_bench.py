@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import lab
+from omni_cache.driver.realtime import prefix_cache_counters
 
 #: the tool's headline figures compared between variants (ms unless named otherwise)
 HEADLINE = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_audio_ttfp_ms", "p90_audio_ttfp_ms",
@@ -42,8 +43,6 @@ def tool_command(args, base_url: str, model_name: str, tokenizer: Path, result_d
 
 
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path) -> dict:
-    from omni_cache.driver.realtime import prefix_cache_counters
-
     cfg = lab.prefix_cache_variant(args.stage_config, out_dir, variant)
     filename = f"vllm-omni-bench-{variant}-{cycle}.json"
     with lab.start("server", model_dir, cfg, log=out_dir / f"server-{variant}-{cycle}.log",

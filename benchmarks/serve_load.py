@@ -15,7 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from openai import AsyncOpenAI
+
 from benchmarks import lab
+from omni_cache.driver.realtime import prefix_cache_counters
 
 PARAGRAPH = ("You are a careful assistant for a museum of natural history. Visitors send photos "
              "and voice notes; answer briefly, name what you see, and keep a friendly tone. ")
@@ -61,8 +64,6 @@ async def _one_chat(client, model: str, system: str, question: str, max_tokens: 
 
 
 async def _burst(base_url: str, model: str, system: str, concurrency: int, max_tokens: int, round_idx: int):
-    from openai import AsyncOpenAI
-
     client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=900, max_retries=0)
     try:
         t0 = time.perf_counter()
@@ -79,8 +80,6 @@ async def _burst(base_url: str, model: str, system: str, concurrency: int, max_t
 
 
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path, tokenizer) -> dict:
-    from omni_cache.driver.realtime import prefix_cache_counters
-
     cfg = lab.prefix_cache_variant(args.stage_config, out_dir, variant)
     with lab.start("server", model_dir, cfg, log=out_dir / f"server-{variant}-{cycle}.log",
                    label=f"{variant} #{cycle}") as srv:

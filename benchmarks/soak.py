@@ -30,9 +30,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import openai
 import psutil
+import soundfile as sf
+from PIL import Image
 
 from benchmarks import lab
+from omni_cache.driver.inputs import load_audio, sample_path
+from omni_cache.driver.realtime import RealtimeSession, speech_clip
 
 SHM = Path("/dev/shm")
 #: the command's options that :func:`drive` takes as they are
@@ -46,8 +51,6 @@ QUESTIONS = ("What do you see?", "Say hello.", "Count to three.", "What is the w
 
 # ----------------------------------------------------------------------------- inputs
 def _wav_b64(samples: np.ndarray, rate: int = 16_000) -> str:
-    import soundfile as sf
-
     buf = io.BytesIO()
     sf.write(buf, samples.astype(np.float32), rate, format="WAV")
     return base64.b64encode(buf.getvalue()).decode()
@@ -58,9 +61,6 @@ def video_clip(pixel_seed: int, seconds: float = 2.0, size: int = 224, fps: int 
     ``pixel_seed``; AAC audio: the bundled speech recording) as a data URL (``av``). Same
     arguments but the seed: same length and size, so the same prompt token ids."""
     import av
-    import soundfile as sf
-
-    from omni_cache.driver.inputs import sample_path
 
     wav, sr = sf.read(sample_path("speech.wav"), dtype="float32")
     wav = (wav.mean(axis=1) if wav.ndim > 1 else wav)[:int(seconds * sr)]
@@ -87,10 +87,6 @@ def video_clip(pixel_seed: int, seconds: float = 2.0, size: int = 224, fps: int 
 def _media() -> dict[str, str]:
     """The inputs: a 64×64 PNG, 1 s of speech (WAV), a 78-sample WAV, a truncated JPEG, two 1 s
     video clips (data URLs or base64)."""
-    from PIL import Image
-
-    from omni_cache.driver.inputs import load_audio, sample_path
-
     buf = io.BytesIO()
     Image.open(sample_path("astronaut.jpg")).convert("RGB").resize((64, 64)).save(buf, format="PNG")
     audio, sr = load_audio(sample_path("speech.wav"))
@@ -164,8 +160,6 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
     t0 = time.perf_counter()
     q = QUESTIONS[k % len(QUESTIONS)] + f" ({k})"
     common = {"model": model, "max_tokens": max_tokens, "seed": k, "extra_headers": {"X-Request-Id": rid}}
-    import openai
-
     try:
         if kind in ("text", "text+audio", "audio-in", "image", "video"):
             part = {"audio-in": {"type": "input_audio", "input_audio": {"data": media["speech"], "format": "wav"}},
@@ -204,8 +198,6 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
                 msg = e.body.get("message", "") if isinstance(e.body, dict) else str(e)
                 rec.update(status=e.status_code, message_chars=len(msg), ok=e.status_code == 400)
         elif kind == "realtime":
-            from omni_cache.driver.realtime import RealtimeSession, speech_clip
-
             async with RealtimeSession(realtime_url, timeout=300, instructions="Soak.") as s:
                 turn = await s.turn(speech_clip(1.0, offset_s=0.3 * k))
             rec["ok"] = len(turn.audio) > 0
@@ -220,9 +212,7 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
 
 async def _stream(base_url: str, model: str, kinds: list[str], concurrency: int, tag: str, media: dict,
                   max_tokens: int, realtime_url: str | None, done: list, report_every: int) -> list[dict]:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     sem = asyncio.Semaphore(concurrency)
     t0 = time.perf_counter()
 

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
 from benchmarks import lab
+from omni_cache import settings
+from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, build_request, sample_path
+from omni_cache.driver.variants import MemorySettings, variant_stage_config
 
 VARIANTS = ("off", "thinker", "thinker+talker")
 QUESTIONS = ["What do you hear?", "Say it again, slower.", "Which word was the longest?",
@@ -44,12 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.turns <= len(QUESTIONS):
         ap.error(f"--turns must be 1..{len(QUESTIONS)}")
-
-    import os
-
-    from omni_cache import settings
-    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, build_request, sample_path
-    from omni_cache.driver.variants import MemorySettings, variant_stage_config
 
     out = lab.results_dir(args.out, "voice-chat")
     model = lab.model_dir(args.size, args.model)

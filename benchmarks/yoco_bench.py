@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from benchmarks import lab
+from benchmarks.prefill import harness
+from benchmarks.prefill import summary as S
 
 CONFIG = lab.REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
 DEFAULTS = {"--variants": "off,fast,omni_cache,fast+omni_cache", "--modalities": "text,image,audio",
@@ -35,8 +37,6 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
 
     Raises:
         FileNotFoundError: a run's ``result.json`` is missing."""
-    from benchmarks.prefill import summary as S
-
     parts = {tag: json.loads((root / f"{name}-{tag}" / "result.json").read_text()) for tag in tags}
     samples: dict[str, dict[str, list]] = {}
     for r in parts.values():
@@ -66,8 +66,6 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.prefill import harness
-
     ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the rest (--help too) goes to the harness
     ap.add_argument("--paired", action="store_true")
     ap.add_argument("--size", default="bench")

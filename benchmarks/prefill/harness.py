@@ -20,11 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+from tqdm import tqdm
+
 from benchmarks import lab
 from benchmarks.prefill import summary as S
 from benchmarks.prefill.worker import RESULT_PREFIX
 from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, check_media, specs, warmup_specs
 from omni_cache.driver.variants import VARIANTS, YOCO_VARIANTS, MemorySettings, variant_stage_config
+from omni_cache.models.qwen3 import SIZES
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -202,8 +206,6 @@ def parse_variant_devices(text: str | None, variants: list[str]) -> dict[str, st
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from omni_cache.models.qwen3 import SIZES
-
     add = ap.add_argument
     add("--modalities", default="text,image,audio,chat,miss,floor", help=f"workloads among {','.join(WORKLOADS)}")
     add("--requests", type=int, default=20, help="requests per workload and round (chat: turns); at c > 1 "
@@ -268,8 +270,6 @@ def _memory_settings(args, gpu_host: bool) -> MemorySettings:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from tqdm import tqdm
-
     workloads = [w.strip() for w in args.modalities.split(",") if w.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     opts = WorkloadOptions(**{k: getattr(args, k) for k in ("requests", "prefix_words", "image", "audio",
@@ -439,8 +439,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         live.append(start(variants[0]))
         ready_and_warm(live[0])
         one = memory["samples"][-1]["total"]
-        import psutil
-
         avail = psutil.virtual_memory().available
         margin = int(args.mem_margin_gib * GiB)
         need = one["pss"] * (len(variants) - 1) + margin

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 import statistics
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,6 @@ def bootstrap_median_ci(xs: list[float], level: float = 0.95, resamples: int = 4
                         seed: int = 0) -> list[float] | None:
     """Seeded percentile-bootstrap confidence interval ``[lo, hi]`` of the median of ``xs`` (Efron
     & Tibshirani 1993, ch. 13); None for fewer than 3 values."""
-    import random
-
     if len(xs) < 3:
         return None
     rng = random.Random(seed)

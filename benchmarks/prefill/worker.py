@@ -20,6 +20,7 @@ Per request (:class:`_Request`): the driver-clock times, hit ratio, tokens and a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import copy
 import functools
@@ -29,7 +30,11 @@ import sys
 import time
 from typing import Any
 
+import psutil
+
 from benchmarks import lab
+from benchmarks.prefill.workloads import audio_copy, image_copy
+from omni_cache.driver.inputs import OmniRequest, Turn, build_request, load_audio, load_image
 
 RESULT_PREFIX = "@@RESULT "
 STAGES = ("0", "1", "2")  # thinker, talker, code2wav (stage label of vLLM's metrics)
@@ -39,8 +44,6 @@ def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
     """Memory of process ``pid`` (default: this one) and its descendants: per process ``pid``,
     ``name``, ``cmd``, ``rss`` / ``pss`` / ``uss`` in bytes (PSS splits shared pages, so it sums to
     what the tree uses) and ``cpu_s`` (user + system seconds so far)."""
-    import psutil
-
     out = []
     for p in lab.process_tree(pid or os.getpid()):
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
@@ -120,8 +123,6 @@ class VariantWorker:
     def engine_prompt(self, spec: dict) -> dict:
         """A request spec's engine prompt (a later chat turn: token ids, the previous turn's
         prompt and answer exactly)."""
-        from omni_cache.driver.inputs import build_request
-
         chat = spec.get("chat")
         if chat and chat["turn"] > 0:
             tail = self.tokenizer.encode(f"\n<|im_start|>user\n{spec['text']}<|im_end|>\n<|im_start|>assistant\n")
@@ -136,9 +137,6 @@ class VariantWorker:
     def _media_copies_prompt(self, spec: dict, k: int) -> dict:
         """System turn, then ``k`` user turns each carrying one copy of the media
         (:func:`benchmarks.prefill.workloads.image_copy` / ``audio_copy``), then the question."""
-        from benchmarks.prefill.workloads import audio_copy, image_copy
-        from omni_cache.driver.inputs import OmniRequest, Turn, load_audio, load_image
-
         key = (spec.get("image"), spec.get("audio"), k)
         if key not in self._media:
             img = load_image(spec["image"]) if spec.get("image") else None
@@ -190,8 +188,6 @@ class VariantWorker:
         sending the next chain of :func:`request_chains` as soon as its last finished; streaming
         only. Answers ``{"results", "wall_s" (first sent → last output), "throughput_rps"
         (requests without error / wall_s), "n_requests", "n_errors", "concurrency"}``."""
-        import asyncio
-
         if not self.stream:
             raise ValueError("run_concurrent needs the streaming engine (AsyncOmni); --no-stream is one at a time")
         if concurrency < 1:

@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT
+import numpy as np
+from PIL import Image, ImageOps
+
+from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, load_audio, load_image, sample_path
 
 WORKLOADS = ("text", "image", "audio", "chat", "miss", "floor")
 WORDS = ("river stone cloud lantern meadow copper violin harbor orchard falcon ember "
@@ -37,8 +40,6 @@ class WorkloadOptions:
     media_copies: int = 1
 
     def media(self) -> tuple[str, str]:
-        from omni_cache.driver.inputs import sample_path
-
         return (str(self.image or sample_path("astronaut.jpg")), str(self.audio or sample_path("speech.wav")))
 
 
@@ -123,8 +124,6 @@ def warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int =
 def image_copy(image, k: int):
     """Copy ``k`` of a PIL image: k = 0 the image itself, 1..7 its mirrors / rotations,
     k ≥ 8 the same with inverted colours (so copies differ in content and hash)."""
-    from PIL import Image, ImageOps
-
     ops = [None, Image.Transpose.FLIP_LEFT_RIGHT, Image.Transpose.FLIP_TOP_BOTTOM, Image.Transpose.ROTATE_90,
            Image.Transpose.ROTATE_180, Image.Transpose.ROTATE_270, Image.Transpose.TRANSPOSE,
            Image.Transpose.TRANSVERSE]
@@ -136,8 +135,6 @@ def image_copy(image, k: int):
 def audio_copy(samples, k: int, copies: int):
     """Copy ``k`` of ``copies`` of a waveform (``[num_samples]`` float32): rotated by
     ``k / copies`` of its length."""
-    import numpy as np
-
     return np.roll(samples, (k * len(samples)) // max(copies, 1))
 
 
@@ -148,8 +145,6 @@ def check_media(opts: WorkloadOptions) -> None:
     Raises:
         omni_cache.driver.inputs.InputError: a file is missing or undecodable (names it).
     """
-    from omni_cache.driver.inputs import load_audio, load_image
-
     image, audio = opts.media()
     load_image(Path(image))
     load_audio(Path(audio))
