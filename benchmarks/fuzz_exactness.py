@@ -91,8 +91,7 @@ def summarize(report: dict) -> dict:
     ulps = [max((d["max_ulps"] for d in r["vs_off"]), default=0.0) for r in hit]
     return {
         "conversations": sum(len({r["conversation"] for r in g["requests"]}) for g in report["groups"]),
-        "requests": len(reqs), "requests_with_hit": len(hit),
-        "by_mode_cache": dict(by_mode_cache),
+        "requests": len(reqs), "requests_with_hit": len(hit), "by_mode_cache": dict(by_mode_cache),
         "violations": {o: sum(1 for m in report["mismatches"] if m["oracle"] == o) for o in "abc"},
         "b_skipped": sum(1 for r in reqs if r["b_skipped"]),
         "served_blocks_verified": sum(r["served_blocks_verified"] for r in reqs),
@@ -102,16 +101,13 @@ def summarize(report: dict) -> dict:
         "served_rows_differ_from_off": len(served_differ),
         "audio_differs_from_off": {"omni_cache": sum(not r["audio_equal_off"] for r in reqs),
                                    "builtin": sum(not r["builtin_audio_equal_off"] for r in reqs)},
-        "max_ulps_vs_off": max(ulps, default=0.0),
+        "max_ulps_vs_off": max(ulps, default=0.0), "tolerance_ulps": oracles.TOLERANCE_ULPS,
         "median_ulps_vs_off_where_differing": statistics.median([u for u in ulps if u > 0] or [0.0]),
-        "tolerance_ulps": oracles.TOLERANCE_ULPS,
-        "foreign_rows": foreign,
-        "concurrent_requests": sum(r["concurrent"] for r in reqs),
+        "foreign_rows": foreign, "concurrent_requests": sum(r["concurrent"] for r in reqs),
         "concurrent_audio": {
             "omni_cache_differs_from_builtin": sum(r["concurrent"] and not r["audio_equal_builtin"] for r in reqs),
             "handoff_differs_from_builtin": sum(r.get("concurrent_handoff_equal") is False for r in reqs),
-            "off_rerun_differs_from_off": sum(r["off_rerun_audio_equal"] is False for r in reqs)},
-    }
+            "off_rerun_differs_from_off": sum(r["off_rerun_audio_equal"] is False for r in reqs)}}
 
 
 def plot(report: dict, path: Path) -> None:

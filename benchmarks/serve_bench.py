@@ -28,14 +28,11 @@ HEADLINE = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_audio_ttfp_m
 def tool_command(args, base_url: str, model_name: str, tokenizer: Path, result_dir: Path, filename: str) -> list[str]:
     """The ``vllm-omni bench serve --omni`` command line for one run (list of argv strings)."""
     exe = Path(sys.executable).with_name("vllm-omni")
-    return [str(exe), "bench", "serve", "--omni", "--backend", "openai-chat-omni",
-            "--endpoint", "/v1/chat/completions", "--base-url", base_url.removesuffix("/v1"),
-            "--model", model_name, "--tokenizer", str(tokenizer),
-            "--dataset-name", "prefix_repetition",
-            "--prefix-repetition-prefix-len", str(args.prefix_len),
-            "--prefix-repetition-suffix-len", str(args.suffix_len),
-            "--prefix-repetition-num-prefixes", str(args.num_prefixes),
-            "--prefix-repetition-output-len", str(args.output_len),
+    return [str(exe), "bench", "serve", "--omni", "--backend", "openai-chat-omni", "--endpoint", "/v1/chat/completions",
+            "--base-url", base_url.removesuffix("/v1"), "--model", model_name, "--tokenizer", str(tokenizer),
+            "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+            "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
+            str(args.num_prefixes), "--prefix-repetition-output-len", str(args.output_len),
             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
             "--num-warmups", "1", "--seed", str(args.seed),
             "--percentile-metrics", "ttft,tpot,e2el,audio_ttfp,audio_rtf", "--metric-percentiles", "50,90,99",

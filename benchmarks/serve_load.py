@@ -107,14 +107,9 @@ def _summary(runs: list[dict]) -> dict:
         ok = [x for x in recs if not x["error"]]
         prompt = sum(x["prompt_tokens"] or 0 for x in ok)
         cached = sum(x["cached_tokens"] or 0 for x in ok)
-        out[variant] = {
-            "requests": len(recs), "errors": len(recs) - len(ok),
-            "ttft_s": _percentiles([x["ttft_s"] for x in ok]),
-            "ttfp_s": _percentiles([x["ttfp_s"] for x in ok]),
-            "e2e_s": _percentiles([x["e2e_s"] for x in ok]),
-            "prompt_tokens": prompt, "cached_tokens": cached,
-            "hit_ratio": cached / prompt if prompt else 0.0,
-        }
+        out[variant] = {"requests": len(recs), "errors": len(recs) - len(ok), "prompt_tokens": prompt,
+                        **{m: _percentiles([x[m] for x in ok]) for m in ("ttft_s", "ttfp_s", "e2e_s")},
+                        "cached_tokens": cached, "hit_ratio": cached / prompt if prompt else 0.0}
     if "on" in out and "off" in out:
         out["off_over_on"] = {m: {p: out["off"][m][p] / out["on"][m][p] for p in ("p50", "p90", "p99")}
                               for m in ("ttft_s", "ttfp_s", "e2e_s")
