@@ -233,16 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     bar = [r for r in rows if r["replicas"] == 64 and r["skew"] == "zipf" and r["policy"] == "prefix"]
     bar_ok = bool(bar) and bar[0]["turn2_hit_ratio"] >= 0.9 and bar[0]["load_max_mean"] <= 1.3
     base = Workload(replicas=0, conversations=0, turns=args.turns, zipf_s=args.zipf_s)
-    result = {
-        "command": "PYTHONPATH=. python benchmarks/routing_sim.py " + " ".join(argv or sys.argv[1:]),
-        "workload": {**asdict(base), "replicas": args.replicas,
-                     "conversations_per_replica": args.conversations_per_replica},
-        "policy_config": {"load_margin": 4, "shared_prefix_fanout": 4, "capacity_blocks": base.capacity_blocks},
-        "bar": {"replicas": 64, "skew": "zipf", "policy": "prefix", "hit_ratio_min": 0.9,
-                "load_max_mean_max": 1.3, "met": bar_ok, "row": bar[0] if bar else None},
-        "rows": rows,
-        "runtime_s": round(time.perf_counter() - t_all, 1),
-    }
+    result = {"command": "PYTHONPATH=. python benchmarks/routing_sim.py " + " ".join(argv or sys.argv[1:]),
+              "workload": {**asdict(base), "replicas": args.replicas,
+                           "conversations_per_replica": args.conversations_per_replica},
+              "policy_config": {"load_margin": 4, "shared_prefix_fanout": 4, "capacity_blocks": base.capacity_blocks},
+              "bar": {"replicas": 64, "skew": "zipf", "policy": "prefix", "hit_ratio_min": 0.9,
+                      "load_max_mean_max": 1.3, "met": bar_ok, "row": bar[0] if bar else None},
+              "rows": rows, "runtime_s": round(time.perf_counter() - t_all, 1)}
     lab.write_result(lab.results_dir(args.out, "routing-sim"), result)
     if not args.no_plot:
         plot(rows, args.out / "routing_sim.png")

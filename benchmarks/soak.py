@@ -261,8 +261,7 @@ def _bars(samples: list[dict], drained: dict, records: list[dict], warmup: int, 
                                "growth": rss_growth, "pass": rss_growth < 0.02},
         "open_fds": {"min": min(fds), "max": max(fds), "first": fds[0], "last": fds[-1],
                      "pass": fds[-1] - fds[0] <= slack},
-        "no_lost_requests": {"lost": len(lost), "examples": lost[:5], "pass": not lost},
-    }
+        "no_lost_requests": {"lost": len(lost), "examples": lost[:5], "pass": not lost}}
 
 
 def _plot(samples: list[dict], out: Path, warmup: int) -> None:
@@ -355,15 +354,13 @@ def run(args, argv: list[str] | None = None) -> dict:
         stop = _stop_timed(srv)
     time.sleep(1.0)
     bars = {**d["bars"], "shm_empty_after_exit": after_exit(tag, baseline)}
-    result = {
-        "benchmark": "soak", **lab.stamp("benchmarks.soak", argv),
-        "model": str(model_dir), "stage_config": str(args.stage_config), "args": lab.jsonable(args),
-        "ready_s": round(srv.ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
-        "requests_per_s": round(len(d["records"]) / d["wall_s"], 3), "counts": d["counts"],
-        "statuses": d["statuses"], "stop": stop, "shm_after_exit": {**shm_entries(tag, baseline)},
-        "summary": {"pass": all(b["pass"] for b in bars.values()), "bars": bars},
-        "samples": d["samples"], "requests": d["records"],
-    }
+    result = {"benchmark": "soak", **lab.stamp("benchmarks.soak", argv),
+              "model": str(model_dir), "stage_config": str(args.stage_config), "args": lab.jsonable(args),
+              "ready_s": round(srv.ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
+              "requests_per_s": round(len(d["records"]) / d["wall_s"], 3), "counts": d["counts"],
+              "statuses": d["statuses"], "stop": stop, "shm_after_exit": shm_entries(tag, baseline),
+              "summary": {"pass": all(b["pass"] for b in bars.values()), "bars": bars},
+              "samples": d["samples"], "requests": d["records"]}
     lab.write_result(out_dir, result, show={k: result[k] for k in ("counts", "statuses", "stop", "stream_wall_s")},
                      also=[out_dir / "soak.png"])
     _plot(d["samples"], out_dir / "soak.png", args.warmup)

@@ -411,12 +411,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "alternation": alternation, "memory": memory, "memory_per_variant": mem_per_variant,
             "pipeline_start_s": starts, "metric_definitions": METRIC_DEFINITIONS, "workloads": summ,
             "bar_checks": checks, "samples": samples, "concurrency": conc, "load": load, "load_bar_checks": load_checks,
-            "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm,
-            "omni_cache_metrics": metrics,
+            "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm, "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
             "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in failed},
-            "aborted": aborted, "complete": final and not aborted,
-        }
+            "aborted": aborted, "complete": final and not aborted}
         lab.write_result(out, result)
         what = f"{Path(model).name}, {alternation['mode']}, N={args.requests} R={args.repeats}"
         png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {what}")

@@ -290,21 +290,19 @@ class _Request:
         talker_hit, talker_prompt = talker if w.stream else (None, None)
         s0 = self.stage_metrics.get("0", {})
         ms = lambda t: 1000.0 * (t - self.t0) if t is not None else None  # noqa: E731
-        out = {
-            "workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
-            "measure": spec.get("measure", True), "streaming": w.stream, "request_id": self.rid,
-            "num_prompt_tokens": len(prompt_ids), "num_cached_tokens": self.cached,
-            "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0, "computed_tokens": None,
-            "num_output_tokens": len(gen_ids), "prefill_ms": None, "prefill_source": UNDER_LOAD,
-            "ttft_ms": ms(self.ttft), "vllm_ttft_ms": s0.get("vllm_ttft_ms"), "ttfp_ms": ms(self.ttfp),
-            "talker_prefill_ms": None, "talker_decode_ms": None, "code2wav_ms": None, "e2e_ms": ms(end),
-            # talker prefix-hit tokens (None: talker cache off or not streaming)
-            "talker_hit_tokens": talker_hit, "talker_prompt_tokens": talker_prompt,
-            "stage_0_gen_ms": self.durations.get("stage_0_gen_ms"),
-            "stage_ms": {k: v for k, v in self.durations.items() if isinstance(v, (int, float))},
-            "audio_samples": self.audio_samples, "audio_packets": self.packets, "text": self.text[:80],
-            "error": "; ".join(self.errors) or None,
-        }
+        out = {"workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
+               "measure": spec.get("measure", True), "streaming": w.stream, "request_id": self.rid,
+               "num_prompt_tokens": len(prompt_ids), "num_cached_tokens": self.cached,
+               "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0, "computed_tokens": None,
+               "num_output_tokens": len(gen_ids), "prefill_ms": None, "prefill_source": UNDER_LOAD,
+               "ttft_ms": ms(self.ttft), "vllm_ttft_ms": s0.get("vllm_ttft_ms"), "ttfp_ms": ms(self.ttfp),
+               "talker_prefill_ms": None, "talker_decode_ms": None, "code2wav_ms": None, "e2e_ms": ms(end),
+               # talker prefix-hit tokens (None: talker cache off or not streaming)
+               "talker_hit_tokens": talker_hit, "talker_prompt_tokens": talker_prompt,
+               "stage_0_gen_ms": self.durations.get("stage_0_gen_ms"),
+               "stage_ms": {k: v for k, v in self.durations.items() if isinstance(v, (int, float))},
+               "audio_samples": self.audio_samples, "audio_packets": self.packets, "text": self.text[:80],
+               "error": "; ".join(self.errors) or None}
         if chat := spec.get("chat"):
             out["session"], out["turn"] = chat["session"], chat["turn"]
         if delta is None:
@@ -315,15 +313,13 @@ class _Request:
             d = delta[sid]
             return 1000.0 * d[family] if d.get(family + ":count", 0.0) == 1 and family in d else None
 
-        out.update({
-            "computed_tokens": delta["0"].get("vllm:request_prefill_kv_computed_tokens"),
-            "prefill_ms": 1000.0 * delta["0"]["vllm:request_prefill_time_seconds"] if n_fin == 1 else None,
-            "prefill_source": "vllm:request_prefill_time_seconds (stage 0)" if n_fin == 1 else
-                              f"unavailable ({n_fin:.0f} finished thinker requests observed)",
-            "talker_prefill_ms": per_request_ms("1", "vllm:request_prefill_time_seconds"),
-            "talker_decode_ms": per_request_ms("1", "vllm:request_decode_time_seconds"),
-            "code2wav_ms": per_request_ms("2", "vllm:request_inference_time_seconds"),
-        })
+        out.update(computed_tokens=delta["0"].get("vllm:request_prefill_kv_computed_tokens"),
+                   prefill_ms=1000.0 * delta["0"]["vllm:request_prefill_time_seconds"] if n_fin == 1 else None,
+                   prefill_source="vllm:request_prefill_time_seconds (stage 0)" if n_fin == 1 else
+                   f"unavailable ({n_fin:.0f} finished thinker requests observed)",
+                   talker_prefill_ms=per_request_ms("1", "vllm:request_prefill_time_seconds"),
+                   talker_decode_ms=per_request_ms("1", "vllm:request_decode_time_seconds"),
+                   code2wav_ms=per_request_ms("2", "vllm:request_inference_time_seconds"))
         return out
 
 
