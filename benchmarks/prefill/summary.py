@@ -232,21 +232,19 @@ def yoco_checks(workload: str, summ: dict[str, dict[str, Any]]) -> list[dict[str
     """Whether fast prefill and the cache compose on a KV-shared thinker (one workload; variants
     :data:`omni_cache.driver.variants.YOCO_VARIANTS`): prefill speedups vs off (TTFP's reported)
     and the bar both / (fast x cache) >= 0.9 where the cache's h >= 0.9 (else ``passed`` None)."""
-    three = ("fast", "omni_cache", "fast+omni_cache")
-    sp, tt = ({v: (summ.get(v) or {}).get(k) for v in three} for k in ("speedup_vs_off", "ttfp_ms_speedup_vs_off"))
+    names = {"fast": "fast", "cache": "omni_cache", "both": "fast+omni_cache"}  # in the check's keys: variant
+    sp, tt = ({v: (summ.get(v) or {}).get(k) for v in names.values()}
+              for k in ("speedup_vs_off", "ttfp_ms_speedup_vs_off"))
     h = (summ.get("omni_cache") or {}).get("hit_ratio")
     ok = all(sp.values())
     ratio = sp["fast+omni_cache"] / (sp["fast"] * sp["omni_cache"]) if ok else None
     applies = h is not None and h >= YOCO_MIN_HIT
-    return [{"check": f"prefill speedup(both) / (speedup(fast) x speedup(cache)) >= {YOCO_COMPOSE} "
-                      f"at h >= {YOCO_MIN_HIT}"
-                      f" (h={h:.3f})" if h is not None else "composition",
+    return [{"check": f"prefill speedup(both) / (speedup(fast) x speedup(cache)) >= {YOCO_COMPOSE} at h >= "
+                      f"{YOCO_MIN_HIT} (h={h:.3f})" if h is not None else "composition",
              "value": ratio, "target": YOCO_COMPOSE,
              "passed": (ratio >= YOCO_COMPOSE) if ratio is not None and applies else None,
-             "speedup_fast": sp["fast"], "speedup_cache": sp["omni_cache"], "speedup_both": sp["fast+omni_cache"],
              "product": sp["fast"] * sp["omni_cache"] if ok else None,
-             "ttfp_speedup_fast": tt["fast"], "ttfp_speedup_cache": tt["omni_cache"],
-             "ttfp_speedup_both": tt["fast+omni_cache"]}]
+             **{f"{pre}speedup_{n}": by[v] for pre, by in (("", sp), ("ttfp_", tt)) for n, v in names.items()}}]
 
 
 def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[str, list[dict]]) -> str:
