@@ -43,12 +43,6 @@ def _start(stack: contextlib.ExitStack, mode: str, out: Path, model_dir: Path) -
     return engines
 
 
-def _mismatches(res: fuzz.GroupResult) -> list[dict]:
-    return [{"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
-             "conversation": v.conversation, "turn": v.turn, "message": m}
-            for v in res.requests for oracle, msgs in v.violations.items() for m in msgs]
-
-
 def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report: dict) -> None:
     streaming = mode == "streaming"
     with contextlib.ExitStack() as stack:
@@ -58,7 +52,9 @@ def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report:
             group = make_group(seed, knobs, salt=f"{seed}-{mode}")
             t0 = time.perf_counter()
             res = fuzz.run_group(group, engines, cache, streaming=streaming)
-            found = _mismatches(res)
+            found = [{"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
+                      "conversation": v.conversation, "turn": v.turn, "message": m}
+                     for v in res.requests for oracle, msgs in v.violations.items() for m in msgs]
             strict = [m for m in found if m["oracle"] in ("a", "b")]
             if strict and args.shrink_budget:
                 def fails(g, cache=cache):

@@ -109,17 +109,14 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
     return convs
 
 
-def make_policy(name: str, w: Workload):
-    if name.startswith("prefix"):
-        return PrefixAwarePolicy(RoutingConfig(load_margin=4, capacity_blocks=w.capacity_blocks))
-    return {"random": lambda: RandomPolicy(w.seed), "round-robin": RoundRobinPolicy,
-            "least-queue": lambda: LeastQueuePolicy(w.seed)}[name]()
-
-
 def simulate(w: Workload, policy_name: str, convs) -> dict:
     rng = random.Random(w.seed + 1)
     R, N = w.replicas, len(convs)
-    policy = make_policy(policy_name, w)
+    if policy_name.startswith("prefix"):  # prefix, prefix+events
+        policy = PrefixAwarePolicy(RoutingConfig(load_margin=4, capacity_blocks=w.capacity_blocks))
+    else:
+        policy = {"random": lambda: RandomPolicy(w.seed), "round-robin": RoundRobinPolicy,
+                  "least-queue": lambda: LeastQueuePolicy(w.seed)}[policy_name]()
     events_on = policy_name == "prefix+events"
     keys = [f"replica-{i}" for i in range(R)]
     kv = [_LRU(w.capacity_blocks) for _ in range(R)]

@@ -28,13 +28,6 @@ def _percentiles(xs: list[float]) -> dict:
     return lab.describe(xs, "p50", "p90", "p99", "mean", "min", "max") or {"n": 0}
 
 
-def _system_prompt(tokenizer, round_idx: int, target_tokens: int) -> str:
-    text = f"[session {round_idx}] "
-    while len(tokenizer.encode(text)) < target_tokens:
-        text += PARAGRAPH
-    return text
-
-
 async def _one_chat(client, model: str, system: str, question: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     rec: dict = {"ttft_s": None, "ttfp_s": None, "e2e_s": None, "prompt_tokens": None,
@@ -88,7 +81,9 @@ def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path,
         asyncio.run(_burst(srv.base_url, model, "Warm-up.", 1, args.max_tokens, -1))
         recs, walls = [], []
         for r in range(args.rounds):
-            system = _system_prompt(tokenizer, cycle * 1000 + r, args.system_tokens)
+            system = f"[session {cycle * 1000 + r}] "  # then PARAGRAPH repeated to --system-tokens
+            while len(tokenizer.encode(system)) < args.system_tokens:
+                system += PARAGRAPH
             rr, wall = asyncio.run(_burst(srv.base_url, model, system, args.concurrency, args.max_tokens, r))
             ok = [x for x in rr if not x["error"]]
             print(f"[{variant} #{cycle}] round {r}: {len(ok)}/{len(rr)} ok in {wall:.1f} s; TTFT p50 "

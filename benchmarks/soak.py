@@ -98,13 +98,6 @@ def _media() -> dict[str, str]:
             "video": [video_clip(seed, seconds=1.0, size=64, fps=2) for seed in (1, 2)]}
 
 
-def _bad_content(k: int, media: dict) -> list:
-    part = [{"type": "input_audio", "input_audio": {"data": media["short_wav"], "format": "wav"}},
-            {"type": "input_audio", "input_audio": {"data": "not*base64!!", "format": "wav"}},
-            {"type": "image_url", "image_url": {"url": media["truncated_jpeg"]}}][k % 3]
-    return [{"type": "text", "text": "What is this?"}, part]
-
-
 # ----------------------------------------------------------------------------- sampling
 def shm_entries(tag: str, baseline: set[str]) -> dict:
     """``/dev/shm`` entries created since ``baseline``: segments (count, bytes) and lock files,
@@ -190,9 +183,12 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
                     break
             rec["ok"] = chunks >= 1 if kind == "abort" else audio_chunks >= 1
         elif kind == "bad":
+            part = [{"type": "input_audio", "input_audio": {"data": media["short_wav"], "format": "wav"}},
+                    {"type": "input_audio", "input_audio": {"data": "not*base64!!", "format": "wav"}},
+                    {"type": "image_url", "image_url": {"url": media["truncated_jpeg"]}}][k % 3]
             try:
-                await client.chat.completions.create(messages=[{"role": "user", "content": _bad_content(k, media)}],
-                                                     modalities=["text"], **common)
+                await client.chat.completions.create(messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "What is this?"}, part]}], modalities=["text"], **common)
                 rec["error"] = "a bad request was answered 200"
             except openai.BadRequestError as e:
                 msg = e.body.get("message", "") if isinstance(e.body, dict) else str(e)
