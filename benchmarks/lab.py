@@ -64,17 +64,14 @@ def positive_int_list(text: str, flag: str, example: str = "1,8") -> list[int]:
             whole value and the item).
     """
     out: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
+    for item in map(str.strip, text.split(",")):
         try:
-            n = int(item)
+            out.append(n := int(item))
         except ValueError:
             raise ValueError(f"{flag} {text!r}: {item!r} is not an integer (expected e.g. {example})") from None
         if n < 1:
             raise ValueError(f"{flag} {text!r}: {n} < 1; each value must be >= 1")
-        if n not in out:
-            out.append(n)
-    return out
+    return list(dict.fromkeys(out))
 
 
 def model_dir(size: str, model: str | os.PathLike | None = None, *, family: str = "qwen3-omni",

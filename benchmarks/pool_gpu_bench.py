@@ -73,10 +73,6 @@ class GpuTimer:
         torch.cuda.synchronize()
         return s.elapsed_time(e) if events else None, host, out
 
-    def host(self, fn, busy_ms: float) -> tuple[float, object]:
-        """(host ms, result) of :meth:`run` without events."""
-        return self.run(fn, busy_ms, events=False)[1:]
-
     def bench(self, fn, reps: int = 10) -> dict:
         fn()
         torch.cuda.synchronize()
@@ -141,11 +137,11 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
         torch.cuda.synchronize()
         lat_w = (time.perf_counter() - t0) * 1e3
         fn, _, _ = fresh_write(req + "-arr", arrays=True)
-        h_arr, _ = timer.host(fn, busy)
+        h_arr = timer.run(fn, busy, events=False)[1]
         settle()
         fn, _, _ = fresh_write(req + "-host")
-        h, _ = timer.host(fn, busy)
-        h_settle, _ = timer.host(settle, busy)  # the write's deferred ledger update, alone
+        h = timer.run(fn, busy, events=False)[1]
+        h_settle = timer.run(settle, busy, events=False)[1]  # the write's deferred ledger update, alone
         fn, blocks, hashes = fresh_write(req)
         g, h_ev, _ = timer.run(fn, busy)
         for p in cache.pools.values():
@@ -158,7 +154,7 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
         read()
         torch.cuda.synchronize()
         lat_r = (time.perf_counter() - t0) * 1e3
-        hr, _ = timer.host(read, busy)
+        hr = timer.run(read, busy, events=False)[1]
         gr, hr_ev, out = timer.run(read, busy)
         if not all(out[k].dtype == rows[k].dtype and torch.equal(out[k].view(torch.int16), rows[k].view(torch.int16))
                    for k in KEYS):  # bitwise

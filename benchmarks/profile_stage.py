@@ -97,10 +97,9 @@ def main() -> int:
     out = Path(args.out)
     tag = f"{args.variant}-stage{args.stage}"
     work = out / f"profile-{tag}.d"
-    cfg = variant_stage_config(Path(args.stage_config), work, args.variant,
-                               mem=MemorySettings(thinker_kv_bytes=args.thinker_kv_mib << 20,
-                                                  talker_kv_bytes=(args.talker_kv_mib or (
-                                                      256 if args.model_size == "bench-voice" else 32)) << 20))
+    talker_mib = args.talker_kv_mib or (256 if args.model_size == "bench-voice" else 32)
+    cfg = variant_stage_config(Path(args.stage_config), work, args.variant, mem=MemorySettings(
+        thinker_kv_bytes=args.thinker_kv_mib << 20, talker_kv_bytes=talker_mib << 20))
     family = "gemma4" if load_stage_config(args.stage_config).thinker_family == "gemma4" else "qwen3-omni"
     model = str(lab.model_dir(args.model_size, args.model, family=family))
     opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
@@ -141,9 +140,8 @@ def main() -> int:
         raw = "\n".join(d.pop("raw"))
         (out / f"profile-{tag}-{wl}.txt").write_text(raw)
         r = result["workloads"][wl] = {**d, "prefill_ms_median": lab.stat(d["prefill_ms"]), **split_samples(raw)}
-        print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; "
-              f"of stage {args.stage}'s model-runner "
-              f"samples: omni-cache {100 * r['omni_cache_share']:.1f} %, model forward "
+        print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; of stage {args.stage}'s "
+              f"model-runner samples: omni-cache {100 * r['omni_cache_share']:.1f} %, model forward "
               f"{100 * r['model_forward_share']:.1f} %, compute_logits {100 * r['compute_logits_share']:.1f} %")
     path = lab.write_result(out, result, f"profile-{tag}.json")
     shutil.rmtree(work, ignore_errors=True)

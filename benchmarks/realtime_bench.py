@@ -203,8 +203,7 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                 for v in active:
                     only(v)
                     live[v] = await open_sessions(v, rnd, n, window)
-                    for i, s in enumerate(live[v]):
-                        session_ids[(v, window, rnd, n, i)] = s.session_id
+                    session_ids.update({(v, window, rnd, n, i): s.session_id for i, s in enumerate(live[v])})
                 for turn in range(args.turns):
                     audios = _clips(args.seconds, turn, rnd, n)
                     for v in lab.rotate(active, k):

@@ -303,9 +303,13 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
     return Path(path)
 
 
-def _variant_axis(ax, vs: list[str]) -> None:
-    """Variant names as x ticks, a combined variant (``fast+omni_cache``) on two lines."""
+def _variant_axis(ax, vs: list[str], tops: list[float], title: str) -> None:
+    """Variant names as x ticks (a combined variant, ``fast+omni_cache``, on two lines), y from 0 to
+    1.3 × the highest of ``tops``, the panel's ``title``."""
     ax.set_xticks(range(len(vs)), [v.replace("+", "+\n") for v in vs], fontsize=8)
+    if tops:
+        ax.set_ylim(0, 1.3 * max(tops))
+    ax.set_title(title, fontsize=9)
 
 
 def _prefill_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> None:
@@ -325,10 +329,8 @@ def _prefill_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> 
         sp = summ[v].get("speedup_vs_off")
         ax.text(k, meds[k] + hi[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
                 ha="center", va="bottom", fontsize=7)
-    if vs:
-        ax.set_ylim(0, 1.3 * max(m + e for m, e in zip(meds, hi)))
-    ax.set_title(f"{w} (h={max((summ[v]['hit_ratio'] for v in vs), default=0.0):.2f})", fontsize=9)
-    _variant_axis(ax, vs)
+    _variant_axis(ax, vs, [m + e for m, e in zip(meds, hi)],
+                  f"{w} (h={max((summ[v]['hit_ratio'] for v in vs), default=0.0):.2f})")
     ax.set_ylabel("thinker prefill, ms (median)" if first else "")
     if any(v != "off" for v in vs):
         ax.legend(fontsize=7, loc="upper right")
@@ -352,10 +354,7 @@ def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> Non
         if v != "off" and summ[v].get("floor_ttfp_ms"):
             ax.hlines(summ[v]["floor_ttfp_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5,
                       zorder=3)
-    if vs:
-        ax.set_ylim(0, 1.3 * max(summ[v]["ttfp_ms"]["median"] for v in vs))
-    _variant_axis(ax, vs)
-    ax.set_title(f"{w}: TTFP and its parts", fontsize=9)
+    _variant_axis(ax, vs, [summ[v]["ttfp_ms"]["median"] for v in vs], f"{w}: TTFP and its parts")
     if first:
         ax.set_ylabel("time to first audio packet, ms (median)")
         ax.legend(fontsize=6, loc="upper right")

@@ -158,17 +158,13 @@ class VariantWorker:
         params[0].output_kind = RequestOutputKind.DELTA
         return params
 
-    def _new_request(self, spec: dict) -> _Request:
-        self._seq += 1
-        return _Request(self, spec, f"bench-{self._seq}")
-
     def run_one(self, spec: dict) -> dict:
         """One request sent alone: the driver-clock times plus vLLM's per-request stage breakdown
         (changes of its histogram sums across the request: valid as nothing else runs)."""
         before = {st: _hist_sums(st) for st in STAGES}
         if self.stream:
             return self.pipe.run_async(self.request(spec, alone=True, before=before))[0]
-        req = self._new_request(spec)
+        req = _Request(self, spec)
         for o in self.omni.generate([req.prompt], req.params, py_generator=True, use_tqdm=False):
             req.handle(o, time.perf_counter())
         return req.row(time.perf_counter(), _hist_delta(before), talker=(None, None))
@@ -176,7 +172,7 @@ class VariantWorker:
     async def request(self, spec: dict, *, alone: bool, before: dict | None = None) -> tuple[dict, dict | None]:
         """``(row, delta)`` of one request through ``AsyncOmni``; ``alone`` (nothing else runs):
         the change of vLLM's histogram sums since ``before`` is this request's, else None."""
-        req = self._new_request(spec)
+        req = _Request(self, spec)
         async for o in self.omni.generate(req.prompt, request_id=req.rid, sampling_params_list=req.params):
             req.handle(o, time.perf_counter())
         end, delta = time.perf_counter(), _hist_delta(before) if alone and before is not None else None
@@ -249,8 +245,9 @@ def _error_row(spec: dict, exc: BaseException) -> dict:
 class _Request:
     """One request's prompt, sampling parameters and the outputs seen so far (driver clock)."""
 
-    def __init__(self, w: VariantWorker, spec: dict, rid: str):
-        self.w, self.spec, self.rid = w, spec, rid
+    def __init__(self, w: VariantWorker, spec: dict):
+        w._seq += 1
+        self.w, self.spec, self.rid = w, spec, f"bench-{w._seq}"
         self.prompt, self.params, self.t0 = w.engine_prompt(spec), w.sampling_params(spec), time.perf_counter()
         self.ttft = self.ttfp = None  # perf_counter() at the first text token / audio packet
         self.prompt_ids, self.gen_ids, self.errors, self.text = [], [], [], ""
@@ -264,8 +261,7 @@ class _Request:
         if isinstance(o.metrics, dict) and o.metrics.get("stage_metrics"):
             self.stage_metrics.update(o.metrics["stage_metrics"])
         if o.stage_id == 0:
-            if o.prompt_token_ids:
-                self.prompt_ids = list(o.prompt_token_ids)
+            self.prompt_ids = list(o.prompt_token_ids or []) or self.prompt_ids
             self.cached = max(self.cached, int(o.num_cached_tokens or 0))
             for c in o.outputs or []:
                 new = list(c.token_ids or [])
