@@ -33,9 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     model = lab.model_dir(args.size, args.model)
     tok = AutoTokenizer.from_pretrained(model)
     variants = {f"backoff-{ms}": ms for ms in (0, args.backoff_ms)}
-    pipes = {}
-    t_start = time.perf_counter()
-    records = []
+    pipes, records, t_start = {}, [], time.perf_counter()
     with contextlib.ExitStack() as stack:
         for name, ms in variants.items():
             env = {settings.CPU_IDLE_BACKOFF_MS.name: str(ms)}

@@ -425,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     model = lab.model_dir(args.model_size or "bench-voice", args.model).resolve()
     model_name = args.model.name if args.model is not None else args.model_size or "bench-voice"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "MALLOC_ARENA_MAX": "2"}
-    records: list[dict] = []
-    session_ids, cold, ready_s, t0 = {}, {}, {}, time.perf_counter()
+    records, session_ids, cold, ready_s, t0 = [], {}, {}, {}, time.perf_counter()
 
     def up(stack: contextlib.ExitStack, v: str):
         srv = stack.enter_context(lab.start("server", model, _config(out, v, args.stage_config_path, args.record),

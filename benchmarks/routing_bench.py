@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = lab.variant_config(args.stage_config, out, "routing", stages={0: {"num_replicas": 2}},
                              env={0: {settings.ROUTING.name: "prefix"}})
     block = int(next(s for s in yaml.safe_load(cfg.read_text())["stages"] if s["stage_id"] == 0)["block_size"])
-    records: list[dict] = []
-    t_start = time.perf_counter()
+    records, t_start = [], time.perf_counter()
     print(f"starting the pipeline ({args.size} model, 2 thinker replicas) ...", flush=True)
     with lab.start("streaming", model, cfg) as pipe:
         router, engine = pipe.router, pipe.omni.engine

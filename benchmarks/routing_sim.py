@@ -209,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
 
-    t_all = time.perf_counter()
-    rows = []
+    rows, t_all = [], time.perf_counter()
     runs = [(R, skew, s, None, args.policies) for R in args.replicas
             for skew, s in (("uniform", 0.0), ("zipf", args.zipf_s))]
     if args.pressure_capacity:  # eviction pressure

@@ -304,8 +304,7 @@ def drive(srv, *, requests: int, concurrency: int = 4, warmup: int = 100, max_to
     baseline = set(os.listdir(SHM)) if baseline is None else baseline
     media = _media()
     kinds_available = [k for k in KIND_WEIGHTS if k != "realtime" or srv.realtime_url]
-    rng = random.Random(seed)
-    kinds = rng.choices(kinds_available, weights=[KIND_WEIGHTS[k] for k in kinds_available], k=requests)
+    kinds = random.Random(seed).choices(kinds_available, weights=[KIND_WEIGHTS[k] for k in kinds_available], k=requests)
     done: list[dict] = []
     sampler = Sampler(srv.proc.pid, tag, baseline, sample_s, lambda: len(done))
     sampler.sample()

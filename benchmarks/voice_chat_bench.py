@@ -57,9 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     # arenas — as the prefill benchmark's harness runs them; the stage processes inherit these
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
-    pipes, metrics = {}, {}
-    records: list[dict] = []
-    t_start = time.perf_counter()
+    pipes, metrics, records, t_start = {}, {}, [], time.perf_counter()
     with contextlib.ExitStack() as stack:
         for v in VARIANTS:
             cfg = variant_stage_config(args.stage_config, out, "off" if v == "off" else "omni_cache", mem=mem,

@@ -428,8 +428,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             print(f"\nnote: partial result.json not written ({type(exc).__name__}: {exc})", file=sys.stderr)
 
     live: list[Variant] = []
-    aborted: str | None = None
-    t_start = time.time()
+    aborted, t_start = None, time.time()  # aborted: why the run stopped early (WorkerDied), else None
     try:
         mode = args.alternation
         # the pipeline measured for the memory decision: omni-cache's (it holds the largest pool)

@@ -99,14 +99,9 @@ def _conversation(base: dict, r: int, opts: WorkloadOptions, doc: str, q, *, ses
     """One chat conversation of ``opts.requests`` turns: turn 1 (untimed, a miss: its system
     prompt starts with ``opening``) carries the document and a question, turn k+1 a new
     question after turns 1..k (see :mod:`benchmarks.prefill.worker`)."""
-    out = []
-    for i in range(opts.requests):
-        first = i == 0
-        out.append({**base, "index": index0 + i, "measure": not first, "max_tokens": opts.chat_answer_tokens,
-                    "system": f"{opening} {DEFAULT_SYSTEM_PROMPT}",
-                    "text": f"{doc}\n\n{q(r, 0)}" if first else q(r, i),
-                    "chat": {"session": session, "turn": i}})
-    return out
+    return [{**base, "index": index0 + i, "measure": i > 0, "max_tokens": opts.chat_answer_tokens,
+             "system": f"{opening} {DEFAULT_SYSTEM_PROMPT}", "text": q(r, i) if i else f"{doc}\n\n{q(r, 0)}",
+             "chat": {"session": session, "turn": i}} for i in range(opts.requests)]
 
 
 def warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
