@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -213,4 +212,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

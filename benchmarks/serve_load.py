@@ -11,7 +11,6 @@ repeats of ``--order``; p50/p90/p99 and on/off ratios (docs/serving.md, "Load").
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 
@@ -136,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

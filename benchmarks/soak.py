@@ -24,7 +24,6 @@ import io
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -385,4 +384,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
