@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -43,12 +42,6 @@ def _start(stack: contextlib.ExitStack, mode: str, out: Path, model_dir: Path) -
     return engines
 
 
-def _mismatches(res: fuzz.GroupResult) -> list[dict]:
-    return [{"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
-             "conversation": v.conversation, "turn": v.turn, "message": m}
-            for v in res.requests for oracle, msgs in v.violations.items() for m in msgs]
-
-
 def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report: dict) -> None:
     streaming = mode == "streaming"
     with contextlib.ExitStack() as stack:
@@ -58,7 +51,9 @@ def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report:
             group = make_group(seed, knobs, salt=f"{seed}-{mode}")
             t0 = time.perf_counter()
             res = fuzz.run_group(group, engines, cache, streaming=streaming)
-            found = _mismatches(res)
+            found = [{"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
+                      "conversation": v.conversation, "turn": v.turn, "message": m}
+                     for v in res.requests for oracle, msgs in v.violations.items() for m in msgs]
             strict = [m for m in found if m["oracle"] in ("a", "b")]
             if strict and args.shrink_budget:
                 def fails(g, cache=cache):
@@ -83,20 +78,15 @@ def summarize(report: dict) -> dict:
     def rows_differ(r, field="vs_off"):
         return any(d["differing"] for d in r[field])
 
-    def worst(r, field="vs_off"):
-        return max((d["max_ulps"] for d in r[field]), default=0.0)
-
     served_differ = [r for r in hit if any(d["first_from_hit"] is not None and d["first_from_hit"] < 0
                                            for d in r["vs_off"])]
     foreign = fuzz.merge_foreign(g["foreign_ulps"] for g in report["groups"])
-    by_mode_cache: collections.Counter = collections.Counter()
-    for g in report["groups"]:  # requests per mode and cache
-        by_mode_cache[f"{'streaming' if g['streaming'] else 'non-streaming'}/{g['cache']}"] += len(g["requests"])
-    ulps = [worst(r) for r in hit]
+    by_mode_cache = collections.Counter(f"{'streaming' if g['streaming'] else 'non-streaming'}/{g['cache']}"
+                                        for g in report["groups"] for _ in g["requests"])  # requests per mode, cache
+    ulps = [max((d["max_ulps"] for d in r["vs_off"]), default=0.0) for r in hit]
     return {
         "conversations": sum(len({r["conversation"] for r in g["requests"]}) for g in report["groups"]),
-        "requests": len(reqs), "requests_with_hit": len(hit),
-        "by_mode_cache": dict(by_mode_cache),
+        "requests": len(reqs), "requests_with_hit": len(hit), "by_mode_cache": dict(by_mode_cache),
         "violations": {o: sum(1 for m in report["mismatches"] if m["oracle"] == o) for o in "abc"},
         "b_skipped": sum(1 for r in reqs if r["b_skipped"]),
         "served_blocks_verified": sum(r["served_blocks_verified"] for r in reqs),
@@ -106,16 +96,13 @@ def summarize(report: dict) -> dict:
         "served_rows_differ_from_off": len(served_differ),
         "audio_differs_from_off": {"omni_cache": sum(not r["audio_equal_off"] for r in reqs),
                                    "builtin": sum(not r["builtin_audio_equal_off"] for r in reqs)},
-        "max_ulps_vs_off": max(ulps, default=0.0),
+        "max_ulps_vs_off": max(ulps, default=0.0), "tolerance_ulps": oracles.TOLERANCE_ULPS,
         "median_ulps_vs_off_where_differing": statistics.median([u for u in ulps if u > 0] or [0.0]),
-        "tolerance_ulps": oracles.TOLERANCE_ULPS,
-        "foreign_rows": foreign,
-        "concurrent_requests": sum(r["concurrent"] for r in reqs),
+        "foreign_rows": foreign, "concurrent_requests": sum(r["concurrent"] for r in reqs),
         "concurrent_audio": {
             "omni_cache_differs_from_builtin": sum(r["concurrent"] and not r["audio_equal_builtin"] for r in reqs),
             "handoff_differs_from_builtin": sum(r.get("concurrent_handoff_equal") is False for r in reqs),
-            "off_rerun_differs_from_off": sum(r["off_rerun_audio_equal"] is False for r in reqs)},
-    }
+            "off_rerun_differs_from_off": sum(r["off_rerun_audio_equal"] is False for r in reqs)}}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -136,8 +123,7 @@ def plot(report: dict, path: Path) -> None:
                        label=f"{kind}: least {v['min']:.1f}, {share:.0%} of {v['rows']} rows beyond tolerance")
         ax.set_xscale("log")
         ax.set_xticks([0.01, 0.1, 1, 10, 100, 1000], ["bitwise\nequal", "0.1", "1", "10", "100", "1000"])
-        ax.set_xlabel("largest prompt-row difference from cache off (row-scale bf16 ulps)")
-        ax.set_ylabel("requests")
+        ax.set(xlabel="largest prompt-row difference from cache off (row-scale bf16 ulps)", ylabel="requests")
         ax.set_title(f"exactness fuzz: {summ['conversations']} conversations, {summ['requests']} requests; "
                      f"violations a={summ['violations']['a']} b={summ['violations']['b']} c={summ['violations']['c']}",
                      fontsize=9)
@@ -203,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{report['summary']['violations']}")
         return 1 if any(report["summary"]["violations"].values()) else 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = set(modes) - {"streaming", "non-streaming"}
-    if bad:
+    if bad := set(modes) - {"streaming", "non-streaming"}:
         ap.error(f"--modes: unknown {sorted(bad)} (streaming, non-streaming)")
     knobs = Knobs(turns=args.turns, variants=args.variants, system_words=args.system_words,
                   media=not args.no_media, concurrent=not args.no_concurrent)
@@ -227,4 +212,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -16,6 +16,8 @@ import random
 import time
 
 from benchmarks import lab
+from omni_cache import settings
+from omni_cache.driver.inputs import build_request
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,16 +29,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from omni_cache import settings
-    from omni_cache.driver.inputs import build_request
-
     out = lab.results_dir(args.out, "idle-backoff")
     model = lab.model_dir(args.size, args.model)
     tok = AutoTokenizer.from_pretrained(model)
     variants = {f"backoff-{ms}": ms for ms in (0, args.backoff_ms)}
-    pipes = {}
-    t_start = time.perf_counter()
-    records = []
+    pipes, records, t_start = {}, [], time.perf_counter()
     with contextlib.ExitStack() as stack:
         for name, ms in variants.items():
             env = {settings.CPU_IDLE_BACKOFF_MS.name: str(ms)}
@@ -69,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     with lab.figure(out / "idle_backoff.png", 1, 2, figsize=(9, 4), title=title) as (fig, axes):
         for ax, metric, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "ttfp_s", "TTFP (s)")):
             ax.boxplot([[r[metric] for r in records if r["variant"] == n] for n in names], tick_labels=names)
-            ax.set_ylabel(label)
-            ax.set_ylim(bottom=0)
+            ax.set(ylabel=label, ylim=(0, None))
     return 0
 
 

@@ -1,18 +1,8 @@
-"""The benchmarks' lab: what every benchmark shares, and the only way a benchmark starts an
-engine (``tests/unit/test_layout.py`` holds that no other benchmark module constructs a
-pipeline or a server).
-
-- :func:`parser` / :func:`add_options` / :func:`model_dir` / :func:`positive_int_list`: the
-  shared options and the model they name;
-- :func:`results_dir` / :func:`stamp` / :func:`write_result`: the run's folder, what every
-  result records of where it ran (commit, machine, package versions), writing and announcing it;
-- :func:`variant_config` / :func:`prefix_cache_variant`: stage-config variants of a base config;
-- :func:`start`: the driver's pipeline or server, started as ``omni-cache run`` / ``serve`` do;
-- :func:`process_tree` / :func:`pause_tree` / :func:`nvml`: processes, pausing, GPU memory;
-- :func:`describe` / :func:`stat` / :func:`fmt` / :func:`figure` / :func:`rotate` /
-  :func:`random_text`: statistics, table cells, plots, turn order, prompt filler.
-
-Nothing here imports torch, vLLM or vLLM-Omni at import time.
+"""The benchmarks' lab: what every benchmark shares (options, the results folder and the stamp
+of a result, stage-config variants, processes, statistics, table cells, plots, prompt filler)
+and the only way a benchmark starts an engine, :func:`start` (``tests/unit/test_layout.py``
+holds that no other benchmark module constructs a pipeline or a server). docs/benchmarks.md,
+"The lab". Nothing here imports torch, vLLM or vLLM-Omni at import time.
 """
 
 from __future__ import annotations
@@ -41,7 +31,6 @@ KINDS = ("pipeline", "streaming", "server")
 
 
 # ---- options ------------------------------------------------------------------------------
-
 def parser(doc: str, name: str, **options: Any) -> argparse.ArgumentParser:
     """An argument parser described by ``doc``'s first paragraph, with :func:`add_options`'
     shared options (``options``: its keywords)."""
@@ -75,17 +64,14 @@ def positive_int_list(text: str, flag: str, example: str = "1,8") -> list[int]:
             whole value and the item).
     """
     out: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
+    for item in map(str.strip, text.split(",")):
         try:
-            n = int(item)
+            out.append(n := int(item))
         except ValueError:
             raise ValueError(f"{flag} {text!r}: {item!r} is not an integer (expected e.g. {example})") from None
         if n < 1:
             raise ValueError(f"{flag} {text!r}: {n} < 1; each value must be >= 1")
-        if n not in out:
-            out.append(n)
-    return out
+    return list(dict.fromkeys(out))
 
 
 def model_dir(size: str, model: str | os.PathLike | None = None, *, family: str = "qwen3-omni",
@@ -114,7 +100,6 @@ def model_dir(size: str, model: str | os.PathLike | None = None, *, family: str 
 
 
 # ---- results ------------------------------------------------------------------------------
-
 def results_dir(out: str | os.PathLike | None, name: str) -> Path:
     """``out``, or ``benchmarks/results/<name>-<YYYYmmdd-HHMMSS>`` (local time); created;
     absolute."""
@@ -205,8 +190,7 @@ def failure_excerpt(log: Path, lines: int = 40) -> dict | None:
         text = log.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    starts = [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]
-    if not starts:
+    if not (starts := [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]):
         return None
     found, end = [], -1
     marks = [i for i, line in enumerate(text) if line.startswith(HARNESS_MARK)]
@@ -250,7 +234,6 @@ def jsonable(args: argparse.Namespace, *, drop: Sequence[str] = ()) -> dict:
 
 
 # ---- stage-config variants ------------------------------------------------------------------
-
 def variant_config(base: str | os.PathLike, out: Path, name: str, *,
                    stages: Mapping[int, Mapping[str, Any]] | None = None,
                    env: Mapping[int, Mapping[str, str | None]] | None = None) -> Path:
@@ -279,7 +262,6 @@ def prefix_cache_variant(base: str | os.PathLike, out: Path, variant: str) -> Pa
 
 
 # ---- starting engines -----------------------------------------------------------------------
-
 @contextlib.contextmanager
 def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
           engine_args: Mapping[str, Any] | None = None, log: Path | None = None,
@@ -329,7 +311,6 @@ def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,
 
 
 # ---- processes ------------------------------------------------------------------------------
-
 def process_tree(pid: int) -> list:
     """``psutil`` processes of ``pid`` and all its descendants; ``[]`` once it is gone."""
     import psutil
@@ -378,7 +359,6 @@ def nvml() -> Iterator[Any]:
 
 
 # ---- plots and statistics ----------------------------------------------------------------
-
 def describe(xs: Sequence[float | None], *stats: str) -> dict[str, float] | None:
     """``n`` and ``stats`` of the values of ``xs`` that are not None: ``median``, ``mean``,
     ``min``, ``max`` or ``pNN`` (the NN-th percentile, linear interpolation between order
@@ -396,6 +376,11 @@ def stat(xs: Sequence[float | None], name: str = "median") -> float | None:
     """One statistic of :func:`describe` (``median``, ``mean``, ``min``, ``max``, ``pNN``) of the
     values of ``xs`` that are not None; None when no value is left."""
     return (describe(xs, name) or {}).get(name)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, None where either is None or zero."""
+    return a / b if a and b else None
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:
@@ -427,7 +412,6 @@ def figure(path: Path, *grid: int, title: str | None = None, title_size: float |
 
 
 # ---- prompts --------------------------------------------------------------------------------
-
 WORDS = ("river harbour bridge lantern garden meadow castle forest market window silver copper "
          "morning evening winter summer painter sailor teacher doctor village station library "
          "careful quiet bright gentle ancient distant golden narrow patient curious").split()

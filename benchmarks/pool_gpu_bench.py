@@ -20,8 +20,8 @@ host time of small steps on a ``HOST`` pool on the CPU (also part of a full run)
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,11 +38,9 @@ from omni_cache.core import HiddenStateCache, KeySpec, Tier  # noqa: E402
 
 KEYS = ("hidden", "layer_0", "layer_24")
 STEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
+#: per tier: the limits a write and a read are measured against (:func:`measure_limits`)
+LIMITS = {Tier.DEVICE: ("index_copy_rows", "index_select_rows"), Tier.PINNED_HOST: ("pinned_d2h", "pinned_h2d")}
 BARS = {"write_host_ms_8k": 0.2, "device_write_frac": 0.70, "pinned_read_frac_8k": 0.70}
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 class GpuTimer:
@@ -75,10 +73,6 @@ class GpuTimer:
         torch.cuda.synchronize()
         return s.elapsed_time(e) if events else None, host, out
 
-    def host(self, fn, busy_ms: float) -> tuple[float, object]:
-        """(host ms, result) of :meth:`run` without events."""
-        return self.run(fn, busy_ms, events=False)[1:]
-
     def bench(self, fn, reps: int = 10) -> dict:
         fn()
         torch.cuda.synchronize()
@@ -86,12 +80,8 @@ class GpuTimer:
         fn()
         busy = max(2.0, 3 * (time.perf_counter() - t0) * 1e3 + 1.0)
         torch.cuda.synchronize()
-        gpu, host = [], []
-        for _ in range(reps):
-            g, h, _ = self.run(fn, busy)
-            gpu.append(g)
-            host.append(h)
-        return {"gpu_ms": _median(gpu), "host_ms": _median(host), "busy_ms": busy}
+        gpu, host = zip(*(self.run(fn, busy)[:2] for _ in range(reps)))  # each call's result dropped at once
+        return {"gpu_ms": float(np.median(gpu)), "host_ms": float(np.median(host)), "busy_ms": busy}
 
 
 def measure_limits(timer: GpuTimer, width: int) -> dict:
@@ -108,15 +98,8 @@ def measure_limits(timer: GpuTimer, width: int) -> dict:
              "index_select_rows": (lambda: pool.index_select(0, slots), rows.nbytes),
              "pinned_h2d": (lambda: gpu.copy_(host, non_blocking=True), host.nbytes),
              "pinned_d2h": (lambda: host.copy_(gpu, non_blocking=True), host.nbytes)}
-    lim = {}
-    for name, (fn, nbytes) in cases.items():
-        lim[name] = {**timer.bench(fn), "bytes": nbytes}
-        lim[name]["GBps"] = nbytes / lim[name]["gpu_ms"] / 1e6
-    return lim
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    lim = {name: {**timer.bench(fn), "bytes": nbytes} for name, (fn, nbytes) in cases.items()}
+    return {name: {**v, "GBps": v["bytes"] / v["gpu_ms"] / 1e6} for name, v in lim.items()}
 
 
 def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks: int, block_size: int,
@@ -138,11 +121,8 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
         tensor, block hashes as ``(first, uint64 array)``)."""
         blocks = torch.randperm(num_blocks)[:nb]
         hashes = [rng.getrandbits(64) for _ in range(nb)]
-        if arrays:
-            args = (blocks, 0, rows, (0, np.array(hashes, dtype=np.uint64)))
-        else:
-            blocks = blocks.tolist()
-            args = (blocks, 0, rows, dict(enumerate(hashes)))
+        blocks = blocks if arrays else blocks.tolist()
+        args = (blocks, 0, rows, (0, np.array(hashes, dtype=np.uint64)) if arrays else dict(enumerate(hashes)))
         return (lambda: cache.write_request_rows(req, *args)), blocks, hashes
 
     for rep in range(reps + 2):
@@ -157,11 +137,11 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
         torch.cuda.synchronize()
         lat_w = (time.perf_counter() - t0) * 1e3
         fn, _, _ = fresh_write(req + "-arr", arrays=True)
-        h_arr, _ = timer.host(fn, busy)
+        h_arr = timer.run(fn, busy, events=False)[1]
         settle()
         fn, _, _ = fresh_write(req + "-host")
-        h, _ = timer.host(fn, busy)
-        h_settle, _ = timer.host(settle, busy)  # the write's deferred ledger update, alone
+        h = timer.run(fn, busy, events=False)[1]
+        h_settle = timer.run(settle, busy, events=False)[1]  # the write's deferred ledger update, alone
         fn, blocks, hashes = fresh_write(req)
         g, h_ev, _ = timer.run(fn, busy)
         for p in cache.pools.values():
@@ -174,9 +154,10 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
         read()
         torch.cuda.synchronize()
         lat_r = (time.perf_counter() - t0) * 1e3
-        hr, _ = timer.host(read, busy)
+        hr = timer.run(read, busy, events=False)[1]
         gr, hr_ev, out = timer.run(read, busy)
-        if not all(_same_bits(out[k], rows[k]) for k in KEYS):
+        if not all(out[k].dtype == rows[k].dtype and torch.equal(out[k].view(torch.int16), rows[k].view(torch.int16))
+                   for k in KEYS):  # bitwise
             raise AssertionError(f"{tier.name} {tokens}: read rows differ from the written rows")
         busy = max(2.0, 3 * max(h_ev, hr_ev) + 1.0)
         if rep >= 2:
@@ -184,13 +165,11 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
                 m[k].append(v)
     nbytes = tokens * width * 2 * len(KEYS)
     res = {"tier": tier.name, "tokens": tokens, "width": width, "keys": len(KEYS), "bytes": nbytes,
-           **{k: _median(v) for k, v in m.items()},
+           **{k: float(np.median(v)) for k, v in m.items()},
            **{f"{k}_all": m[k] for k in ("write_host_ms", "write_host_ms_array_forms", "write_settle_host_ms",
                                          "read_host_ms")},
            "fused_writes": cache._writer is not None}
-    res["write_GBps"] = nbytes / res["write_gpu_ms"] / 1e6
-    res["read_GBps"] = nbytes / res["read_gpu_ms"] / 1e6
-    return res
+    return {**res, **{f"{op}_GBps": nbytes / res[f"{op}_gpu_ms"] / 1e6 for op in ("write", "read")}}
 
 
 def bench_cpu(reps: int, width: int = 2048) -> dict:
@@ -209,7 +188,7 @@ def bench_cpu(reps: int, width: int = 2048) -> dict:
             t0 = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t0) * 1e6)
-        cases[name] = {"median_us": _median(ts), "min_us": min(ts)}
+        cases[name] = {"median_us": float(np.median(ts)), "min_us": min(ts)}
 
     # decode step: 32 requests x 1 token, each with a 64-block table, mid-block positions
     tables = [rng.sample(range(num_blocks), 64) for _ in range(32)]
@@ -261,23 +240,20 @@ def bars(res: dict) -> list[str]:
     by = {(r["tier"], r["tokens"]): r for r in res["runs"]}
     lines = []
     for tier in ("DEVICE", "PINNED_HOST"):
-        r = by.get((tier, 8192))
-        if r:
+        if r := by.get((tier, 8192)):
             ok = r["write_host_ms"] <= BARS["write_host_ms_8k"]
             lines.append(f"{'PASS' if ok else 'FAIL'} write host time {tier} 8k: {r['write_host_ms']:.3f} ms "
                          f"(array forms {r['write_host_ms_array_forms']:.3f} ms; bar <= {BARS['write_host_ms_8k']} ms; "
                          f"its deferred ledger update, applied by the next lookup: "
                          f"{r.get('write_settle_host_ms', float('nan')):.3f} ms)")
     fr = [r["write_frac"] for r in res["runs"] if r["tier"] == "DEVICE"]
-    r8 = by.get(("DEVICE", 8192))
-    if r8:
+    if r8 := by.get(("DEVICE", 8192)):
         ok = r8["write_frac"] >= BARS["device_write_frac"]
         lines.append(f"{'PASS' if ok else 'FAIL'} device write 8k: {r8['write_GBps']:.0f} GB/s = "
                      f"{100 * r8['write_frac']:.0f}% of index_copy_ rows "
                      f"{res['limits']['index_copy_rows']['GBps']:.0f} "
                      f"GB/s (bar >= 70%; all sizes {min(fr) * 100:.0f}-{max(fr) * 100:.0f}%)")
-    r = by.get(("PINNED_HOST", 8192))
-    if r:
+    if r := by.get(("PINNED_HOST", 8192)):
         ok = r["read_frac"] >= BARS["pinned_read_frac_8k"]
         lines.append(f"{'PASS' if ok else 'FAIL'} pinned-host hit read 8k: {r['read_GBps']:.1f} GB/s = "
                      f"{100 * r['read_frac']:.0f}% of pinned H2D {res['limits']['pinned_h2d']['GBps']:.1f} GB/s "
@@ -308,26 +284,20 @@ def main() -> None:
         torch.cuda.empty_cache()  # the limits' buffers
         for name, v in res["limits"].items():
             print(f"limit {name:18s} {v['GBps']:8.1f} GB/s  ({v['gpu_ms']:.3f} ms)", flush=True)
-        res["runs"] = []
-        res["runs_unfused"] = []
-        for tier, fused in ((Tier.DEVICE, True), (Tier.PINNED_HOST, True), (Tier.DEVICE, False),
-                            (Tier.PINNED_HOST, False)):
+        res.update(runs=[], runs_unfused=[])
+        for fused, tier in itertools.product((True, False), (Tier.DEVICE, Tier.PINNED_HOST)):
             keys = [KeySpec(k, a.width, torch.bfloat16) for k in KEYS]
             cache = HiddenStateCache(a.num_blocks, a.block_size, keys, device="cuda", tier=tier, fused=fused)
             for tokens in (a.tokens if fused else a.unfused_tokens):
                 r = bench_tier(timer, tier, tokens, a.width, a.num_blocks, a.block_size, a.repeats, cache)
-                wl, rl = (("index_copy_rows", "index_select_rows") if tier is Tier.DEVICE
-                          else ("pinned_d2h", "pinned_h2d"))
-                r["write_limit"], r["read_limit"] = wl, rl
-                r["write_frac"] = r["write_GBps"] / res["limits"][wl]["GBps"]
-                r["read_frac"] = r["read_GBps"] / res["limits"][rl]["GBps"]
+                wl, rl = LIMITS[tier]
+                r.update(write_limit=wl, read_limit=rl, write_frac=r["write_GBps"] / res["limits"][wl]["GBps"],
+                         read_frac=r["read_GBps"] / res["limits"][rl]["GBps"])
                 res["runs" if fused else "runs_unfused"].append(r)
-                print(f"{tier.name:11s}{'' if fused else ' unfused'} {tokens:6d} tok  "
-                      f"write gpu {r['write_gpu_ms']:7.3f} ms "
-                      f"{r['write_GBps']:7.1f} GB/s ({100 * r['write_frac']:4.0f}% {wl})  "
-                      f"host {r['write_host_ms']:.3f} ms "
-                      f"(arrays {r['write_host_ms_array_forms']:.3f}, events {r['write_host_ms_with_events']:.3f}, "
-                      f"deferred ledger update {r['write_settle_host_ms']:.3f})"
+                print(f"{tier.name:11s}{'' if fused else ' unfused'} {tokens:6d} tok  write gpu "
+                      f"{r['write_gpu_ms']:7.3f} ms {r['write_GBps']:7.1f} GB/s ({100 * r['write_frac']:4.0f}% {wl})  "
+                      f"host {r['write_host_ms']:.3f} ms (arrays {r['write_host_ms_array_forms']:.3f}, events "
+                      f"{r['write_host_ms_with_events']:.3f}, deferred ledger update {r['write_settle_host_ms']:.3f})"
                       f"  | read gpu {r['read_gpu_ms']:7.3f} ms {r['read_GBps']:7.1f} GB/s "
                       f"({100 * r['read_frac']:4.0f}% {rl})  host {r['read_host_ms']:.3f} ms", flush=True)
             del cache

@@ -97,22 +97,21 @@ def main() -> int:
     out = Path(args.out)
     tag = f"{args.variant}-stage{args.stage}"
     work = out / f"profile-{tag}.d"
-    cfg = variant_stage_config(Path(args.stage_config), work, args.variant,
-                               mem=MemorySettings(thinker_kv_bytes=args.thinker_kv_mib << 20,
-                                                  talker_kv_bytes=(args.talker_kv_mib or (
-                                                      256 if args.model_size == "bench-voice" else 32)) << 20))
+    talker_mib = args.talker_kv_mib or (256 if args.model_size == "bench-voice" else 32)
+    cfg = variant_stage_config(Path(args.stage_config), work, args.variant, mem=MemorySettings(
+        thinker_kv_bytes=args.thinker_kv_mib << 20, talker_kv_bytes=talker_mib << 20))
     family = "gemma4" if load_stage_config(args.stage_config).thinker_family == "gemma4" else "qwen3-omni"
     model = str(lab.model_dir(args.model_size, args.model, family=family))
     opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
     w = VariantWorker(model, str(cfg))
-    per: dict[str, dict] = {wl: {"raw": [], "prefill_ms": [], "talker_prefill_ms": [], "cached": [], "prompt": []}
-                            for wl in workloads}
+    fields = {"prefill_ms": "prefill_ms", "talker_prefill_ms": "talker_prefill_ms", "cached": "num_cached_tokens",
+              "prompt": "num_prompt_tokens"}  # per workload: a list of each request's
+    per: dict[str, dict] = {wl: {k: [] for k in ("raw", *fields)} for wl in workloads}
     try:
         for s in warmup_specs(workloads, opts):  # untimed: shared prefixes, first-request costs
             w.run_one(s)
         name = f"stage{args.stage}"
-        target = [p for p in psutil.Process().children(recursive=True) if name in p.name()]
-        if not target:
+        if not (target := [p for p in psutil.Process().children(recursive=True) if name in p.name()]):
             print(f"error: no engine-core process of stage {args.stage} (name with {name!r}) found", file=sys.stderr)
             return 1
         todo = list(zip(*[specs(wl, 0, opts) for wl in workloads]))
@@ -126,12 +125,9 @@ def main() -> int:
                 r = w.run_one(s)
                 rec.send_signal(signal.SIGINT)
                 rec.wait(120)
-                d = per[s["workload"]]
-                d["raw"].append(raw.read_text() if raw.exists() else "")
-                d["prefill_ms"].append(r.get("prefill_ms"))
-                d["talker_prefill_ms"].append(r.get("talker_prefill_ms"))
-                d["cached"].append(r.get("num_cached_tokens"))
-                d["prompt"].append(r.get("num_prompt_tokens"))
+                per[s["workload"]]["raw"].append(raw.read_text() if raw.exists() else "")
+                for k, field in fields.items():
+                    per[s["workload"]][k].append(r.get(field))
                 print(f"{s['workload']} {i + 1}/{len(todo)}: prefill {r.get('prefill_ms') or float('nan'):.0f} ms, "
                       f"{r.get('num_cached_tokens')}/{r.get('num_prompt_tokens')} tokens cached, talker prefill "
                       f"{r.get('talker_prefill_ms') or float('nan'):.0f} ms (hit {r.get('talker_hit_tokens')}/"
@@ -139,20 +135,15 @@ def main() -> int:
     finally:
         w.close()
     result = {**lab.stamp("benchmarks.profile_stage"), "variant": args.variant, "stage": args.stage,
-              "stage_config": str(args.stage_config),
-              "rate_hz": args.rate, "workloads": {}}
+              "stage_config": str(args.stage_config), "rate_hz": args.rate, "workloads": {}}
     for wl, d in per.items():
         raw = "\n".join(d.pop("raw"))
         (out / f"profile-{tag}-{wl}.txt").write_text(raw)
-        result["workloads"][wl] = {**d, "prefill_ms_median": lab.stat(d["prefill_ms"]),
-                                   **split_samples(raw)}
-        r = result["workloads"][wl]
-        print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; "
-              f"of stage {args.stage}'s model-runner "
-              f"samples: omni-cache {100 * r['omni_cache_share']:.1f} %, model forward "
+        r = result["workloads"][wl] = {**d, "prefill_ms_median": lab.stat(d["prefill_ms"]), **split_samples(raw)}
+        print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; of stage {args.stage}'s "
+              f"model-runner samples: omni-cache {100 * r['omni_cache_share']:.1f} %, model forward "
               f"{100 * r['model_forward_share']:.1f} %, compute_logits {100 * r['compute_logits_share']:.1f} %")
-    path = out / f"profile-{tag}.json"
-    lab.write_result(out, result, path.name)
+    path = lab.write_result(out, result, f"profile-{tag}.json")
     shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {path} and the raw stacks beside it")
     return 0

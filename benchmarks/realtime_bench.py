@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import hashlib
-import json
 import math
 import time
 from pathlib import Path
 
+import yaml
+
 from benchmarks import lab
+from omni_cache import settings
+from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT as SYSTEM_PROMPT
+from omni_cache.driver.realtime import RealtimeSession, prefix_cache_counters, speech_clip
+from omni_cache.driver.stage_config import StageConfigError, bundled_stage_config, load_stage_config
 
 VARIANTS = ("off", "builtin", "omni_cache")
 WINDOWS = ("stock", "omni_cache")
@@ -46,7 +52,6 @@ METRICS = ("first_audio_s", "first_text_s", "thinker_prompt", "thinker_hit", "ta
 
 
 # -- inputs --------------------------------------------------------------------------------------
-
 def parse_sessions(text: str) -> list[int]:
     """``--sessions`` (:func:`benchmarks.lab.positive_int_list`)."""
     return lab.positive_int_list(text, "--sessions", "1,8")
@@ -58,8 +63,6 @@ def resolve_stage_config(text: str) -> Path:
     Raises:
         ValueError: neither.
     """
-    from omni_cache.driver.stage_config import bundled_stage_config
-
     p = Path(text).expanduser()
     if p.is_file():
         return p.resolve()
@@ -81,8 +84,6 @@ def check_stage_config(path: Path, sessions: list[int], servers: str) -> dict:
         ValueError: invalid, not duplex, ``duplex_session.max_sessions`` below the largest
             ``--sessions``, or ``--servers together`` with GPU shares three servers cannot hold.
     """
-    from omni_cache.driver.stage_config import StageConfigError, load_stage_config
-
     try:
         raw = load_stage_config(path).raw
     except StageConfigError as exc:
@@ -100,17 +101,13 @@ def check_stage_config(path: Path, sessions: list[int], servers: str) -> dict:
             if "gpu_memory_utilization" in st:
                 for dev in str(st.get("devices", "0")).split(","):
                     share[dev.strip()] = share.get(dev.strip(), 0.0) + float(st["gpu_memory_utilization"])
-        full = {d: s for d, s in share.items() if 3 * s > 1}
-        if full:
+        if full := {d: s for d, s in share.items() if 3 * s > 1}:
             raise ValueError(f"--stage-config {path}: three servers at once need 3 × {max(full.values()):.2f} of "
                              f"GPU {', '.join(sorted(full))}; use --servers one-at-a-time")
     return raw
 
 
 def _config(out: Path, variant: str, base: Path, record: bool) -> Path:
-    import yaml
-
-    from omni_cache import settings
     from omni_cache.exactness.fuzz import recording_stage_config
 
     cfg = recording_stage_config(out / variant, variant, streaming=True, in_process=True, base=base)
@@ -125,15 +122,12 @@ def _config(out: Path, variant: str, base: Path, record: bool) -> Path:
     return cfg
 
 
-def _clip(seconds: float, turn: int, rnd: int, session: int) -> bytes:
-    """The utterance of a session's 0-based ``turn``: the same in every variant and the floor."""
-    from omni_cache.driver.realtime import speech_clip
-
-    return speech_clip(seconds, 0.9 + 1.7 * turn + 0.37 * rnd + 0.23 * session)
+def _clips(seconds: float, turn: int, rnd: int, n: int) -> list[bytes]:
+    """The utterances of sessions 0..n-1's 0-based ``turn``: the same in every variant and the floor."""
+    return [speech_clip(seconds, 0.9 + 1.7 * turn + 0.37 * rnd + 0.23 * session) for session in range(n)]
 
 
 # -- running ---------------------------------------------------------------------------------------
-
 def _pause(server, paused: bool) -> None:
     if server.proc is not None:
         lab.pause_tree(server.proc.pid, paused)
@@ -142,8 +136,6 @@ def _pause(server, paused: bool) -> None:
 async def _turn(server, session, audio: bytes, metrics: bool) -> dict:
     """One voice turn (seconds from the commit); ``metrics``: the server's /metrics deltas as the
     turn's hits (only when nothing else runs on the server)."""
-    from omni_cache.driver.realtime import prefix_cache_counters
-
     before = await asyncio.to_thread(prefix_cache_counters, server.url) if metrics else {}
     try:
         t = await session.turn(audio)
@@ -172,34 +164,29 @@ async def _turns(server, sessions: list, audios: list[bytes]) -> list[dict]:
     return list(await asyncio.gather(*(_turn(server, s, a, False) for s, a in zip(sessions, audios))))
 
 
-def _print(rec: dict) -> None:
-    print(f"round {rec['round'] + 1} N={rec['n_sessions']} {rec['window']:>10} turn {rec['turn']} "
-          f"{rec['variant']:>10}#{rec['session']}: first audio {lab.fmt(rec['first_audio_s'], '.2f')} s, text "
-          f"{lab.fmt(rec['first_text_s'], '.2f')} s, thinker {lab.fmt(rec['thinker_hit'], '.0f')}/"
-          f"{lab.fmt(rec['thinker_prompt'], '.0f')}" + (f"  ERROR {rec['error']}" if rec.get("error") else ""),
-          flush=True)
-
-
 async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict], session_ids: dict) -> dict:
     """Every round × N × window of the variants in ``active`` (servers up): the cold first turn of
     each (returned), the sessions' turns, the floor (when :data:`FLOOR_ON` is active)."""
-    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT
-    from omni_cache.driver.realtime import RealtimeSession, speech_clip
-
     def only(v):  # the one server not paused
         for name, srv in servers.items():
             if name in active:
                 _pause(srv, name != v and args.pause_idle)
 
-    def open_session(v, rnd, n, i, window):
-        text = f"Session {rnd + 1}.{i + 1} of {n} ({window} window). {DEFAULT_SYSTEM_PROMPT}"
-        return RealtimeSession(servers[v].realtime_url, instructions=text, extra_body={"omni_cache_window": window},
-                               ping_interval=None)
+    async def open_sessions(v, rnd, n, window) -> list:  # N sessions of one group, opened at once
+        ss = [RealtimeSession(servers[v].realtime_url, extra_body={"omni_cache_window": window}, ping_interval=None,
+                              instructions=f"Session {rnd + 1}.{i + 1} of {n} ({window} window). {SYSTEM_PROMPT}")
+              for i in range(n)]
+        await asyncio.gather(*(s.open() for s in ss))
+        return ss
 
     def add(results: list[dict], sessions: list, **where) -> None:  # one record per session's turn
         for i, r in enumerate(results):
-            records.append({**where, "session": i, "session_id": sessions[i].session_id, **r})
-            _print(records[-1])
+            records.append(rec := {**where, "session": i, "session_id": sessions[i].session_id, **r})
+            print(f"round {rec['round'] + 1} N={rec['n_sessions']} {rec['window']:>10} turn {rec['turn']} "
+                  f"{rec['variant']:>10}#{i}: first audio {lab.fmt(rec['first_audio_s'], '.2f')} s, text "
+                  f"{lab.fmt(rec['first_text_s'], '.2f')} s, thinker {lab.fmt(rec['thinker_hit'], '.0f')}/"
+                  f"{lab.fmt(rec['thinker_prompt'], '.0f')}" + (f"  ERROR {r['error']}" if r.get("error") else ""),
+                  flush=True)
 
     cold = {}
     for v in active:  # the throwaway first turn of each server
@@ -215,12 +202,10 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                 live: dict[str, list] = {}
                 for v in active:
                     only(v)
-                    live[v] = [open_session(v, rnd, n, i, window) for i in range(n)]
-                    await asyncio.gather(*(s.open() for s in live[v]))
-                    for i, s in enumerate(live[v]):
-                        session_ids[(v, window, rnd, n, i)] = s.session_id
+                    live[v] = await open_sessions(v, rnd, n, window)
+                    session_ids.update({(v, window, rnd, n, i): s.session_id for i, s in enumerate(live[v])})
                 for turn in range(args.turns):
-                    audios = [_clip(args.seconds, turn, rnd, i) for i in range(n)]
+                    audios = _clips(args.seconds, turn, rnd, n)
                     for v in lab.rotate(active, k):
                         only(v)
                         add(await _turns(servers[v], live[v], audios), live[v], variant=v, window=window, round=rnd,
@@ -232,10 +217,8 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
                 if FLOOR_ON in active:  # the floor: each turn's utterance in fresh sessions, no history
                     only(FLOOR_ON)
                     for turn in range(args.turns):
-                        fresh = [open_session(FLOOR_ON, rnd, n, i, window) for i in range(n)]
-                        await asyncio.gather(*(s.open() for s in fresh))
-                        clips = [_clip(args.seconds, turn, rnd, i) for i in range(n)]
-                        res = await _turns(servers[FLOOR_ON], fresh, clips)
+                        fresh = await open_sessions(FLOOR_ON, rnd, n, window)
+                        res = await _turns(servers[FLOOR_ON], fresh, _clips(args.seconds, turn, rnd, n))
                         await asyncio.gather(*(s.close() for s in fresh))
                         add(res, fresh, variant=FLOOR, window=window, round=rnd, n_sessions=n, turn=turn + 1,
                             server=FLOOR_ON)
@@ -245,7 +228,6 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
 
 
 # -- oracles, summary, bars ---------------------------------------------------------------------------
-
 def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, sessions: list[int]) -> dict:
     """Oracles (a) on every N, (b) and (c) on N = 1 (module docstring)."""
     from omni_cache.exactness import oracles
@@ -293,16 +275,12 @@ def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, ses
 def summarize(records: list[dict], turns: int, sessions: list[int]) -> dict:
     """Per ``variant/window/N/turn`` (with :data:`FLOOR`), each of :data:`METRICS`: p50 / p95 / min
     / max / n over sessions and rounds (seconds, tokens; None without a sample, e.g. hits at N > 1)."""
-    out = {}
-    for v in (*VARIANTS, FLOOR):
-        for w in WINDOWS:
-            for n in sessions:
-                for t in range(1, turns + 1):
-                    rs = [r for r in records if r["variant"] == v and r["window"] == w and r["n_sessions"] == n
-                          and r["turn"] == t]
-                    out[f"{v}/{w}/{n}/{t}"] = {m: lab.describe([r.get(m) for r in rs], "p50", "p95", "min", "max")
-                                                for m in METRICS}
-    return out
+    by = collections.defaultdict(list)
+    for r in records:
+        by[f"{r['variant']}/{r['window']}/{r['n_sessions']}/{r['turn']}"].append(r)
+    keys = [f"{v}/{w}/{n}/{t}" for v in (*VARIANTS, FLOOR) for w in WINDOWS for n in sessions
+            for t in range(1, turns + 1)]
+    return {k: {m: lab.describe([r.get(m) for r in by[k]], "p50", "p95", "min", "max") for m in METRICS} for k in keys}
 
 
 def late_samples(records: list[dict], variant: str, window: str, n: int, metric: str = "first_audio_s") -> list[float]:
@@ -320,8 +298,7 @@ def floor_bar(records: list[dict], window: str, n: int) -> dict:
     p50 = {v: lab.stat(x) for v, x in xs.items()}
     res = {"omni_cache_p50_s": p50["omni_cache"], "floor_p50_s": p50[FLOOR], "builtin_p50_s": p50["builtin"],
            "samples": {v: len(x) for v, x in xs.items()}, "max_ratio_to_floor": FLOOR_RATIO}
-    missing = [v for v, x in xs.items() if not x]
-    if missing:
+    if missing := [v for v, x in xs.items() if not x]:
         return {**res, "verdict": "n/a", "ratio_to_floor": None,
                 "reason": f"no turn >= {LATE_TURN} with a first audio delta for {', '.join(missing)}"}
     ratio = p50["omni_cache"] / p50[FLOOR] if p50[FLOOR] > 0 else math.inf
@@ -339,12 +316,10 @@ def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[
         c = summary[f"{v}/{w}/{n}/{t}"]["first_audio_s"]
         return c["p50"] if c else None
 
-    out: dict = {"floor_bar": {}, "pooled_first_audio_p50_turns_ge_4_s": {},
-                 "first_audio_5x_lower_than_off_turns_ge_4_p50": {}, "first_audio_le_builtin_every_turn_p50": {},
-                 "per_turn_ratios": {}}
+    out: dict = {k: {w: {} for w in WINDOWS} for k in (
+        "floor_bar", "pooled_first_audio_p50_turns_ge_4_s", "first_audio_5x_lower_than_off_turns_ge_4_p50",
+        "first_audio_le_builtin_every_turn_p50", "per_turn_ratios")}
     for w in WINDOWS:
-        for key in out:
-            out[key][w] = {}
         for n in sessions:
             out["floor_bar"][w][n] = floor_bar(records, w, n)
             pooled = {v: lab.stat(late_samples(records, v, w, n)) for v in (*VARIANTS, FLOOR)}
@@ -356,8 +331,7 @@ def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[
             out["first_audio_le_builtin_every_turn_p50"][w][n] = (
                 None if any(a is None or b is None for a, b in pairs) else all(a <= b for a, b in pairs))
             out["per_turn_ratios"][w][n] = {
-                t: {f"{v}_over_omni": (p50(v, w, n, t) / p50("omni_cache", w, n, t)
-                                       if p50(v, w, n, t) and p50("omni_cache", w, n, t) else None)
+                t: {f"{v}_over_omni": lab.ratio(p50(v, w, n, t), p50("omni_cache", w, n, t))
                     for v in ("off", "builtin", FLOOR)} for t in range(1, turns + 1)}
     return out
 
@@ -387,7 +361,6 @@ def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int) ->
 
 
 # -- plot --------------------------------------------------------------------------------------------
-
 def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str) -> None:
     """First audio and first text p50 per turn (s) per variant and window; one column per N."""
     with lab.figure(path, 2, len(sessions), figsize=(6.5 * len(sessions), 8), squeeze=False,
@@ -403,16 +376,12 @@ def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str
                         ax.plot(ts, ys, ls, marker=styles[v][0], color=styles[v][1],
                                 lw=2.2 if v == FLOOR else 1.4,
                                 label=f"floor (no history), {w} instructions" if v == FLOOR else f"{v}, {w} window")
-                ax.set_title(f"N = {n} session{'s' if n > 1 else ''} at once")
-                ax.set_xlabel("turn")
-                ax.set_ylabel(f"commit → first {'audio' if m == 'first_audio_s' else 'text'} delta (s), p50")
-                ax.set_ylim(bottom=0)
-                ax.set_xticks(ts)
+                ax.set(title=f"N = {n} session{'s' if n > 1 else ''} at once", xlabel="turn", xticks=ts, ylim=(0, None),
+                       ylabel=f"commit → first {'audio' if m == 'first_audio_s' else 'text'} delta (s), p50")
         axes[0][0].legend(fontsize=7)
 
 
 # -- main --------------------------------------------------------------------------------------------
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, validated before anything starts (``SystemExit`` 2 naming the flag or
     file at fault); adds ``stage_config_path`` and ``stage_config_raw``."""
@@ -456,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     model = lab.model_dir(args.model_size or "bench-voice", args.model).resolve()
     model_name = args.model.name if args.model is not None else args.model_size or "bench-voice"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "MALLOC_ARENA_MAX": "2"}
-    records: list[dict] = []
-    session_ids, cold, ready_s, t0 = {}, {}, {}, time.perf_counter()
+    records, session_ids, cold, ready_s, t0 = [], {}, {}, {}, time.perf_counter()
 
     def up(stack: contextlib.ExitStack, v: str):
         srv = stack.enter_context(lab.start("server", model, _config(out, v, args.stage_config_path, args.record),
@@ -496,13 +464,12 @@ def main(argv: list[str] | None = None) -> int:
                           for k, x in oracle.items()},
               "oracle_details": oracle, "summary": summary, "turns": records,
               "sessions": {"/".join(map(str, k)): x for k, x in session_ids.items()}}
-    path = lab.write_result(out, result)
+    shown = {"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"]}
+    lab.write_result(out, result, show={**shown, "oracles": result["oracles"]}, also=[out / "realtime.png"])
     _plot(summary, args.turns, args.sessions, out / "realtime.png",
           f"Realtime sessions ({args.rounds} rounds, {args.turns} voice turns, {model_name}, "
           f"{args.stage_config_path.name}, servers {args.servers})")
-    print(json.dumps({"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"],
-                      "oracles": result["oracles"]}, indent=2))
-    print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else "") + f"; wrote {path}")
+    print(f"{len(errors)} turn errors" + (f"; first: {errors[0]}" if errors else ""))
     return 0
 
 

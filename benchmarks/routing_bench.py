@@ -16,7 +16,10 @@ import random
 import time
 from pathlib import Path
 
+import yaml
+
 from benchmarks import lab
+from omni_cache import settings
 
 POLICIES = ("prefix", "vllm_omni")
 QUESTIONS = ["Tell me a story about it.", "And then what happened?", "Why did that happen?",
@@ -45,22 +48,16 @@ def summarize(records: list[dict]) -> dict:
         s = {"requests": len(rs), "hit_ratio_turn2plus": (sum(r["hit"] for r in later) / len(later)) if later else None}
         for metric in ("ttft_s", "ttfp_s"):
             for name, group in (("all", rs), ("turn2plus", later)):
-                xs = [r[metric] for r in group]
-                s[f"{metric}_p50_{name}"] = lab.stat(xs, "p50")
-                s[f"{metric}_p95_{name}"] = lab.stat(xs, "p95")
+                d = lab.describe([r[metric] for r in group], "p50", "p95") or {}
+                s.update({f"{metric}_{p}_{name}": d.get(p) for p in ("p50", "p95")})
             s[f"{metric}_round_medians"] = [lab.stat([r[metric] for r in rs if r["round"] == k])
                                             for k in sorted({r["round"] for r in rs})]
         out[policy] = s
-    ratios = {}
-    for key in ("ttft_s_p50_all", "ttft_s_p95_all", "ttfp_s_p50_all", "ttfp_s_p95_all",
-                "ttft_s_p50_turn2plus", "ttfp_s_p50_turn2plus"):
-        a, b = out["vllm_omni"].get(key), out["prefix"].get(key)
-        ratios[f"{key}_vllm_omni_over_prefix"] = (a / b) if a and b else None
-    out["ratios"] = ratios
-    out["bars"] = {
-        "hit_ratio_turn2plus_prefix >= 0.95": (out["prefix"]["hit_ratio_turn2plus"] or 0) >= 0.95,
-        "ttft_p50 vllm_omni / prefix >= 1.8": (ratios["ttft_s_p50_all_vllm_omni_over_prefix"] or 0) >= 1.8,
-    }
+    out["ratios"] = ratios = {f"{k}_vllm_omni_over_prefix": lab.ratio(out["vllm_omni"].get(k), out["prefix"].get(k))
+                              for k in ("ttft_s_p50_all", "ttft_s_p95_all", "ttfp_s_p50_all", "ttfp_s_p95_all",
+                                          "ttft_s_p50_turn2plus", "ttfp_s_p50_turn2plus")}
+    out["bars"] = {"hit_ratio_turn2plus_prefix >= 0.95": (out["prefix"]["hit_ratio_turn2plus"] or 0) >= 0.95,
+                   "ttft_p50 vllm_omni / prefix >= 1.8": (ratios["ttft_s_p50_all_vllm_omni_over_prefix"] or 0) >= 1.8}
     return out
 
 
@@ -75,8 +72,7 @@ def plot(records: list[dict], path: Path) -> None:
                 first = [r[metric] for r in records if r["policy"] == p and r["turn"] == 0 and r[metric] is not None]
                 ax.scatter([i - 0.15] * len(first), first, s=10, c="tab:gray", label="turn 1" if i == 1 else None)
                 ax.scatter([i + 0.15] * len(later), later, s=10, c="tab:blue", label="turn >= 2" if i == 1 else None)
-            ax.set_ylabel(label)
-            ax.set_ylim(bottom=0)
+            ax.set(ylabel=label, ylim=(0, None))
             ax.legend(fontsize=8)
 
 
@@ -91,18 +87,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from omni_cache import settings
-
     out = lab.results_dir(args.out, "routing-bench")
     model = lab.model_dir(args.size, args.model)
     tok = AutoTokenizer.from_pretrained(model)
     cfg = lab.variant_config(args.stage_config, out, "routing", stages={0: {"num_replicas": 2}},
                              env={0: {settings.ROUTING.name: "prefix"}})
-    import yaml
-
     block = int(next(s for s in yaml.safe_load(cfg.read_text())["stages"] if s["stage_id"] == 0)["block_size"])
-    records: list[dict] = []
-    t_start = time.perf_counter()
+    records, t_start = [], time.perf_counter()
     print(f"starting the pipeline ({args.size} model, 2 thinker replicas) ...", flush=True)
     with lab.start("streaming", model, cfg) as pipe:
         router, engine = pipe.router, pipe.omni.engine

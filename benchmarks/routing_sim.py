@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import random
 import sys
 import time
@@ -78,10 +79,7 @@ class _LRU:
                 self.d.move_to_end(h)
             else:
                 self.d[h] = None
-        ev = []
-        while len(self.d) > self.cap:
-            ev.append(self.d.popitem(last=False)[0])
-        return ev
+        return [self.d.popitem(last=False)[0] for _ in range(len(self.d) - self.cap)]  # evicted, oldest first
 
 
 def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
@@ -97,19 +95,13 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
         k = bisect_left(sys_cum, rng.random() * sys_cum[-1])
         toks = list(systems[k])
         hashes: list[int] = []                     # of toks' first len(hashes) full blocks
-
-        def extend(upto: list[int], known: list[int]) -> list[int]:
-            n = len(known)
-            tail = upto[n * bs:]
-            if n == 0:
-                return request_block_hashes(tail, bs)
-            return known + chained_block_hashes(tail, bs, parent=known[-1])
-
         turns = []
         for _ in range(w.turns):
             toks += gen.integers(0, vocab, rng.randint(*w.user_tokens)).tolist()
             answer = gen.integers(0, vocab, rng.randint(*w.answer_tokens)).tolist()
-            full = extend(toks + answer, hashes)
+            tail = (toks + answer)[len(hashes) * bs:]  # hashed on from the last known block
+            full = (hashes + chained_block_hashes(tail, bs, parent=hashes[-1]) if hashes
+                    else request_block_hashes(tail, bs))
             turns.append((full[: len(toks) // bs], full))  # chained: the prompt's are a prefix
             toks += answer
             hashes = full
@@ -117,17 +109,14 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
     return convs
 
 
-def make_policy(name: str, w: Workload):
-    if name.startswith("prefix"):
-        return PrefixAwarePolicy(RoutingConfig(load_margin=4, capacity_blocks=w.capacity_blocks))
-    return {"random": lambda: RandomPolicy(w.seed), "round-robin": RoundRobinPolicy,
-            "least-queue": lambda: LeastQueuePolicy(w.seed)}[name]()
-
-
 def simulate(w: Workload, policy_name: str, convs) -> dict:
     rng = random.Random(w.seed + 1)
     R, N = w.replicas, len(convs)
-    policy = make_policy(policy_name, w)
+    if policy_name.startswith("prefix"):  # prefix, prefix+events
+        policy = PrefixAwarePolicy(RoutingConfig(load_margin=4, capacity_blocks=w.capacity_blocks))
+    else:
+        policy = {"random": lambda: RandomPolicy(w.seed), "round-robin": RoundRobinPolicy,
+                  "least-queue": lambda: LeastQueuePolicy(w.seed)}[policy_name]()
     events_on = policy_name == "prefix+events"
     keys = [f"replica-{i}" for i in range(R)]
     kv = [_LRU(w.capacity_blocks) for _ in range(R)]
@@ -138,18 +127,18 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
     rng.shuffle(weight)                              # popularity rank independent of system prompt
     next_turn = [0] * N
     ready = np.array(weight)                         # a conversation's weight while its next turn may be sent, else 0
-    to_issue = sum(len(c) for c in convs)
+    total = to_issue = sum(len(c) for c in convs)
     # arrival rate: utilization x capacity with every prompt a miss (no policy overloads)
     mean_blocks = sum(len(t[0]) for c in convs for t in c) / sum(len(c) for c in convs)
     rate = w.utilization * R * w.batch / (w.t_fixed + w.t_block * mean_blocks)
-    total = sum(len(c) for c in convs)
     heap: list[tuple[float, int, str, tuple]] = []
-    seq = hits = later = cached = prompt_blocks = done = 0
+    seq = itertools.count()  # the heap's tie-break
+    hits = later = cached = prompt_blocks = done = 0
     now = 0.0
     reasons: dict[str, int] = {}
 
     def start(r: int, t: float) -> None:
-        nonlocal seq, hits, later, cached, prompt_blocks
+        nonlocal hits, later, cached, prompt_blocks
         c, turn, prompt, full = waiting[r].popleft()
         running[r] += 1
         h = kv[r].leading_hits(prompt)
@@ -161,11 +150,9 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
             prompt_blocks += len(prompt)
         dur = w.t_fixed + w.t_block * (len(prompt) - h)
         busy[r] += dur
-        seq += 1
-        heapq.heappush(heap, (t + dur, seq, "finish", (r, c, full)))
+        heapq.heappush(heap, (t + dur, next(seq), "finish", (r, c, full)))
 
-    seq += 1
-    heapq.heappush(heap, (rng.expovariate(rate), seq, "arrive", ()))
+    heapq.heappush(heap, (rng.expovariate(rate), next(seq), "arrive", ()))
     while done < total:
         now, _, kind, data = heapq.heappop(heap)
         if kind == "arrive":
@@ -188,8 +175,7 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
                 if running[r] < w.batch:
                     start(r, now)
             if to_issue:
-                seq += 1
-                heapq.heappush(heap, (now + rng.expovariate(rate), seq, "arrive", ()))
+                heapq.heappush(heap, (now + rng.expovariate(rate), next(seq), "arrive", ()))
         else:
             r, c, full = data
             running[r] -= 1
@@ -223,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
 
-    t_all = time.perf_counter()
-    rows = []
+    rows, t_all = [], time.perf_counter()
     runs = [(R, skew, s, None, args.policies) for R in args.replicas
             for skew, s in (("uniform", 0.0), ("zipf", args.zipf_s))]
     if args.pressure_capacity:  # eviction pressure
@@ -244,16 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     bar = [r for r in rows if r["replicas"] == 64 and r["skew"] == "zipf" and r["policy"] == "prefix"]
     bar_ok = bool(bar) and bar[0]["turn2_hit_ratio"] >= 0.9 and bar[0]["load_max_mean"] <= 1.3
     base = Workload(replicas=0, conversations=0, turns=args.turns, zipf_s=args.zipf_s)
-    result = {
-        "command": "PYTHONPATH=. python benchmarks/routing_sim.py " + " ".join(argv or sys.argv[1:]),
-        "workload": {**asdict(base), "replicas": args.replicas,
-                     "conversations_per_replica": args.conversations_per_replica},
-        "policy_config": {"load_margin": 4, "shared_prefix_fanout": 4, "capacity_blocks": base.capacity_blocks},
-        "bar": {"replicas": 64, "skew": "zipf", "policy": "prefix", "hit_ratio_min": 0.9,
-                "load_max_mean_max": 1.3, "met": bar_ok, "row": bar[0] if bar else None},
-        "rows": rows,
-        "runtime_s": round(time.perf_counter() - t_all, 1),
-    }
+    result = {"command": "PYTHONPATH=. python benchmarks/routing_sim.py " + " ".join(argv or sys.argv[1:]),
+              "workload": {**asdict(base), "replicas": args.replicas,
+                           "conversations_per_replica": args.conversations_per_replica},
+              "policy_config": {"load_margin": 4, "shared_prefix_fanout": 4, "capacity_blocks": base.capacity_blocks},
+              "bar": {"replicas": 64, "skew": "zipf", "policy": "prefix", "hit_ratio_min": 0.9,
+                      "load_max_mean_max": 1.3, "met": bar_ok, "row": bar[0] if bar else None},
+              "rows": rows, "runtime_s": round(time.perf_counter() - t_all, 1)}
     lab.write_result(lab.results_dir(args.out, "routing-sim"), result)
     if not args.no_plot:
         plot(rows, args.out / "routing_sim.png")
@@ -273,11 +255,8 @@ def plot(rows: list[dict], path: Path) -> None:
                 x = [r["replicas"] for r in rs]
                 axes[0][j].plot(x, [r["turn2_hit_ratio"] for r in rs], marker="o", label=p)
                 axes[1][j].plot(x, [r["load_max_mean"] for r in rs], marker="o", label=p)
-            axes[0][j].set_title(f"{skew} conversation popularity")
-            axes[0][j].set_ylabel("turn >= 2 hit ratio")
-            axes[0][j].set_ylim(0, 1.05)
-            axes[1][j].set_ylabel("max / mean requests per replica")
-            axes[1][j].set_xlabel("thinker replicas")
+            axes[0][j].set(title=f"{skew} conversation popularity", ylabel="turn >= 2 hit ratio", ylim=(0, 1.05))
+            axes[1][j].set(ylabel="max / mean requests per replica", xlabel="thinker replicas")
             axes[1][j].set_xscale("log", base=2)
             axes[0][j].axhline(0.9, color="grey", ls=":", lw=1)
             axes[1][j].axhline(1.3, color="grey", ls=":", lw=1)

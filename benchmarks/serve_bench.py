@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import lab
+from omni_cache.driver.realtime import prefix_cache_counters
 
 #: the tool's headline figures compared between variants (ms unless named otherwise)
 HEADLINE = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_audio_ttfp_ms", "p90_audio_ttfp_ms",
@@ -27,14 +28,11 @@ HEADLINE = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_audio_ttfp_m
 def tool_command(args, base_url: str, model_name: str, tokenizer: Path, result_dir: Path, filename: str) -> list[str]:
     """The ``vllm-omni bench serve --omni`` command line for one run (list of argv strings)."""
     exe = Path(sys.executable).with_name("vllm-omni")
-    return [str(exe), "bench", "serve", "--omni", "--backend", "openai-chat-omni",
-            "--endpoint", "/v1/chat/completions", "--base-url", base_url.removesuffix("/v1"),
-            "--model", model_name, "--tokenizer", str(tokenizer),
-            "--dataset-name", "prefix_repetition",
-            "--prefix-repetition-prefix-len", str(args.prefix_len),
-            "--prefix-repetition-suffix-len", str(args.suffix_len),
-            "--prefix-repetition-num-prefixes", str(args.num_prefixes),
-            "--prefix-repetition-output-len", str(args.output_len),
+    return [str(exe), "bench", "serve", "--omni", "--backend", "openai-chat-omni", "--endpoint", "/v1/chat/completions",
+            "--base-url", base_url.removesuffix("/v1"), "--model", model_name, "--tokenizer", str(tokenizer),
+            "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+            "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
+            str(args.num_prefixes), "--prefix-repetition-output-len", str(args.output_len),
             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
             "--num-warmups", "1", "--seed", str(args.seed),
             "--percentile-metrics", "ttft,tpot,e2el,audio_ttfp,audio_rtf", "--metric-percentiles", "50,90,99",
@@ -42,8 +40,6 @@ def tool_command(args, base_url: str, model_name: str, tokenizer: Path, result_d
 
 
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path) -> dict:
-    from omni_cache.driver.realtime import prefix_cache_counters
-
     cfg = lab.prefix_cache_variant(args.stage_config, out_dir, variant)
     filename = f"vllm-omni-bench-{variant}-{cycle}.json"
     with lab.start("server", model_dir, cfg, log=out_dir / f"server-{variant}-{cycle}.log",
@@ -93,8 +89,7 @@ def plot(summary: dict, path: Path, title: str) -> Path:
                               color="#888888" if v == "off" else "#dd8452")
                 for b, x in zip(bars, vals):
                     ax.text(b.get_x() + b.get_width() / 2, x, f"{x:.0f}", ha="center", va="bottom", fontsize=7)
-            ax.set_xticks([i + 0.19 for i in range(3)])
-            ax.set_xticklabels(["p50", "p90", "p99"])
+            ax.set_xticks([i + 0.19 for i in range(3)], ["p50", "p90", "p99"])
             ax.set_title({"ttft": "TTFT (text), ms", "audio_ttfp": "TTFP (first audio packet), ms"}[metric], fontsize=9)
             ax.legend(fontsize=7)
     return path

@@ -11,11 +11,13 @@ repeats of ``--order``; p50/p90/p99 and on/off ratios (docs/serving.md, "Load").
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 
+from openai import AsyncOpenAI
+
 from benchmarks import lab
+from omni_cache.driver.realtime import prefix_cache_counters
 
 PARAGRAPH = ("You are a careful assistant for a museum of natural history. Visitors send photos "
              "and voice notes; answer briefly, name what you see, and keep a friendly tone. ")
@@ -23,13 +25,6 @@ PARAGRAPH = ("You are a careful assistant for a museum of natural history. Visit
 
 def _percentiles(xs: list[float]) -> dict:
     return lab.describe(xs, "p50", "p90", "p99", "mean", "min", "max") or {"n": 0}
-
-
-def _system_prompt(tokenizer, round_idx: int, target_tokens: int) -> str:
-    text = f"[session {round_idx}] "
-    while len(tokenizer.encode(text)) < target_tokens:
-        text += PARAGRAPH
-    return text
 
 
 async def _one_chat(client, model: str, system: str, question: str, max_tokens: int) -> dict:
@@ -42,19 +37,13 @@ async def _one_chat(client, model: str, system: str, question: str, max_tokens: 
             stream_options={"include_usage": True},
             messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
         async for chunk in stream:
-            now = time.perf_counter() - t0
-            extra = chunk.model_extra or {}
-            modality = extra.get("modality", "text")
+            now = time.perf_counter() - t0  # > 0: a first time is kept by `or`
+            modality = (chunk.model_extra or {}).get("modality", "text")
             content = chunk.choices[0].delta.content if chunk.choices else None
-            if content:
-                if modality == "audio":
-                    rec["audio_chunks"] += 1
-                    if rec["ttfp_s"] is None:
-                        rec["ttfp_s"] = now
-                elif modality == "text":
-                    rec["text_chars"] += len(content)
-                    if rec["ttft_s"] is None:
-                        rec["ttft_s"] = now
+            if content and modality == "audio":
+                rec.update(audio_chunks=rec["audio_chunks"] + 1, ttfp_s=rec["ttfp_s"] or now)
+            elif content and modality == "text":
+                rec.update(text_chars=rec["text_chars"] + len(content), ttft_s=rec["ttft_s"] or now)
             if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None and modality == "text":
                 rec["prompt_tokens"] = chunk.usage.prompt_tokens
                 rec["cached_tokens"] = chunk.usage.prompt_tokens_details.cached_tokens
@@ -67,8 +56,6 @@ async def _one_chat(client, model: str, system: str, question: str, max_tokens: 
 
 
 async def _burst(base_url: str, model: str, system: str, concurrency: int, max_tokens: int, round_idx: int):
-    from openai import AsyncOpenAI
-
     client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=900, max_retries=0)
     try:
         t0 = time.perf_counter()
@@ -85,8 +72,6 @@ async def _burst(base_url: str, model: str, system: str, concurrency: int, max_t
 
 
 def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path, tokenizer) -> dict:
-    from omni_cache.driver.realtime import prefix_cache_counters
-
     cfg = lab.prefix_cache_variant(args.stage_config, out_dir, variant)
     with lab.start("server", model_dir, cfg, log=out_dir / f"server-{variant}-{cycle}.log",
                    label=f"{variant} #{cycle}") as srv:
@@ -95,7 +80,9 @@ def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path,
         asyncio.run(_burst(srv.base_url, model, "Warm-up.", 1, args.max_tokens, -1))
         recs, walls = [], []
         for r in range(args.rounds):
-            system = _system_prompt(tokenizer, cycle * 1000 + r, args.system_tokens)
+            system = f"[session {cycle * 1000 + r}] "  # then PARAGRAPH repeated to --system-tokens
+            while len(tokenizer.encode(system)) < args.system_tokens:
+                system += PARAGRAPH
             rr, wall = asyncio.run(_burst(srv.base_url, model, system, args.concurrency, args.max_tokens, r))
             ok = [x for x in rr if not x["error"]]
             print(f"[{variant} #{cycle}] round {r}: {len(ok)}/{len(rr)} ok in {wall:.1f} s; TTFT p50 "
@@ -114,14 +101,9 @@ def _summary(runs: list[dict]) -> dict:
         ok = [x for x in recs if not x["error"]]
         prompt = sum(x["prompt_tokens"] or 0 for x in ok)
         cached = sum(x["cached_tokens"] or 0 for x in ok)
-        out[variant] = {
-            "requests": len(recs), "errors": len(recs) - len(ok),
-            "ttft_s": _percentiles([x["ttft_s"] for x in ok]),
-            "ttfp_s": _percentiles([x["ttfp_s"] for x in ok]),
-            "e2e_s": _percentiles([x["e2e_s"] for x in ok]),
-            "prompt_tokens": prompt, "cached_tokens": cached,
-            "hit_ratio": cached / prompt if prompt else 0.0,
-        }
+        out[variant] = {"requests": len(recs), "errors": len(recs) - len(ok), "prompt_tokens": prompt,
+                        **{m: _percentiles([x[m] for x in ok]) for m in ("ttft_s", "ttfp_s", "e2e_s")},
+                        "cached_tokens": cached, "hit_ratio": cached / prompt if prompt else 0.0}
     if "on" in out and "off" in out:
         out["off_over_on"] = {m: {p: out["off"][m][p] / out["on"][m][p] for p in ("p50", "p90", "p99")}
                               for m in ("ttft_s", "ttfp_s", "e2e_s")
@@ -153,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -24,16 +24,24 @@ import io
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import openai
+import psutil
+import soundfile as sf
+from PIL import Image
 
 from benchmarks import lab
+from omni_cache.driver.inputs import load_audio, sample_path
+from omni_cache.driver.realtime import RealtimeSession, speech_clip
 
 SHM = Path("/dev/shm")
+#: the command's options that :func:`drive` takes as they are
+DRIVE_OPTIONS = ("requests", "concurrency", "warmup", "max_tokens", "sample_s", "drain_s", "shm_slack", "report_every",
+                 "seed")
 KIND_WEIGHTS = {"text": 3, "text+audio": 2, "stream": 2, "image": 1, "audio-in": 1, "video": 1, "bad": 1,
                 "abort": 1, "realtime": 1}
 QUESTIONS = ("What do you see?", "Say hello.", "Count to three.", "What is the weather like?",
@@ -42,8 +50,6 @@ QUESTIONS = ("What do you see?", "Say hello.", "Count to three.", "What is the w
 
 # ----------------------------------------------------------------------------- inputs
 def _wav_b64(samples: np.ndarray, rate: int = 16_000) -> str:
-    import soundfile as sf
-
     buf = io.BytesIO()
     sf.write(buf, samples.astype(np.float32), rate, format="WAV")
     return base64.b64encode(buf.getvalue()).decode()
@@ -54,9 +60,6 @@ def video_clip(pixel_seed: int, seconds: float = 2.0, size: int = 224, fps: int 
     ``pixel_seed``; AAC audio: the bundled speech recording) as a data URL (``av``). Same
     arguments but the seed: same length and size, so the same prompt token ids."""
     import av
-    import soundfile as sf
-
-    from omni_cache.driver.inputs import sample_path
 
     wav, sr = sf.read(sample_path("speech.wav"), dtype="float32")
     wav = (wav.mean(axis=1) if wav.ndim > 1 else wav)[:int(seconds * sr)]
@@ -83,13 +86,8 @@ def video_clip(pixel_seed: int, seconds: float = 2.0, size: int = 224, fps: int 
 def _media() -> dict[str, str]:
     """The inputs: a 64×64 PNG, 1 s of speech (WAV), a 78-sample WAV, a truncated JPEG, two 1 s
     video clips (data URLs or base64)."""
-    from PIL import Image
-
-    from omni_cache.driver.inputs import load_audio, sample_path
-
-    img = Image.open(sample_path("astronaut.jpg")).convert("RGB").resize((64, 64))
     buf = io.BytesIO()
-    img.save(buf, format="PNG")
+    Image.open(sample_path("astronaut.jpg")).convert("RGB").resize((64, 64)).save(buf, format="PNG")
     audio, sr = load_audio(sample_path("speech.wav"))
     jpeg = open(sample_path("astronaut.jpg"), "rb").read()[:4000]
     return {"image": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(),
@@ -97,13 +95,6 @@ def _media() -> dict[str, str]:
             "short_wav": _wav_b64(np.zeros(78)),
             "truncated_jpeg": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode(),
             "video": [video_clip(seed, seconds=1.0, size=64, fps=2) for seed in (1, 2)]}
-
-
-def _bad_content(k: int, media: dict) -> list:
-    part = [{"type": "input_audio", "input_audio": {"data": media["short_wav"], "format": "wav"}},
-            {"type": "input_audio", "input_audio": {"data": "not*base64!!", "format": "wav"}},
-            {"type": "image_url", "image_url": {"url": media["truncated_jpeg"]}}][k % 3]
-    return [{"type": "text", "text": "What is this?"}, part]
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -123,8 +114,6 @@ def shm_entries(tag: str, baseline: set[str]) -> dict:
 
 def tree_usage(pid: int) -> dict:
     """RSS (bytes) and open file descriptors summed over process ``pid`` and its descendants."""
-    import psutil
-
     rss = fds = n = 0
     for p in lab.process_tree(pid):
         with contextlib.suppress(psutil.Error):
@@ -142,9 +131,8 @@ class Sampler(threading.Thread):
         self.t0, self._halt = time.perf_counter(), threading.Event()
 
     def sample(self) -> dict:
-        s = {"t_s": round(time.perf_counter() - self.t0, 2), "requests_done": self.progress(),
-             **shm_entries(self.tag, self.baseline), **tree_usage(self.pid)}
-        self.samples.append(s)
+        self.samples.append(s := {"t_s": round(time.perf_counter() - self.t0, 2), "requests_done": self.progress(),
+                                  **shm_entries(self.tag, self.baseline), **tree_usage(self.pid)})
         return s
 
     def run(self) -> None:
@@ -163,10 +151,7 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
     rec = {"i": k, "kind": kind, "id": rid, "status": None, "ok": False, "error": None}
     t0 = time.perf_counter()
     q = QUESTIONS[k % len(QUESTIONS)] + f" ({k})"
-    headers = {"X-Request-Id": rid}
-    common = {"model": model, "max_tokens": max_tokens, "seed": k, "extra_headers": headers}
-    import openai
-
+    common = {"model": model, "max_tokens": max_tokens, "seed": k, "extra_headers": {"X-Request-Id": rid}}
     try:
         if kind in ("text", "text+audio", "audio-in", "image", "video"):
             part = {"audio-in": {"type": "input_audio", "input_audio": {"data": media["speech"], "format": "wav"}},
@@ -197,23 +182,21 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
                     break
             rec["ok"] = chunks >= 1 if kind == "abort" else audio_chunks >= 1
         elif kind == "bad":
+            part = [{"type": "input_audio", "input_audio": {"data": media["short_wav"], "format": "wav"}},
+                    {"type": "input_audio", "input_audio": {"data": "not*base64!!", "format": "wav"}},
+                    {"type": "image_url", "image_url": {"url": media["truncated_jpeg"]}}][k % 3]
             try:
-                await client.chat.completions.create(messages=[{"role": "user", "content": _bad_content(k, media)}],
-                                                     modalities=["text"], **common)
+                await client.chat.completions.create(messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "What is this?"}, part]}], modalities=["text"], **common)
                 rec["error"] = "a bad request was answered 200"
             except openai.BadRequestError as e:
-                rec["status"] = e.status_code
                 msg = e.body.get("message", "") if isinstance(e.body, dict) else str(e)
-                rec["message_chars"] = len(msg)
-                rec["ok"] = e.status_code == 400
+                rec.update(status=e.status_code, message_chars=len(msg), ok=e.status_code == 400)
         elif kind == "realtime":
-            from omni_cache.driver.realtime import RealtimeSession, speech_clip
-
             async with RealtimeSession(realtime_url, timeout=300, instructions="Soak.") as s:
                 turn = await s.turn(speech_clip(1.0, offset_s=0.3 * k))
             rec["ok"] = len(turn.audio) > 0
-        if rec["status"] is None:
-            rec["status"] = 200
+        rec["status"] = rec["status"] or 200
     except openai.APIStatusError as e:
         rec["status"], rec["error"] = e.status_code, str(e)[:300]
     except Exception as e:  # noqa: BLE001 - a lost request, recorded
@@ -224,9 +207,7 @@ async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max
 
 async def _stream(base_url: str, model: str, kinds: list[str], concurrency: int, tag: str, media: dict,
                   max_tokens: int, realtime_url: str | None, done: list, report_every: int) -> list[dict]:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     sem = asyncio.Semaphore(concurrency)
     t0 = time.perf_counter()
 
@@ -257,9 +238,8 @@ def _bars(samples: list[dict], drained: dict, records: list[dict], warmup: int, 
     seg = np.array([s["tagged_segments"] for s in after])
     quarter = max(1, len(after) // 4)
     first_q, last_q = float(np.median(seg[:quarter])), float(np.median(seg[-quarter:]))
-    tenth = max(1, len(after) // 10)
-    rss_first = float(np.median([s["rss"] for s in after[:tenth]]))
-    rss_last = float(np.median([s["rss"] for s in after[-tenth:]]))
+    tenth, rss = max(1, len(after) // 10), np.array([s["rss"] for s in after])
+    rss_first, rss_last = float(np.median(rss[:tenth])), float(np.median(rss[-tenth:]))
     rss_growth = (rss_last - rss_first) / rss_first if rss_first else 0.0
     fds = [s["fds"] for s in after]
     lost = [r for r in records if not r["ok"]]
@@ -276,8 +256,7 @@ def _bars(samples: list[dict], drained: dict, records: list[dict], warmup: int, 
                                "growth": rss_growth, "pass": rss_growth < 0.02},
         "open_fds": {"min": min(fds), "max": max(fds), "first": fds[0], "last": fds[-1],
                      "pass": fds[-1] - fds[0] <= slack},
-        "no_lost_requests": {"lost": len(lost), "examples": lost[:5], "pass": not lost},
-    }
+        "no_lost_requests": {"lost": len(lost), "examples": lost[:5], "pass": not lost}}
 
 
 def _plot(samples: list[dict], out: Path, warmup: int) -> None:
@@ -297,8 +276,6 @@ def _plot(samples: list[dict], out: Path, warmup: int) -> None:
 def _stop_timed(srv) -> dict:
     """SIGTERM the server; seconds until every stage process (``VLLM::*``: engine cores and
     workers) and the server itself are gone."""
-    import psutil
-
     kids = [p for p in lab.process_tree(srv.proc.pid)[1:] if p.name().startswith("VLLM")]
     t0 = time.perf_counter()
     srv.proc.send_signal(signal.SIGTERM)
@@ -326,8 +303,7 @@ def drive(srv, *, requests: int, concurrency: int = 4, warmup: int = 100, max_to
     baseline = set(os.listdir(SHM)) if baseline is None else baseline
     media = _media()
     kinds_available = [k for k in KIND_WEIGHTS if k != "realtime" or srv.realtime_url]
-    rng = random.Random(seed)
-    kinds = rng.choices(kinds_available, weights=[KIND_WEIGHTS[k] for k in kinds_available], k=requests)
+    kinds = random.Random(seed).choices(kinds_available, weights=[KIND_WEIGHTS[k] for k in kinds_available], k=requests)
     done: list[dict] = []
     sampler = Sampler(srv.proc.pid, tag, baseline, sample_s, lambda: len(done))
     sampler.sample()
@@ -368,22 +344,17 @@ def run(args, argv: list[str] | None = None) -> dict:
     baseline = set(os.listdir(SHM))
     with lab.start("server", model_dir, args.stage_config, log=out_dir / "server.log", ready_timeout=1500,
                    label="soak") as srv:
-        d = drive(srv, requests=args.requests, concurrency=args.concurrency, warmup=args.warmup,
-                  max_tokens=args.max_tokens, sample_s=args.sample_s, drain_s=args.drain_s,
-                  shm_slack=args.shm_slack, report_every=args.report_every, seed=args.seed, tag=tag,
-                  baseline=baseline)
+        d = drive(srv, tag=tag, baseline=baseline, **{k: getattr(args, k) for k in DRIVE_OPTIONS})
         stop = _stop_timed(srv)
     time.sleep(1.0)
     bars = {**d["bars"], "shm_empty_after_exit": after_exit(tag, baseline)}
-    result = {
-        "benchmark": "soak", **lab.stamp("benchmarks.soak", argv),
-        "model": str(model_dir), "stage_config": str(args.stage_config), "args": lab.jsonable(args),
-        "ready_s": round(srv.ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
-        "requests_per_s": round(len(d["records"]) / d["wall_s"], 3), "counts": d["counts"],
-        "statuses": d["statuses"], "stop": stop, "shm_after_exit": {**shm_entries(tag, baseline)},
-        "summary": {"pass": all(b["pass"] for b in bars.values()), "bars": bars},
-        "samples": d["samples"], "requests": d["records"],
-    }
+    result = {"benchmark": "soak", **lab.stamp("benchmarks.soak", argv),
+              "model": str(model_dir), "stage_config": str(args.stage_config), "args": lab.jsonable(args),
+              "ready_s": round(srv.ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
+              "requests_per_s": round(len(d["records"]) / d["wall_s"], 3), "counts": d["counts"],
+              "statuses": d["statuses"], "stop": stop, "shm_after_exit": shm_entries(tag, baseline),
+              "summary": {"pass": all(b["pass"] for b in bars.values()), "bars": bars},
+              "samples": d["samples"], "requests": d["records"]}
     lab.write_result(out_dir, result, show={k: result[k] for k in ("counts", "statuses", "stop", "stream_wall_s")},
                      also=[out_dir / "soak.png"])
     _plot(d["samples"], out_dir / "soak.png", args.warmup)
@@ -413,4 +384,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -10,7 +10,6 @@ started), ``request_s``, ``close_s``; medians, IQRs, mp / uni; JSON and a plot i
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -70,24 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     ratio = summary["mp"]["start_s"]["median"] / summary["uni"]["start_s"]["median"]
     lab.write_result(out, {**lab.stamp("benchmarks.start_bench", argv), "args": lab.jsonable(args),
                            "samples": samples, "summary": summary, "ratio_start_mp_over_uni": ratio}, "start.json")
-    _plot(samples, out / "start.png")
+    with lab.figure(out / "start.png", figsize=(5, 3.5)) as (fig, ax):
+        for i, v in enumerate(VARIANTS):
+            ys = [x["start_s"] for x in samples[v]]
+            ax.scatter([i] * len(ys), ys, label=v)
+            ax.hlines(summary[v]["start_s"]["median"], i - 0.2, i + 0.2)
+        ax.set_xticks(range(len(VARIANTS)), [f"{v} executor" for v in VARIANTS])
+        ax.set(ylabel="pipeline start (s)", title="Qwen3-Omni, 3 stages, this machine")
     for v in VARIANTS:
         s, st = summary[v], summary[v]["start_s"]
         print(f"{v:>4}: start {st['median']:.1f} s (IQR {st['p25']:.1f}-{st['p75']:.1f}), "
               f"process {s['process_s']['median']:.1f} s, first request {s['request_s']['median']:.2f} s")
     print(f"start time mp / uni = {ratio:.2f}x   ({out})")
     return 0
-
-
-def _plot(samples: dict, path: Path) -> None:
-    with lab.figure(path, figsize=(5, 3.5)) as (fig, ax):
-        for i, v in enumerate(VARIANTS):
-            ys = [s["start_s"] for s in samples[v]]
-            ax.scatter([i] * len(ys), ys, label=v)
-            ax.hlines(statistics.median(ys), i - 0.2, i + 0.2)
-        ax.set_xticks(range(len(VARIANTS)), [f"{v} executor" for v in VARIANTS])
-        ax.set_ylabel("pipeline start (s)")
-        ax.set_title("Qwen3-Omni, 3 stages, this machine")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
 from benchmarks import lab
+from omni_cache import settings
+from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, build_request, sample_path
+from omni_cache.driver.variants import MemorySettings, variant_stage_config
 
 VARIANTS = ("off", "thinker", "thinker+talker")
 QUESTIONS = ["What do you hear?", "Say it again, slower.", "Which word was the longest?",
@@ -45,12 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.turns <= len(QUESTIONS):
         ap.error(f"--turns must be 1..{len(QUESTIONS)}")
 
-    import os
-
-    from omni_cache import settings
-    from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, Turn, build_request, sample_path
-    from omni_cache.driver.variants import MemorySettings, variant_stage_config
-
     out = lab.results_dir(args.out, "voice-chat")
     model = lab.model_dir(args.size, args.model)
     mem = MemorySettings(thinker_kv_bytes=256 << 20, talker_kv_bytes=256 << 20)  # bench-voice talker: ~9 KiB a token
@@ -59,9 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     # arenas — as the prefill benchmark's harness runs them; the stage processes inherit these
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
-    pipes, metrics = {}, {}
-    records: list[dict] = []
-    t_start = time.perf_counter()
+    pipes, metrics, records, t_start = {}, {}, [], time.perf_counter()
     with contextlib.ExitStack() as stack:
         for v in VARIANTS:
             cfg = variant_stage_config(args.stage_config, out, "off" if v == "off" else "omni_cache", mem=mem,
@@ -83,45 +79,38 @@ def main(argv: list[str] | None = None) -> int:
                         raise SystemExit(f"{v} round {rnd} turn {turn + 1}: {r.error}")
                     history[v] = req.turns[1:] + [Turn("assistant", r.text)]
                     talker = _talker_record(metrics[v], r.request_id)
-                    rec = dict(variant=v, round=rnd, turn=turn + 1, request_id=r.request_id,
-                               thinker_prompt_tokens=r.num_prompt_tokens, thinker_cached_tokens=r.num_cached_tokens,
-                               talker_prompt_tokens=talker.get("prompt_tokens"),
-                               talker_cached_tokens=talker.get("cached_tokens"),
-                               talker_prefill_s=talker.get("prefill_s"), ttft_s=r.ttft_s, ttfp_s=r.ttfp_s)
-                    records.append(rec)
+                    records.append(rec := dict(
+                        variant=v, round=rnd, turn=turn + 1, request_id=r.request_id,
+                        thinker_prompt_tokens=r.num_prompt_tokens, thinker_cached_tokens=r.num_cached_tokens,
+                        **{f"talker_{k}": talker.get(k) for k in ("prompt_tokens", "cached_tokens", "prefill_s")},
+                        ttft_s=r.ttft_s, ttfp_s=r.ttfp_s))
                     tp = rec["talker_prefill_s"]
                     print(f"round {rnd + 1}/{args.rounds} turn {turn + 1} {v:>14}: thinker {r.num_prompt_tokens} tok "
                           f"(hit {r.num_cached_tokens}), talker {rec['talker_prompt_tokens']} tok "
                           f"(hit {rec['talker_cached_tokens']}), talker prefill "
                           f"{'?' if tp is None else f'{tp * 1e3:.1f} ms'}, TTFP {r.ttfp_s:.2f} s", flush=True)
 
-    def cell(v: str, turn: int, metric: str) -> dict | None:
-        return lab.describe([r[metric] for r in records if r["variant"] == v and r["turn"] == turn],
-                            "median", "min", "max")
-
     turns = list(range(1, args.turns + 1))
-    summary = {v: {t: {m: cell(v, t, m) for m in ("ttfp_s", "talker_prefill_s", "talker_cached_tokens",
-                                                    "talker_prompt_tokens", "thinker_cached_tokens")}
+    summary = {v: {t: {m: lab.describe([r[m] for r in records if r["variant"] == v and r["turn"] == t],
+                                       "median", "min", "max")
+                       for m in ("ttfp_s", "talker_prefill_s", "talker_cached_tokens", "talker_prompt_tokens",
+                                 "thinker_cached_tokens")}
                    for t in turns} for v in VARIANTS}
 
     def med(v, t, m):
         c = summary[v][t][m]
         return c["median"] if c else float("nan")
 
-    ratios = {t: {"talker_prefill_thinker_over_both":
-                  med("thinker", t, "talker_prefill_s") / med("thinker+talker", t, "talker_prefill_s"),
-                  "ttfp_thinker_over_both": med("thinker", t, "ttfp_s") / med("thinker+talker", t, "ttfp_s"),
-                  "ttfp_off_over_both": med("off", t, "ttfp_s") / med("thinker+talker", t, "ttfp_s")} for t in turns}
-    bars = {
-        "talker_prefill_4x_lower_on_turns_ge_3":
-            all(ratios[t]["talker_prefill_thinker_over_both"] >= 4 for t in turns if t >= 3),
-        "ttfp_lower_than_thinker_only_on_turns_ge_2":
-            all(ratios[t]["ttfp_thinker_over_both"] > 1 for t in turns if t >= 2),
-    }
-    result = {**lab.stamp("benchmarks.voice_chat_bench", argv), "args": lab.jsonable(args),
-              "wall_s": time.perf_counter() - t_start, "summary": summary, "ratios": ratios, "bars": bars,
-              "requests": records}
-    lab.write_result(out, result, show={"ratios": ratios, "bars": bars}, also=[out / "voice_chat.png"])
+    ratios = {t: {f"{name}_over_both": med(v, t, m) / med("thinker+talker", t, m) for name, v, m in (
+        ("talker_prefill_thinker", "thinker", "talker_prefill_s"), ("ttfp_thinker", "thinker", "ttfp_s"),
+        ("ttfp_off", "off", "ttfp_s"))} for t in turns}
+    bars = {"talker_prefill_4x_lower_on_turns_ge_3": all(ratios[t]["talker_prefill_thinker_over_both"] >= 4
+                                                         for t in turns[2:]),
+            "ttfp_lower_than_thinker_only_on_turns_ge_2": all(ratios[t]["ttfp_thinker_over_both"] > 1
+                                                              for t in turns[1:])}
+    lab.write_result(out, {**lab.stamp("benchmarks.voice_chat_bench", argv), "args": lab.jsonable(args),
+                           "wall_s": time.perf_counter() - t_start, "summary": summary, "ratios": ratios, "bars": bars,
+                           "requests": records}, show={"ratios": ratios, "bars": bars}, also=[out / "voice_chat.png"])
 
     with lab.figure(out / "voice_chat.png", 1, 2, figsize=(11, 4),
                     title=f"Voice chat ({args.turns} speech turns, {args.rounds} rounds, {args.size} model): "
@@ -134,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 ax.errorbar(turns, ys, yerr=[[y - x["min"] * scale if x else 0 for y, x in zip(ys, c)],
                                              [x["max"] * scale - y if x else 0 for y, x in zip(ys, c)]],
                             marker=marker, capsize=3, label=v)
-            ax.set_xlabel("turn")
-            ax.set_ylabel(label)
-            ax.set_ylim(bottom=0)
+            ax.set(xlabel="turn", ylabel=label, ylim=(0, None))
             ax.legend()
     return 0
 

@@ -14,40 +14,21 @@ summarized together (:func:`combine_pairs`). Runs: docs/yoco.md, docs/benchmarks
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
+from benchmarks import lab
+from benchmarks.prefill import harness
+from benchmarks.prefill import summary as S
+
+CONFIG = lab.REPO / "stage_configs" / "gemma4_yoco_cpu.yaml"
 DEFAULTS = {"--variants": "off,fast,omni_cache,fast+omni_cache", "--modalities": "text,image,audio",
             "--stage-config": str(CONFIG), "--media-copies": "6", "--requests": "3", "--repeats": "2"}
-
-
-def _opt(argv: list[str], key: str) -> str:
-    return argv[argv.index(key) + 1]
-
-
-def _set(argv: list[str], key: str, value: str) -> list[str]:
-    out = list(argv)
-    if key in out:
-        out[out.index(key) + 1] = value
-    else:
-        out += [key, value]
-    return out
-
-
-def paired(argv: list[str]) -> int:
-    """Run the miss pair and the hit pair and summarize them together; the harness's exit code."""
-    from benchmarks.prefill import harness
-
-    name, root = _opt(argv, "--name"), Path(_opt(argv, "--out")) if "--out" in argv else REPO / "benchmarks" / "results"
-    runs = {"miss": "off,fast", "hit": "omni_cache,fast+omni_cache"}
-    for tag, variants in runs.items():
-        print(f"== {tag} pair: {variants}", flush=True)
-        rc = harness.main(_set(_set(argv, "--variants", variants), "--name", f"{name}-{tag}"))
-        if rc:
-            return rc
-    return combine_pairs(root, name, list(runs))
+#: --paired: the miss pair and the hit pair, run apart
+PAIRS = {"miss": "off,fast", "hit": "omni_cache,fast+omni_cache"}
 
 
 def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
@@ -56,10 +37,6 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
 
     Raises:
         FileNotFoundError: a run's ``result.json`` is missing."""
-    import json
-
-    from benchmarks.prefill import summary as S
-
     parts = {tag: json.loads((root / f"{name}-{tag}" / "result.json").read_text()) for tag in tags}
     samples: dict[str, dict[str, list]] = {}
     for r in parts.values():
@@ -72,8 +49,7 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
         if c.get("speedup_fast") and c.get("speedup_cache"):
             c["hit_gain_fast"] = c["speedup_both"] / c["speedup_cache"]  # omni_cache / fast+omni_cache, hit pair
             c["miss_gain_fast"] = c["speedup_fast"]                      # off / fast, miss pair
-    out = root / name
-    out.mkdir(parents=True, exist_ok=True)
+    out = lab.results_dir(root / name, "yoco")
     result = {"command": " ".join(sys.argv), "mode": "paired",
               "how": "composition = (omni_cache / fast+omni_cache, measured side by side in the hit run) / "
                      "(off / fast, measured side by side in the miss run); medians of prefill_ms",
@@ -81,36 +57,32 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
               "alternation": {tag: r.get("alternation") for tag, r in parts.items()},
               "git": {tag: r.get("git") for tag, r in parts.items()},
               "workloads": summ, "bar_checks": checks, "samples": samples}
-    (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    path = lab.write_result(out, result)
     png = S.plot(summ, out / "prefill.png", title=f"YOCO thinker prefill, paired runs ({name})")
     print()
     print(S.format_table(summ, checks))
-    print(f"wrote {out / 'result.json'} and {png}")
+    print(f"wrote {path} and {png}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks import lab
-    from benchmarks.prefill import harness
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pair = "--paired" in argv
-    if pair:
-        argv.remove("--paired")
-    size = "bench"
-    if "--size" in argv:
-        size = _opt(argv, "--size")
-        del argv[argv.index("--size"):argv.index("--size") + 2]
-    if "--model" not in argv:
-        argv += ["--model", str(lab.model_dir(size, family="gemma4", child=True))]
-    for k, v in DEFAULTS.items():
-        if k not in argv:
-            argv += [k, v]
-    if "--name" not in argv:
-        import time
-
-        argv += ["--name", time.strftime(f"yoco-gemma4-{size}-%Y%m%d-%H%M%S") + ("-paired" if pair else "")]
-    return paired(argv) if pair else harness.main(argv)
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the rest (--help too) goes to the harness
+    ap.add_argument("--paired", action="store_true")
+    ap.add_argument("--size", default="bench")
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--out", type=Path, default=lab.RESULTS)
+    args, rest = ap.parse_known_args(argv)
+    if "--model" not in rest:
+        rest += ["--model", str(lab.model_dir(args.size, family="gemma4", child=True))]
+    rest += [x for k, v in DEFAULTS.items() if k not in rest for x in (k, v)] + ["--out", str(args.out)]
+    name = args.name or time.strftime(f"yoco-gemma4-{args.size}-%Y%m%d-%H%M%S") + ("-paired" if args.paired else "")
+    if not args.paired:
+        return harness.main([*rest, "--name", name])
+    for tag, variants in PAIRS.items():  # a later --variants / --name wins
+        print(f"== {tag} pair: {variants}", flush=True)
+        if rc := harness.main([*rest, "--variants", variants, "--name", f"{name}-{tag}"]):
+            return rc
+    return combine_pairs(args.out, name, list(PAIRS))
 
 
 if __name__ == "__main__":

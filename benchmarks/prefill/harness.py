@@ -20,20 +20,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+from tqdm import tqdm
+
 from benchmarks import lab
 from benchmarks.prefill import summary as S
 from benchmarks.prefill.worker import RESULT_PREFIX
-from benchmarks.prefill.workloads import (
-    WORKLOADS,
-    WorkloadOptions,
-    check_media,
-    load_warmup_specs,
-    specs,
-    warmup_specs,
-)
+from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, check_media, specs, warmup_specs
 from omni_cache.driver.variants import VARIANTS, YOCO_VARIANTS, MemorySettings, variant_stage_config
+from omni_cache.models.qwen3 import SIZES
 
-REPO = Path(__file__).resolve().parent.parent.parent
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -46,9 +42,9 @@ class Variant:
     """A variant's worker process; ``call`` sends one JSON command and waits for its answer."""
 
     def __init__(self, name: str, model: str, cfg: Path, log: Path, *, env: dict[str, str], stream: bool = True):
-        self.name, self.log_path, self.log, self.frozen = name, log, open(log, "a"), False
+        self.name, self.log_path, self.log, self.frozen = name, log, open(log, "a", buffering=1), False
         cmd = [sys.executable, "-m", "benchmarks.prefill.worker", "--model", model, "--stage-config", str(cfg)]
-        self.proc = subprocess.Popen(cmd + ([] if stream else ["--no-stream"]), cwd=REPO, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd + ([] if stream else ["--no-stream"]), cwd=lab.REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         self._q: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -58,8 +54,7 @@ class Variant:
             if line.startswith(RESULT_PREFIX):
                 self._q.put(json.loads(line[len(RESULT_PREFIX):]))
             else:
-                self.log.write(line)
-                self.log.flush()
+                self.log.write(line)  # line-buffered: the log is current when the worker dies
         self._q.put(None)
 
     def read(self, timeout: float) -> dict:
@@ -71,8 +66,8 @@ class Variant:
             raise WorkerDied(f"variant {self.name}: worker exited (rc={self.proc.wait()}); see {self.log_path}")
         return msg
 
-    def wait_ready(self, timeout: float = 1800) -> dict:
-        return self.read(timeout)
+    def wait_ready(self) -> dict:
+        return self.read(1800)
 
     def send(self, cmd: dict) -> None:
         try:
@@ -113,7 +108,6 @@ class Variant:
         self.frozen = paused
         # in the variant's log, among vLLM's lines: a death's traceback can be read against it
         self.log.write(f"{lab.HARNESS_MARK} {'frozen' if paused else 'continued'} at {time.strftime('%H:%M:%S')}\n")
-        self.log.flush()
 
     def thaw(self) -> None:
         self.freeze(False)
@@ -138,13 +132,10 @@ def gpu_inventory() -> list[dict]:
 
     try:
         with lab.nvml() as nv:
-            out = []
-            for i in range(nv.nvmlDeviceGetCount()):
-                h = nv.nvmlDeviceGetHandleByIndex(i)
-                m = nv.nvmlDeviceGetMemoryInfo(h)
-                out.append({"index": i, "name": text(nv.nvmlDeviceGetName(h)), "memory_total": int(m.total),
-                            "memory_free": int(m.free), "driver": text(nv.nvmlSystemGetDriverVersion())})
-            return out
+            hs = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+            return [{"index": i, "name": text(nv.nvmlDeviceGetName(h)), "memory_total": int(m.total),
+                     "memory_free": int(m.free), "driver": text(nv.nvmlSystemGetDriverVersion())}
+                    for i, h in enumerate(hs) for m in [nv.nvmlDeviceGetMemoryInfo(h)]]
     except lab.NvmlMissing:
         return []
 
@@ -153,8 +144,7 @@ def gpu_fit(one: dict | None, gpus: list[dict], others: int, margin: int) -> tup
     """Whether ``others`` more pipelines like ``one`` (its ``gpu`` memory row: ``per_device``
     index → bytes) fit each device's free memory (``gpus``: :func:`gpu_inventory` with ``one``
     up) with ``margin`` bytes to spare; and why, in words."""
-    per = (one or {}).get("per_device") or {}
-    if not per:
+    if not (per := (one or {}).get("per_device") or {}):
         return False, "the first pipeline's GPU memory is unknown (NVML); one pipeline at a time"
     free = {g["index"]: g["memory_free"] for g in gpus}
     lines, ok = [], True
@@ -207,8 +197,7 @@ def parse_variant_devices(text: str | None, variants: list[str]) -> dict[str, st
         if not ids or not all(d.isdigit() for d in ids):
             raise ValueError(f"--variant-devices: {name}'s devices {devs!r} are not comma-separated integers")
         out[name] = ",".join(ids)
-    missing = [v for v in variants if v not in out]
-    if missing:
+    if missing := [v for v in variants if v not in out]:
         raise ValueError(f"--variant-devices: no devices for {missing}")
     cards = [d for devs in out.values() for d in devs.split(",")]
     if len(cards) != len(set(cards)):
@@ -217,8 +206,6 @@ def parse_variant_devices(text: str | None, variants: list[str]) -> dict[str, st
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from omni_cache.models.qwen3 import SIZES
-
     add = ap.add_argument
     add("--modalities", default="text,image,audio,chat,miss,floor", help=f"workloads among {','.join(WORKLOADS)}")
     add("--requests", type=int, default=20, help="requests per workload and round (chat: turns); at c > 1 "
@@ -255,7 +242,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "default AsyncOmni, async_chunk true (TTFP = the first audio packet)")
     add("--thinker-cache-only", action="store_true", help="omni-cache variants without the talker's prefix cache "
         "(default: as the stage config says)")
-    add("--out", default=str(REPO / "benchmarks" / "results"), help="results root; a run dir is made in it")
+    add("--out", default=str(lab.RESULTS), help="results root; a run dir is made in it")
     add("--name", help="run directory name (default: prefill-<timestamp>)")
 
 
@@ -283,13 +270,10 @@ def _memory_settings(args, gpu_host: bool) -> MemorySettings:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from tqdm import tqdm
-
     workloads = [w.strip() for w in args.modalities.split(",") if w.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    opts = WorkloadOptions(requests=args.requests, prefix_words=args.prefix_words, image=args.image,
-                           audio=args.audio, media_doc_words=args.media_doc_words,
-                           chat_answer_tokens=args.chat_answer_tokens, media_copies=args.media_copies)
+    opts = WorkloadOptions(**{k: getattr(args, k) for k in ("requests", "prefix_words", "image", "audio",
+                                                            "media_doc_words", "chat_answer_tokens", "media_copies")})
     try:  # everything checked before a model is built or a pipeline starts
         bad = [w for w in workloads if w not in WORKLOADS] + [v for v in variants if v not in VARIANTS + YOCO_VARIANTS]
         if bad or not workloads or not variants or args.requests < 1 or args.repeats < 1:
@@ -317,14 +301,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"note: {load_note}", file=sys.stderr)
     model = str(lab.model_dir(args.size, args.model and Path(args.model).resolve(), child=True))
 
-    out = Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = lab.results_dir(Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S")), "prefill")
     gpus = gpu_inventory()
     stamp = lab.stamp("benchmarks.prefill", argv, gpus=gpus)
     mem = _memory_settings(args, gpu_host=bool(gpus))
     cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
                                     talker_prefix_caching=_talker_cache(args, v)) for v in variants}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(lab.REPO), os.environ.get("PYTHONPATH")]))}
     if mem.malloc_arena_max:
         env["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
     if mem.cpu_executor == "uni":  # else vLLM's CPU platform turns "uni" into "mp" (a worker process per stage)
@@ -341,8 +324,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     load_specs = {(w, r, c): specs(w, r, opts, concurrency=c) for w in workloads for r in rounds for c in loads}
     #: load_samples[workload][str(c)][variant]: one batch per round (run_load)
     load_samples = {w: {str(c): {v: [] for v in variants} for c in loads} for w in workloads}
-    total = sum(len(s) for s in [*round_specs.values(), *load_specs.values()]) * len(variants)
-    bar = tqdm(total=total, desc="requests x variants", unit="req")
+    bar = tqdm(total=sum(map(len, [*round_specs.values(), *load_specs.values()])) * len(variants),
+               desc="requests x variants", unit="req")
     rewarm_specs = {s["workload"]: s for s in warmup_specs(workloads, opts)}
 
     def start(v: str) -> Variant:
@@ -354,10 +337,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         starts[var.name].append(var.wait_ready()["start_s"])
         bar.set_postfix_str(f"warming {var.name}")
         warm[var.name].extend(var.run(warmup_specs(workloads, opts)))
-        for c in loads:  # batch shapes of every c compiled / autotuned before timing (see load_warmup_specs)
+        for c in loads:  # batch shapes of every c compiled / autotuned before timing (see warmup_specs)
             bar.set_postfix_str(f"warming {var.name} c={c}")
-            ans = var.run_concurrent(load_warmup_specs(workloads, opts, c), c)
-            warm[var.name].extend({**row, "concurrency": c} for row in ans.pop("results"))
+            ans = var.run_concurrent(warmup_specs(workloads, opts, c), c)
+            warm[var.name].extend({**row, "concurrency": c} for row in ans["results"])
         sample_mem(var, "after warm-up")
 
     def sample_mem(var: Variant, when: str) -> None:
@@ -380,6 +363,21 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if w in ("text", "image", "audio", "floor", "miss"):
             with awake(var):
                 warm[var.name].extend(var.run([rewarm_specs[w]]))
+
+    def run_round(group: list[Variant], r: int, w: str) -> None:
+        """Round ``r`` of ``w`` on ``group``: each re-warmed, each request sent to every one in turn (order
+        rotated by round + request index), then one batch per c each (rotated by round + index of c)."""
+        for var in group:
+            rewarm(var, w)
+        for i, spec in enumerate(round_specs[(w, r)]):
+            for var in lab.rotate(group, r + i):
+                bar.set_postfix_str(f"round {r} {w} {var.name}")
+                with awake(var):
+                    record(var.name, var.run([spec]))
+        for k, c in enumerate(loads):
+            for var in lab.rotate(group, r + k):
+                with awake(var):
+                    run_load(var, w, r, c)
 
     def record(v: str, rows: list[dict]) -> None:
         for row in rows:
@@ -413,12 +411,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "alternation": alternation, "memory": memory, "memory_per_variant": mem_per_variant,
             "pipeline_start_s": starts, "metric_definitions": METRIC_DEFINITIONS, "workloads": summ,
             "bar_checks": checks, "samples": samples, "concurrency": conc, "load": load, "load_bar_checks": load_checks,
-            "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm,
-            "omni_cache_metrics": metrics,
+            "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm, "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
             "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in failed},
-            "aborted": aborted, "complete": final and not aborted,
-        }
+            "aborted": aborted, "complete": final and not aborted}
         lab.write_result(out, result)
         what = f"{Path(model).name}, {alternation['mode']}, N={args.requests} R={args.repeats}"
         png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {what}")
@@ -432,8 +428,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             print(f"\nnote: partial result.json not written ({type(exc).__name__}: {exc})", file=sys.stderr)
 
     live: list[Variant] = []
-    aborted: str | None = None
-    t_start = time.time()
+    aborted, t_start = None, time.time()  # aborted: why the run stopped early (WorkerDied), else None
     try:
         mode = args.alternation
         # the pipeline measured for the memory decision: omni-cache's (it holds the largest pool)
@@ -441,8 +436,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         live.append(start(variants[0]))
         ready_and_warm(live[0])
         one = memory["samples"][-1]["total"]
-        import psutil
-
         avail = psutil.virtual_memory().available
         margin = int(args.mem_margin_gib * GiB)
         need = one["pss"] * (len(variants) - 1) + margin
@@ -464,8 +457,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if mode == "concurrent":
             alternation["how"] = ("all variants up at once; each request sent to every variant in turn, "
                                   "order rotated by (round + request index)")
-            for v in variants[1:]:
-                live.append(start(v))
+            live += [start(v) for v in variants[1:]]
             for var in live[1:]:
                 ready_and_warm(var)
             bar.set_postfix_str(f"idle probe {args.idle_probe_s:.0f} s")
@@ -482,17 +474,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             cpu0 = {var.name: var.cpu_s() for var in live}
             for r in rounds:
                 for w in workloads:
-                    for var in live:
-                        rewarm(var, w)
-                    for i, spec in enumerate(round_specs[(w, r)]):
-                        for var in lab.rotate(live, r + i):
-                            bar.set_postfix_str(f"round {r} {w} {var.name}")
-                            with awake(var):
-                                record(var.name, var.run([spec]))
-                    for k, c in enumerate(loads):  # one batch per variant, order rotated per round
-                        for var in lab.rotate(live, r + k):
-                            with awake(var):
-                                run_load(var, w, r, c)
+                    run_round(live, r, w)
                     checkpoint()
             # idle pipelines must not steal CPU from the one being timed: CPU seconds each pipeline
             # used during the timed phase vs the wall time of its own requests
@@ -515,12 +497,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                         ready_and_warm(live[-1])
                     var = live[-1]
                     for w in workloads:
-                        bar.set_postfix_str(f"round {r} {w} {v}")
-                        rewarm(var, w)
-                        for spec in round_specs[(w, r)]:
-                            record(v, var.run([spec]))
-                        for c in loads:
-                            run_load(var, w, r, c)
+                        run_round([var], r, w)
                     sample_mem(var, f"end of round {r}")
                     var.close()
                     live.remove(var)

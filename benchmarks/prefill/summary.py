@@ -7,7 +7,9 @@ A sample (one request on one variant) is a row of :mod:`benchmarks.prefill.worke
 
 from __future__ import annotations
 
+import functools
 import math
+import random
 import statistics
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from benchmarks import lab
 
 METRICS = ("prefill_ms", "ttft_ms", "vllm_ttft_ms", "ttfp_ms", "e2e_ms", "stage_0_gen_ms",
            "talker_prefill_ms", "talker_decode_ms", "code2wav_ms", "handoff_ms")
+TOKENS = ("num_prompt_tokens", "num_cached_tokens", "computed_tokens")
 #: TTFP = TTFT + these + hand-off (per request; see benchmarks.prefill.worker)
 TTFP_PARTS = ("ttft_ms", "talker_prefill_ms", "talker_decode_ms", "code2wav_ms")
 
@@ -52,8 +55,6 @@ def bootstrap_median_ci(xs: list[float], level: float = 0.95, resamples: int = 4
                         seed: int = 0) -> list[float] | None:
     """Seeded percentile-bootstrap confidence interval ``[lo, hi]`` of the median of ``xs`` (Efron
     & Tibshirani 1993, ch. 13); None for fewer than 3 values."""
-    import random
-
     if len(xs) < 3:
         return None
     rng = random.Random(seed)
@@ -90,16 +91,10 @@ def summarize_workload(by_variant: dict[str, list[dict]], reference: str = "off"
     out: dict[str, dict[str, Any]] = {}
     for v, rows in by_variant.items():
         ok = valid(rows)
-        s: dict[str, Any] = {"n": len(ok), "n_errors": sum(1 for r in rows if r.get("error"))}
-        for m in METRICS:
-            s[m] = describe([metric(r, m) for r in ok])
-        s["hit_ratio"] = _hit_ratio(ok, 0.0)
-        for m in ("num_prompt_tokens", "num_cached_tokens", "computed_tokens"):
-            s[m] = describe([r.get(m) for r in ok])
-        rounds = _rounds(ok)
-        s["prefill_ms_per_round"] = {str(k): statistics.median(r["prefill_ms"] for r in ok if r.get("round") == k)
-                                     for k in rounds}
-        out[v] = s
+        out[v] = {"n": len(ok), "n_errors": sum(1 for r in rows if r.get("error")), "hit_ratio": _hit_ratio(ok, 0.0),
+                  **{m: describe([metric(r, m) for r in ok]) for m in (*METRICS, *TOKENS)},
+                  "prefill_ms_per_round": {str(k): statistics.median(r["prefill_ms"] for r in ok if r.get("round") == k)
+                                           for k in _rounds(ok)}}
     ref = out.get(reference)
     ref_rows = {(r.get("round"), r.get("index")): r for r in valid(by_variant.get(reference, []))}
     for v, s in out.items():
@@ -186,10 +181,7 @@ def ttfp_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str = "
 
 def _prefill_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str) -> list[dict[str, Any]]:
     s, off, bi = summ.get(variant), summ.get("off"), summ.get("builtin")
-
-    def med(x):
-        return _stat(x, "prefill_ms", "median")
-
+    med = functools.partial(_stat, metric="prefill_ms", key="median")
     if workload == "floor":
         return []  # a reference measurement, no bar
     if workload == "miss":
@@ -210,8 +202,7 @@ def _stat(s: dict | None, metric: str, key: str) -> float | None:
     return ((s or {}).get(metric) or {}).get(key)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
+_ratio = lab.ratio
 
 
 def _check(name: str, value: float | None, target: float, ok) -> dict[str, Any]:
@@ -241,21 +232,19 @@ def yoco_checks(workload: str, summ: dict[str, dict[str, Any]]) -> list[dict[str
     """Whether fast prefill and the cache compose on a KV-shared thinker (one workload; variants
     :data:`omni_cache.driver.variants.YOCO_VARIANTS`): prefill speedups vs off (TTFP's reported)
     and the bar both / (fast x cache) >= 0.9 where the cache's h >= 0.9 (else ``passed`` None)."""
-    three = ("fast", "omni_cache", "fast+omni_cache")
-    sp, tt = ({v: (summ.get(v) or {}).get(k) for v in three} for k in ("speedup_vs_off", "ttfp_ms_speedup_vs_off"))
+    names = {"fast": "fast", "cache": "omni_cache", "both": "fast+omni_cache"}  # in the check's keys: variant
+    sp, tt = ({v: (summ.get(v) or {}).get(k) for v in names.values()}
+              for k in ("speedup_vs_off", "ttfp_ms_speedup_vs_off"))
     h = (summ.get("omni_cache") or {}).get("hit_ratio")
     ok = all(sp.values())
     ratio = sp["fast+omni_cache"] / (sp["fast"] * sp["omni_cache"]) if ok else None
     applies = h is not None and h >= YOCO_MIN_HIT
-    return [{"check": f"prefill speedup(both) / (speedup(fast) x speedup(cache)) >= {YOCO_COMPOSE} "
-                      f"at h >= {YOCO_MIN_HIT}"
-                      f" (h={h:.3f})" if h is not None else "composition",
+    return [{"check": f"prefill speedup(both) / (speedup(fast) x speedup(cache)) >= {YOCO_COMPOSE} at h >= "
+                      f"{YOCO_MIN_HIT} (h={h:.3f})" if h is not None else "composition",
              "value": ratio, "target": YOCO_COMPOSE,
              "passed": (ratio >= YOCO_COMPOSE) if ratio is not None and applies else None,
-             "speedup_fast": sp["fast"], "speedup_cache": sp["omni_cache"], "speedup_both": sp["fast+omni_cache"],
              "product": sp["fast"] * sp["omni_cache"] if ok else None,
-             "ttfp_speedup_fast": tt["fast"], "ttfp_speedup_cache": tt["omni_cache"],
-             "ttfp_speedup_both": tt["fast+omni_cache"]}]
+             **{f"{pre}speedup_{n}": by[v] for pre, by in (("", sp), ("ttfp_", tt)) for n, v in names.items()}}]
 
 
 def format_table(workloads: dict[str, dict[str, dict[str, Any]]], checks: dict[str, list[dict]]) -> str:
@@ -314,10 +303,13 @@ def plot(workloads: dict[str, dict[str, dict[str, Any]]], path: str | Path, titl
     return Path(path)
 
 
-def _variant_axis(ax, vs: list[str]) -> None:
-    """Variant names as x ticks, a combined variant (``fast+omni_cache``) on two lines."""
-    ax.set_xticks(range(len(vs)))
-    ax.set_xticklabels([v.replace("+", "+\n") for v in vs], fontsize=8)
+def _variant_axis(ax, vs: list[str], tops: list[float], title: str) -> None:
+    """Variant names as x ticks (a combined variant, ``fast+omni_cache``, on two lines), y from 0 to
+    1.3 × the highest of ``tops``, the panel's ``title``."""
+    ax.set_xticks(range(len(vs)), [v.replace("+", "+\n") for v in vs], fontsize=8)
+    if tops:
+        ax.set_ylim(0, 1.3 * max(tops))
+    ax.set_title(title, fontsize=9)
 
 
 def _prefill_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> None:
@@ -337,10 +329,8 @@ def _prefill_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> 
         sp = summ[v].get("speedup_vs_off")
         ax.text(k, meds[k] + hi[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
                 ha="center", va="bottom", fontsize=7)
-    if vs:
-        ax.set_ylim(0, 1.3 * max(m + e for m, e in zip(meds, hi)))
-    ax.set_title(f"{w} (h={max((summ[v]['hit_ratio'] for v in vs), default=0.0):.2f})", fontsize=9)
-    _variant_axis(ax, vs)
+    _variant_axis(ax, vs, [m + e for m, e in zip(meds, hi)],
+                  f"{w} (h={max((summ[v]['hit_ratio'] for v in vs), default=0.0):.2f})")
     ax.set_ylabel("thinker prefill, ms (median)" if first else "")
     if any(v != "off" for v in vs):
         ax.legend(fontsize=7, loc="upper right")
@@ -364,17 +354,13 @@ def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> Non
         if v != "off" and summ[v].get("floor_ttfp_ms"):
             ax.hlines(summ[v]["floor_ttfp_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5,
                       zorder=3)
-    if vs:
-        ax.set_ylim(0, 1.3 * max(summ[v]["ttfp_ms"]["median"] for v in vs))
-    _variant_axis(ax, vs)
-    ax.set_title(f"{w}: TTFP and its parts", fontsize=9)
+    _variant_axis(ax, vs, [summ[v]["ttfp_ms"]["median"] for v in vs], f"{w}: TTFP and its parts")
     if first:
         ax.set_ylabel("time to first audio packet, ms (median)")
         ax.legend(fontsize=6, loc="upper right")
 
 
 # ---- under load (--concurrency c > 1) ------------------------------------------------------
-
 #: driver-clock metrics summarized under load (vLLM's histogram-derived ones are not per request there)
 LOAD_METRICS = ("ttft_ms", "ttfp_ms", "e2e_ms")
 #: the load bars (issue 38): multi-turn chat at c = LOAD_CHAT_C with h ≥ LOAD_CHAT_MIN_HIT:
@@ -504,25 +490,19 @@ def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
             metric = "ttfp_ms" if ttfp else "ttft_ms"
             top, bot = axes[0][k], axes[1][k]
             for v in dict.fromkeys(v for c in cs for v in by_c[c]):
-                pts = [(int(c), by_c[c].get(v)) for c in cs]
-                for key, style in (("median", "-"), ("p95", "--")):
-                    xy = [(c, _stat(s, metric, key)) for c, s in pts if _stat(s, metric, key) is not None]
+                for ax, m, key, style, label in ((top, metric, "median", "-", f"{v} p50"),
+                                                 (top, metric, "p95", "--", f"{v} p95"),
+                                                 (bot, "throughput_rps", "median", "-", v)):
+                    xy = [(int(c), y) for c in cs if (y := _stat(by_c[c].get(v), m, key)) is not None]
                     if xy:
-                        top.plot(*zip(*xy), style, marker="o", ms=3, color=COLORS.get(v, "#55a868"),
-                                 label=f"{v} {'p50' if key == 'median' else 'p95'}")
-                xy = [(c, _stat(s, "throughput_rps", "median")) for c, s in pts
-                      if _stat(s, "throughput_rps", "median") is not None]
-                if xy:
-                    bot.plot(*zip(*xy), "-", marker="o", ms=3, color=COLORS.get(v, "#55a868"), label=v)
+                        ax.plot(*zip(*xy), style, marker="o", ms=3, color=COLORS.get(v, "#55a868"), label=label)
             name = metric.replace("_ms", "").upper()
             for ax, what in ((top, f"{name} p50 / p95"), (bot, "throughput")):
                 if cs:
                     ax.set_xscale("log", base=2)
-                    ax.set_xticks([int(c) for c in cs])
-                    ax.set_xticklabels(cs, fontsize=8)
-                ax.set_xlabel("concurrency" if ax is bot else "")
+                    ax.set_xticks([int(c) for c in cs], cs, fontsize=8)
+                ax.set(xlabel="concurrency" if ax is bot else "", ylim=(0, None))
                 ax.set_title(f"{w}: {what}", fontsize=9)
-                ax.set_ylim(bottom=0)
                 if k == 0 and ax.lines:
                     ax.legend(fontsize=6)
             if k == 0:
@@ -532,7 +512,6 @@ def plot_load(load: dict[str, Any], path: str | Path, title: str = "") -> Path:
 
 
 # ---- memory per variant ----------------------------------------------------------------------
-
 def memory_per_variant(samples: list[dict], omni_metrics: list[dict], variants: list[str]) -> dict[str, Any]:
     """Per variant, in bytes, from its last memory sample (``samples``: the harness's) and
     omni-cache's metrics files (``omni_metrics``, rows with ``variant``): ``pss_bytes`` /

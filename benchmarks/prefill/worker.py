@@ -20,14 +20,21 @@ Per request (:class:`_Request`): the driver-clock times, hit ratio, tokens and a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import copy
+import functools
 import json
 import os
 import sys
 import time
 from typing import Any
 
+import psutil
+
 from benchmarks import lab
+from benchmarks.prefill.workloads import audio_copy, image_copy
+from omni_cache.driver.inputs import OmniRequest, Turn, build_request, load_audio, load_image
 
 RESULT_PREFIX = "@@RESULT "
 STAGES = ("0", "1", "2")  # thinker, talker, code2wav (stage label of vLLM's metrics)
@@ -37,19 +44,12 @@ def process_tree_memory(pid: int | None = None) -> list[dict[str, Any]]:
     """Memory of process ``pid`` (default: this one) and its descendants: per process ``pid``,
     ``name``, ``cmd``, ``rss`` / ``pss`` / ``uss`` in bytes (PSS splits shared pages, so it sums to
     what the tree uses) and ``cpu_s`` (user + system seconds so far)."""
-    import psutil
-
     out = []
     for p in lab.process_tree(pid or os.getpid()):
-        try:
-            mi = p.memory_full_info()
-            ct = p.cpu_times()
-            cmd = " ".join(p.cmdline())[:120]
-            out.append({"pid": p.pid, "name": p.name(), "cmd": cmd,
-                        "rss": int(mi.rss), "pss": int(getattr(mi, "pss", 0)), "uss": int(mi.uss),
-                        "cpu_s": float(ct.user + ct.system)})
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            mi, ct = p.memory_full_info(), p.cpu_times()
+            out.append({"pid": p.pid, "name": p.name(), "cmd": " ".join(p.cmdline())[:120], "rss": int(mi.rss),
+                        "pss": int(getattr(mi, "pss", 0)), "uss": int(mi.uss), "cpu_s": float(ct.user + ct.system)})
     return out
 
 
@@ -82,9 +82,7 @@ def _hist_sums(stage: str = "0") -> dict[str, float]:
             "vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
             "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"}
     out: dict[str, float] = {}
-    for fam in REGISTRY.collect():
-        if fam.name not in want:
-            continue
+    for fam in (f for f in REGISTRY.collect() if f.name in want):
         for s in fam.samples:
             if s.labels.get("stage") == stage and s.name.endswith(("_sum", "_count")):
                 key = fam.name + (":count" if s.name.endswith("_count") else "")
@@ -107,7 +105,7 @@ class VariantWorker:
         self.family = self.pipe.stage_config.thinker_family  # the prompt's media placeholders
         # the talker's hit is reported only where its content identity is installed (talker cache on)
         self.hooks = self.pipe.hooks if hooks_wanted(self.pipe.stage_config) else None
-        self.start_s, self.model, self._tok, self._seq = self.pipe.start_s, model, None, 0
+        self.start_s, self.model, self._seq = self.pipe.start_s, model, 0
         self.sessions: dict[str, list[int]] = {}  # chat session → prompt + answer ids so far
         self._media: dict = {}  # decoded media copies, reused across requests
 
@@ -116,21 +114,18 @@ class VariantWorker:
         """vLLM-Omni's engine in the pipeline (``AsyncOmni`` or ``Omni``)."""
         return self.pipe.omni
 
+    @functools.cached_property
     def tokenizer(self):
-        if self._tok is None:
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-            self._tok = AutoTokenizer.from_pretrained(self.model)
-        return self._tok
+        return AutoTokenizer.from_pretrained(self.model)
 
     def engine_prompt(self, spec: dict) -> dict:
         """A request spec's engine prompt (a later chat turn: token ids, the previous turn's
         prompt and answer exactly)."""
-        from omni_cache.driver.inputs import build_request
-
         chat = spec.get("chat")
         if chat and chat["turn"] > 0:
-            tail = self.tokenizer().encode(f"\n<|im_start|>user\n{spec['text']}<|im_end|>\n<|im_start|>assistant\n")
+            tail = self.tokenizer.encode(f"\n<|im_start|>user\n{spec['text']}<|im_end|>\n<|im_start|>assistant\n")
             return {"prompt_token_ids": self.sessions[chat["session"]] + [self._im_end()] + tail}
         k = int(spec.get("media_copies") or 1)
         if k > 1 and (spec.get("image") or spec.get("audio")):
@@ -142,9 +137,6 @@ class VariantWorker:
     def _media_copies_prompt(self, spec: dict, k: int) -> dict:
         """System turn, then ``k`` user turns each carrying one copy of the media
         (:func:`benchmarks.prefill.workloads.image_copy` / ``audio_copy``), then the question."""
-        from benchmarks.prefill.workloads import audio_copy, image_copy
-        from omni_cache.driver.inputs import OmniRequest, Turn, load_audio, load_image
-
         key = (spec.get("image"), spec.get("audio"), k)
         if key not in self._media:
             img = load_image(spec["image"]) if spec.get("image") else None
@@ -159,16 +151,12 @@ class VariantWorker:
     def sampling_params(self, spec: dict) -> list:
         from vllm.sampling_params import RequestOutputKind
 
-        params = [p.clone() if hasattr(p, "clone") else __import__("copy").deepcopy(p)
+        params = [p.clone() if hasattr(p, "clone") else copy.deepcopy(p)
                   for p in self.omni.default_sampling_params_list]
         if spec.get("max_tokens"):
             params[0].max_tokens = int(spec["max_tokens"])
         params[0].output_kind = RequestOutputKind.DELTA
         return params
-
-    def _new_request(self, spec: dict) -> _Request:
-        self._seq += 1
-        return _Request(self, spec, f"bench-{self._seq}")
 
     def run_one(self, spec: dict) -> dict:
         """One request sent alone: the driver-clock times plus vLLM's per-request stage breakdown
@@ -176,7 +164,7 @@ class VariantWorker:
         before = {st: _hist_sums(st) for st in STAGES}
         if self.stream:
             return self.pipe.run_async(self.request(spec, alone=True, before=before))[0]
-        req = self._new_request(spec)
+        req = _Request(self, spec)
         for o in self.omni.generate([req.prompt], req.params, py_generator=True, use_tqdm=False):
             req.handle(o, time.perf_counter())
         return req.row(time.perf_counter(), _hist_delta(before), talker=(None, None))
@@ -184,11 +172,10 @@ class VariantWorker:
     async def request(self, spec: dict, *, alone: bool, before: dict | None = None) -> tuple[dict, dict | None]:
         """``(row, delta)`` of one request through ``AsyncOmni``; ``alone`` (nothing else runs):
         the change of vLLM's histogram sums since ``before`` is this request's, else None."""
-        req = self._new_request(spec)
+        req = _Request(self, spec)
         async for o in self.omni.generate(req.prompt, request_id=req.rid, sampling_params_list=req.params):
             req.handle(o, time.perf_counter())
-        end = time.perf_counter()
-        delta = _hist_delta(before) if alone and before is not None else None
+        end, delta = time.perf_counter(), _hist_delta(before) if alone and before is not None else None
         talker = self.hooks.talker_hit(req.rid) if self.hooks is not None else (None, None)
         return req.row(end, delta, talker=talker), delta
 
@@ -197,8 +184,6 @@ class VariantWorker:
         sending the next chain of :func:`request_chains` as soon as its last finished; streaming
         only. Answers ``{"results", "wall_s" (first sent → last output), "throughput_rps"
         (requests without error / wall_s), "n_requests", "n_errors", "concurrency"}``."""
-        import asyncio
-
         if not self.stream:
             raise ValueError("run_concurrent needs the streaming engine (AsyncOmni); --no-stream is one at a time")
         if concurrency < 1:
@@ -228,7 +213,7 @@ class VariantWorker:
                 "n_requests": len(results), "n_errors": len(results) - ok, "concurrency": concurrency}
 
     def _im_end(self) -> int:
-        return self.tokenizer().convert_tokens_to_ids("<|im_end|>")
+        return self.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def close(self) -> None:
         self._stack.close()
@@ -240,11 +225,7 @@ UNDER_LOAD = "unavailable under concurrency: vLLM's histogram sums are per engin
 
 def _hist_delta(before: dict) -> dict:
     """Change of every stage's histogram sums/counts since ``before`` (:func:`_hist_sums`)."""
-    delta = {}
-    for sid in STAGES:
-        after = _hist_sums(sid)
-        delta[sid] = {k: after.get(k, 0.0) - before[sid].get(k, 0.0) for k in after}
-    return delta
+    return {sid: {k: v - before[sid].get(k, 0.0) for k, v in _hist_sums(sid).items()} for sid in STAGES}
 
 
 def request_chains(specs: list[dict]) -> list[list[dict]]:
@@ -264,16 +245,14 @@ def _error_row(spec: dict, exc: BaseException) -> dict:
 class _Request:
     """One request's prompt, sampling parameters and the outputs seen so far (driver clock)."""
 
-    def __init__(self, w: VariantWorker, spec: dict, rid: str):
-        self.w, self.spec, self.rid = w, spec, rid
+    def __init__(self, w: VariantWorker, spec: dict):
+        w._seq += 1
+        self.w, self.spec, self.rid = w, spec, f"bench-{w._seq}"
         self.prompt, self.params, self.t0 = w.engine_prompt(spec), w.sampling_params(spec), time.perf_counter()
-        self.ttft: float | None = None
-        self.ttfp: float | None = None
-        self.prompt_ids, self.gen_ids, self.errors = [], [], []
+        self.ttft = self.ttfp = None  # perf_counter() at the first text token / audio packet
+        self.prompt_ids, self.gen_ids, self.errors, self.text = [], [], [], ""
         self.cached = self.audio_samples = self.packets = 0
-        self.text = ""
-        self.durations: dict[str, float] = {}
-        self.stage_metrics: dict = {}
+        self.durations, self.stage_metrics = {}, {}
 
     def handle(self, o, now: float) -> None:
         if getattr(o, "error", None):
@@ -282,8 +261,7 @@ class _Request:
         if isinstance(o.metrics, dict) and o.metrics.get("stage_metrics"):
             self.stage_metrics.update(o.metrics["stage_metrics"])
         if o.stage_id == 0:
-            if o.prompt_token_ids:
-                self.prompt_ids = list(o.prompt_token_ids)
+            self.prompt_ids = list(o.prompt_token_ids or []) or self.prompt_ids
             self.cached = max(self.cached, int(o.num_cached_tokens or 0))
             for c in o.outputs or []:
                 new = list(c.token_ids or [])
@@ -308,42 +286,36 @@ class _Request:
         talker_hit, talker_prompt = talker if w.stream else (None, None)
         s0 = self.stage_metrics.get("0", {})
         ms = lambda t: 1000.0 * (t - self.t0) if t is not None else None  # noqa: E731
-        out = {
-            "workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
-            "measure": spec.get("measure", True), "streaming": w.stream, "request_id": self.rid,
-            "num_prompt_tokens": len(prompt_ids), "num_cached_tokens": self.cached,
-            "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0, "computed_tokens": None,
-            "num_output_tokens": len(gen_ids), "prefill_ms": None, "prefill_source": UNDER_LOAD,
-            "ttft_ms": ms(self.ttft), "vllm_ttft_ms": s0.get("vllm_ttft_ms"), "ttfp_ms": ms(self.ttfp),
-            "talker_prefill_ms": None,
-            # talker prefix-hit tokens (None: talker cache off or not streaming)
-            "talker_hit_tokens": talker_hit, "talker_prompt_tokens": talker_prompt,
-            "talker_decode_ms": None, "code2wav_ms": None, "e2e_ms": ms(end),
-            "stage_0_gen_ms": self.durations.get("stage_0_gen_ms"),
-            "stage_ms": {k: v for k, v in self.durations.items() if isinstance(v, (int, float))},
-            "audio_samples": self.audio_samples, "audio_packets": self.packets, "text": self.text[:80],
-            "error": "; ".join(self.errors) or None,
-        }
+        out = {"workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
+               "measure": spec.get("measure", True), "streaming": w.stream, "request_id": self.rid,
+               "num_prompt_tokens": len(prompt_ids), "num_cached_tokens": self.cached,
+               "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0, "computed_tokens": None,
+               "num_output_tokens": len(gen_ids), "prefill_ms": None, "prefill_source": UNDER_LOAD,
+               "ttft_ms": ms(self.ttft), "vllm_ttft_ms": s0.get("vllm_ttft_ms"), "ttfp_ms": ms(self.ttfp),
+               "talker_prefill_ms": None, "talker_decode_ms": None, "code2wav_ms": None, "e2e_ms": ms(end),
+               # talker prefix-hit tokens (None: talker cache off or not streaming)
+               "talker_hit_tokens": talker_hit, "talker_prompt_tokens": talker_prompt,
+               "stage_0_gen_ms": self.durations.get("stage_0_gen_ms"),
+               "stage_ms": {k: v for k, v in self.durations.items() if isinstance(v, (int, float))},
+               "audio_samples": self.audio_samples, "audio_packets": self.packets, "text": self.text[:80],
+               "error": "; ".join(self.errors) or None}
         if chat := spec.get("chat"):
             out["session"], out["turn"] = chat["session"], chat["turn"]
         if delta is None:
-            out["stage_breakdown"] = UNDER_LOAD
-            return out
+            return {**out, "stage_breakdown": UNDER_LOAD}
         n_fin = delta["0"].get("vllm:request_prefill_time_seconds:count", 0.0)
 
         def per_request_ms(sid: str, family: str) -> float | None:
             d = delta[sid]
             return 1000.0 * d[family] if d.get(family + ":count", 0.0) == 1 and family in d else None
 
-        out.update({
-            "computed_tokens": delta["0"].get("vllm:request_prefill_kv_computed_tokens"),
-            "prefill_ms": 1000.0 * delta["0"]["vllm:request_prefill_time_seconds"] if n_fin == 1 else None,
-            "prefill_source": "vllm:request_prefill_time_seconds (stage 0)" if n_fin == 1 else
-                              f"unavailable ({n_fin:.0f} finished thinker requests observed)",
-            "talker_prefill_ms": per_request_ms("1", "vllm:request_prefill_time_seconds"),
-            "talker_decode_ms": per_request_ms("1", "vllm:request_decode_time_seconds"),
-            "code2wav_ms": per_request_ms("2", "vllm:request_inference_time_seconds"),
-        })
+        out.update(computed_tokens=delta["0"].get("vllm:request_prefill_kv_computed_tokens"),
+                   prefill_ms=1000.0 * delta["0"]["vllm:request_prefill_time_seconds"] if n_fin == 1 else None,
+                   prefill_source="vllm:request_prefill_time_seconds (stage 0)" if n_fin == 1 else
+                   f"unavailable ({n_fin:.0f} finished thinker requests observed)",
+                   talker_prefill_ms=per_request_ms("1", "vllm:request_prefill_time_seconds"),
+                   talker_decode_ms=per_request_ms("1", "vllm:request_decode_time_seconds"),
+                   code2wav_ms=per_request_ms("2", "vllm:request_inference_time_seconds"))
         return out
 
 
@@ -356,8 +328,7 @@ def _num_audio_samples(o) -> int:
 
 
 def _reply(obj: dict) -> None:
-    sys.stdout.write(RESULT_PREFIX + json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    print(RESULT_PREFIX + json.dumps(obj), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

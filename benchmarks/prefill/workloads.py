@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT
+import numpy as np
+from PIL import Image, ImageOps
+
+from omni_cache.driver.inputs import DEFAULT_SYSTEM_PROMPT, load_audio, load_image, sample_path
 
 WORKLOADS = ("text", "image", "audio", "chat", "miss", "floor")
 WORDS = ("river stone cloud lantern meadow copper violin harbor orchard falcon ember "
@@ -37,8 +40,6 @@ class WorkloadOptions:
     media_copies: int = 1
 
     def media(self) -> tuple[str, str]:
-        from omni_cache.driver.inputs import sample_path
-
         return (str(self.image or sample_path("astronaut.jpg")), str(self.audio or sample_path("speech.wav")))
 
 
@@ -49,16 +50,10 @@ def _question(r: int, i: int, n: int, c: int = 1) -> str:
     return f"Question {label}: " + words(n, 1000 + 37 * r + i) + "?"
 
 
-def load_requests(requests: int, concurrency: int) -> int:
-    """Requests per round of a non-chat workload at ``concurrency`` c: ``requests`` at c = 1,
-    else max(``requests``, 2·c), so every one of the c senders of the closed loop sends at
-    least two requests (a batch is a loop, not a single burst of c)."""
-    return requests if concurrency == 1 else max(requests, 2 * concurrency)
-
-
 def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
     """The request specs of ``workload`` in round ``r`` (in send order) at ``concurrency`` c:
-    ``opts.requests`` requests at c = 1, :func:`load_requests` at c > 1; chat: one conversation
+    ``opts.requests`` requests at c = 1, max(``opts.requests``, 2·c) at c > 1 (each of the c senders of
+    the closed loop sends at least two: a loop, not a single burst of c); chat: one conversation
     of ``opts.requests`` turns, at c > 1 c of them (each turn 1 a miss), listed turn by turn.
     Prompts at one c repeat none of another c's (:func:`_question`).
 
@@ -70,12 +65,10 @@ def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) ->
     c = concurrency
     image, audio = opts.media()
     doc = words(opts.prefix_words, 1)
-    n = load_requests(opts.requests, c)
+    n = opts.requests if c == 1 else max(opts.requests, 2 * c)
     q = lambda r, i: _question(r, i, opts.suffix_words, c)  # noqa: E731
     base = {"workload": workload, "round": r, "image": None, "audio": None, "max_tokens": None,
-            "measure": True, "chat": None, "system": DEFAULT_SYSTEM_PROMPT}
-    if c > 1:
-        base["concurrency"] = c
+            "measure": True, "chat": None, "system": DEFAULT_SYSTEM_PROMPT, **({"concurrency": c} if c > 1 else {})}
     if workload == "text":
         return [{**base, "index": i, "text": f"{doc}\n\n{q(r, i)}"} for i in range(n)]
     if workload in ("image", "audio"):
@@ -106,44 +99,26 @@ def _conversation(base: dict, r: int, opts: WorkloadOptions, doc: str, q, *, ses
     """One chat conversation of ``opts.requests`` turns: turn 1 (untimed, a miss: its system
     prompt starts with ``opening``) carries the document and a question, turn k+1 a new
     question after turns 1..k (see :mod:`benchmarks.prefill.worker`)."""
-    out = []
-    for i in range(opts.requests):
-        first = i == 0
-        out.append({**base, "index": index0 + i, "measure": not first, "max_tokens": opts.chat_answer_tokens,
-                    "system": f"{opening} {DEFAULT_SYSTEM_PROMPT}",
-                    "text": f"{doc}\n\n{q(r, 0)}" if first else q(r, i),
-                    "chat": {"session": session, "turn": i}})
-    return out
+    return [{**base, "index": index0 + i, "measure": i > 0, "max_tokens": opts.chat_answer_tokens,
+             "system": f"{opening} {DEFAULT_SYSTEM_PROMPT}", "text": q(r, i) if i else f"{doc}\n\n{q(r, 0)}",
+             "chat": {"session": session, "turn": i}} for i in range(opts.requests)]
 
 
-def warmup_specs(workloads: list[str], opts: WorkloadOptions) -> list[dict]:
-    """One untimed request per workload that puts its shared prefix in the cache (and warms the
-    engine: first-request costs such as lazy imports are not timed)."""
-    out = []
-    for w in workloads:
-        s = dict(specs(w, -1, WorkloadOptions(**{**opts.__dict__, "requests": 1}))[0])
-        s.update(measure=False, index=-1, chat=None, max_tokens=None)
-        out.append(s)
-    return out
-
-
-def load_warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int) -> list[dict]:
-    """One untimed batch per workload at ``concurrency`` c (round -2), so that a new batch size
-    compiles and autotunes its kernels before timing (on an H100 the first variant at c = 16
-    lost 1/2 to 3/4 of its throughput in that batch: docs/benchmarks.md)."""
+def warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
+    """Untimed requests, per workload: at c = 1 one that puts its shared prefix in the cache (and
+    warms the engine: first-request costs such as lazy imports are not timed); at ``concurrency``
+    c > 1 one batch (round -2), so that a new batch size compiles and autotunes its kernels before
+    timing (on an H100 the first variant at c = 16 lost 1/2 to 3/4 of its throughput in that
+    batch: docs/benchmarks.md)."""
     one = WorkloadOptions(**{**opts.__dict__, "requests": 1})
-    out = []
-    for w in workloads:
-        for s in specs(w, -2, one, concurrency=concurrency):
-            out.append({**s, "measure": False})
-    return out
+    if concurrency == 1:
+        return [dict(specs(w, -1, one)[0], measure=False, index=-1, chat=None, max_tokens=None) for w in workloads]
+    return [{**s, "measure": False} for w in workloads for s in specs(w, -2, one, concurrency=concurrency)]
 
 
 def image_copy(image, k: int):
     """Copy ``k`` of a PIL image: k = 0 the image itself, 1..7 its mirrors / rotations,
     k ≥ 8 the same with inverted colours (so copies differ in content and hash)."""
-    from PIL import Image, ImageOps
-
     ops = [None, Image.Transpose.FLIP_LEFT_RIGHT, Image.Transpose.FLIP_TOP_BOTTOM, Image.Transpose.ROTATE_90,
            Image.Transpose.ROTATE_180, Image.Transpose.ROTATE_270, Image.Transpose.TRANSPOSE,
            Image.Transpose.TRANSVERSE]
@@ -155,8 +130,6 @@ def image_copy(image, k: int):
 def audio_copy(samples, k: int, copies: int):
     """Copy ``k`` of ``copies`` of a waveform (``[num_samples]`` float32): rotated by
     ``k / copies`` of its length."""
-    import numpy as np
-
     return np.roll(samples, (k * len(samples)) // max(copies, 1))
 
 
@@ -167,8 +140,6 @@ def check_media(opts: WorkloadOptions) -> None:
     Raises:
         omni_cache.driver.inputs.InputError: a file is missing or undecodable (names it).
     """
-    from omni_cache.driver.inputs import load_audio, load_image
-
     image, audio = opts.media()
     load_image(Path(image))
     load_audio(Path(audio))
