@@ -319,13 +319,14 @@ def _prefill_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> 
     ax.bar(range(len(vs)), meds, yerr=[[p["median"] - p["p25"] for p in pre], hi], capsize=3,
            color=[COLORS.get(v, "#55a868") for v in vs])
     off = summ.get("off", {}).get("prefill_ms")
+    labelled = next((k for k, v in enumerate(vs) if v != "off"), None)  # the legend's: any order of variants
     for k, v in enumerate(vs):
         if v != "off" and off and math.isfinite(summ[v]["ideal_speedup"]):
             ax.hlines(off["median"] / summ[v]["ideal_speedup"], k - 0.4, k + 0.4, colors="k", linestyles="--",
-                      linewidth=1, zorder=3, label="ideal 1/(1−h)" if k == 1 else None)
+                      linewidth=1, zorder=3, label="ideal 1/(1−h)" if k == labelled else None)
         if v != "off" and summ[v].get("floor_ms"):
             ax.hlines(summ[v]["floor_ms"], k - 0.4, k + 0.4, colors="#c44e52", linestyles=":", linewidth=1.5,
-                      zorder=3, label="floor (suffix alone)" if k == 1 else None)
+                      zorder=3, label="floor (suffix alone)" if k == labelled else None)
         sp = summ[v].get("speedup_vs_off")
         ax.text(k, meds[k] + hi[k], f"{meds[k]:.0f} ms" + (f"\n{sp:.1f}×" if sp and v != "off" else ""),
                 ha="center", va="bottom", fontsize=7)

@@ -147,6 +147,21 @@ def test_table_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_prefill_legend_whatever_the_variant_order():
+    """The prefill panel's legend (the ideal 1/(1−h) and floor lines) is drawn whatever order
+    the variants ran in: the eighth GPU session's ``--variants omni_cache,off`` drew none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summ = S.summarize_workload({"omni_cache": _rows([11], 0.95), "off": _rows([100], 0.0)})
+    fig, ax = plt.subplots()
+    S._prefill_panel(ax, summ, "text", True)
+    assert "ideal 1/(1−h)" in ax.get_legend_handles_labels()[1]
+    plt.close(fig)
+
+
 def test_workload_specs_share_prefix_and_miss_does_not():
     opts = WorkloadOptions(requests=3, prefix_words=50)
     text = specs("text", 0, opts)
