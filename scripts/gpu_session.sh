@@ -35,6 +35,9 @@
 #   V  issue 47, item 2 (never run): realtime duplex sessions at Qwen3-Omni-30B-A3B's size on one card
 #      (an H200; card $V_CARD, default 0), three servers one at a time, sessions 1 and 8, 8 turns, with
 #      the oracles (recorded hand-offs): docs/benchmarks.md's GPU command at --rounds 1
+#   Q  (never run) where the talker's time goes at full size (docs/gpu.md, "The next GPU session", item 3):
+#      benchmarks.profile_stage (py-spy) on four cards at once — omni-cache and cache off, each with
+#      the thinker (stage 0) and the talker (stage 1) recorded, text and floor, one request at a time
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -155,6 +158,16 @@ for step in "$@"; do
          --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy_duplex.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --servers one-at-a-time \
          --sessions 1,8 --turns 8 --rounds 1 --out "$OUT/V" > "$OUT/V.log" 2>&1 ;;
+    Q) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       for spec in "0:omni_cache:0" "1:omni_cache:1" "2:off:0" "3:off:1"; do
+         IFS=: read -r dev variant stage <<< "$spec"
+         CUDA_VISIBLE_DEVICES=$dev $PY -m benchmarks.profile_stage \
+           --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
+           --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant "$variant" --stage "$stage" \
+           --workloads text,floor --requests 6 --thinker-kv-mib 12288 --talker-kv-mib 4096 \
+           --out "$OUT/Q" > "$OUT/Q$dev.log" 2>&1 &
+       done
+       wait ;;
     *) log "unknown step $step" ;;
   esac
   log "step $step rc=$?"
