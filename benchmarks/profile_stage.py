@@ -75,9 +75,11 @@ def main() -> int:
     ap.add_argument("--workloads", default="miss", help="comma-separated prefill-benchmark workloads")
     ap.add_argument("--requests", type=int, default=8, help="timed requests per workload")
     ap.add_argument("--media-copies", type=int, default=1)
-    ap.add_argument("--thinker-kv-mib", type=int, default=256)
+    ap.add_argument("--thinker-kv-mib", type=int, default=None,
+                    help="default 256 on the CPU, the stage config's on a GPU host (as benchmarks.prefill)")
     ap.add_argument("--talker-kv-mib", type=int, default=None,
-                    help="default 32, 256 for bench-voice (its talker holds ~9 KiB of KV a token)")
+                    help="default 32, 256 for bench-voice (its talker holds ~9 KiB of KV a token); a GPU host: "
+                         "the stage config's")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--out", default=str(lab.RESULTS), help="folder the profile files are written to")
     args = ap.parse_args()
@@ -88,6 +90,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker inside the engine core
     import psutil
 
+    from benchmarks.prefill.harness import gpu_inventory
     from benchmarks.prefill.worker import VariantWorker
     from benchmarks.prefill.workloads import WorkloadOptions, specs, warmup_specs
     from omni_cache.driver.stage_config import load_stage_config
@@ -97,9 +100,11 @@ def main() -> int:
     out = Path(args.out)
     tag = f"{args.variant}-stage{args.stage}"
     work = out / f"profile-{tag}.d"
-    talker_mib = args.talker_kv_mib or (256 if args.model_size == "bench-voice" else 32)
+    gpu_host = bool(gpu_inventory())
+    thinker_mib = args.thinker_kv_mib or (None if gpu_host else 256)
+    talker_mib = args.talker_kv_mib or (None if gpu_host else 256 if args.model_size == "bench-voice" else 32)
     cfg = variant_stage_config(Path(args.stage_config), work, args.variant, mem=MemorySettings(
-        thinker_kv_bytes=args.thinker_kv_mib << 20, talker_kv_bytes=talker_mib << 20))
+        thinker_kv_bytes=thinker_mib and thinker_mib << 20, talker_kv_bytes=talker_mib and talker_mib << 20))
     family = "gemma4" if load_stage_config(args.stage_config).thinker_family == "gemma4" else "qwen3-omni"
     model = str(lab.model_dir(args.model_size, args.model, family=family))
     opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
