@@ -38,6 +38,8 @@
 #   Q  (never run) where the talker's time goes at full size (docs/gpu.md, "The next GPU session", item 3):
 #      benchmarks.profile_stage (py-spy) on four cards at once — omni-cache and cache off, each with
 #      the thinker (stage 0) and the talker (stage 1) recorded, text and floor, one request at a time
+#      Q_SPECS overrides the split ("card:variant:stage ..."; one card's specs run one after another)
+#   K  M and Q at once (e.g. MUTANT_CARDS over cards 0-2, Q_SPECS on card 3), to fit one hold
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -62,6 +64,38 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 L6=(--stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml
     --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l6" --modalities floor,text,chat --requests 6
     --concurrency 1,16 --max-num-seqs 16 --alternation concurrent --out "$OUT")
+run_M() {
+  $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
+  $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
+  # --device cuda: the lane's environment, pipeline selections only (the 14 mutants that have one)
+  for spec in ${MUTANT_CARDS:-"0:foreign_block,stale_generation,talker_length_keys,cap_disabled" \
+              "1:slot_shift,talker_seed_dropped,talker_media_dropped,decode_rows_corrupted" \
+              "2:bit_flip,seam_off_by_one,write_batch_shift" \
+              "3:async_placeholders_unresolved,resume_rows_lost,key_misaligned"}; do
+    dev=${spec%%:*}
+    CUDA_VISIBLE_DEVICES=$dev $PY -m tests.lanes.mutants --device cuda --only "${spec#*:}" --out "$OUT/M$dev" \
+      > "$OUT/M$dev.log" 2>&1 &
+  done
+  wait
+}
+run_Q() {
+  # Q_SPECS: "card:variant:stage ..."; specs on one card run one after another, cards at once
+  $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+  local specs=${Q_SPECS:-"0:omni_cache:0 1:omni_cache:1 2:off:0 3:off:1"} dev
+  for dev in $(for s in $specs; do echo "${s%%:*}"; done | sort -u); do
+    (for spec in $specs; do
+       IFS=: read -r d variant stage <<< "$spec"
+       [ "$d" = "$dev" ] || continue
+       CUDA_VISIBLE_DEVICES=$dev $PY -m benchmarks.profile_stage \
+         --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant "$variant" --stage "$stage" \
+         --workloads text,floor --requests 6 --thinker-kv-mib 12288 --talker-kv-mib 4096 \
+         --out "$OUT/Q" >> "$OUT/Q$dev.log" 2>&1
+       log "Q card $dev $variant stage $stage rc=$?"
+     done) &
+  done
+  wait
+}
 for step in "$@"; do
   log "step $step start"
   case "$step" in
@@ -98,18 +132,7 @@ for step in "$@"; do
          --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation concurrent \
          --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name H > "$OUT/H.log" 2>&1
        wait ;;
-    M) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
-       $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
-       # --device cuda: the lane's environment, pipeline selections only (the 14 mutants that have one)
-       for spec in ${MUTANT_CARDS:-"0:foreign_block,stale_generation,talker_length_keys,cap_disabled" \
-                   "1:slot_shift,talker_seed_dropped,talker_media_dropped,decode_rows_corrupted" \
-                   "2:bit_flip,seam_off_by_one,write_batch_shift" \
-                   "3:async_placeholders_unresolved,resume_rows_lost,key_misaligned"}; do
-         dev=${spec%%:*}
-         CUDA_VISIBLE_DEVICES=$dev $PY -m tests.lanes.mutants --device cuda --only "${spec#*:}" --out "$OUT/M$dev" \
-           > "$OUT/M$dev.log" 2>&1 &
-       done
-       wait ;;
+    M) run_M ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
        $PY -m tests.lanes.gpu_check --groups yoco-eager,yoco-compiled,equality-compiled --jobs 3 --out "$OUT/R" \
@@ -158,16 +181,8 @@ for step in "$@"; do
          --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy_duplex.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --servers one-at-a-time \
          --sessions 1,8 --turns 8 --rounds 1 --out "$OUT/V" > "$OUT/V.log" 2>&1 ;;
-    Q) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
-       for spec in "0:omni_cache:0" "1:omni_cache:1" "2:off:0" "3:off:1"; do
-         IFS=: read -r dev variant stage <<< "$spec"
-         CUDA_VISIBLE_DEVICES=$dev $PY -m benchmarks.profile_stage \
-           --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
-           --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant "$variant" --stage "$stage" \
-           --workloads text,floor --requests 6 --thinker-kv-mib 12288 --talker-kv-mib 4096 \
-           --out "$OUT/Q" > "$OUT/Q$dev.log" 2>&1 &
-       done
-       wait ;;
+    Q) run_Q ;;
+    K) run_M & run_Q & wait ;;
     *) log "unknown step $step" ;;
   esac
   log "step $step rc=$?"
