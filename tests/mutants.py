@@ -210,16 +210,28 @@ def _write_batch_shift() -> None:
 
 def _seam_off_by_one() -> None:
     """An off-by-one at the seam between cached and fresh rows: a hit request's hand-off
-    repeats its last cached row and drops its last fresh one (same length). Planted where the
-    seam is made: ``merge`` (the host tier, the CPU) and ``stage_handoff`` (CUDA's default
-    ``host`` staging, before the rows go to pinned memory). On CUDA with ``snapshot`` staging
-    the seam is made in ``StagedStep.complete`` instead: not planted there."""
+    repeats its last cached row and drops its last fresh one (same length). Planted wherever
+    the seam is made: ``merge`` (no stager: the CPU), ``stage_handoff`` (CUDA's ``host`` staging,
+    before the rows go to pinned memory) and ``StagedStep.complete`` (CUDA's default
+    ``snapshot`` staging: the fresh rows copied in after the staged prefix). The ninth GPU
+    session planted only the first two, and the mutant survived there: CUDA made the seam in
+    ``complete``."""
     import torch
 
+    from omni_cache.core.staging import StagedStep
     from omni_cache.engine.stage_manager import OmniCacheStageManager
 
     orig = OmniCacheStageManager.merge
     orig_stage = OmniCacheStageManager.stage_handoff
+    orig_complete = StagedStep.complete
+
+    def complete(self, req_id, fresh):
+        self.wait()
+        a, p = self.spans[req_id][0], self.prefix.get(req_id, 0)
+        if p:
+            fresh = {k: torch.cat([self.host[k][a + p - 1:a + p].to(t.device, t.dtype), t[:-1]]) if t.shape[0] else t
+                     for k, t in fresh.items()}
+        return orig_complete(self, req_id, fresh)
 
     def stage_handoff(self, plan, fresh, prefixes):
         shifted = dict(fresh)
@@ -240,6 +252,7 @@ def _seam_off_by_one() -> None:
 
     OmniCacheStageManager.merge = staticmethod(merge)
     OmniCacheStageManager.stage_handoff = stage_handoff
+    StagedStep.complete = complete
 
 
 def _ledger_check_off() -> None:

@@ -89,20 +89,21 @@ def test_report_is_written_after_every_mutant(monkeypatch, tmp_path):
 
 
 def test_seam_fault_reaches_cudas_host_staging(monkeypatch):
-    """``seam_off_by_one`` is planted where CUDA makes the seam too (``stage_handoff``, the
-    default ``host`` staging; the eighth GPU session's mutants would otherwise have run it where
-    it is never called): a hit's staged rows repeat its last cached row, a miss's are untouched.
+    """``seam_off_by_one`` is planted where CUDA makes the seam too: ``stage_handoff`` (``host``
+    staging) and ``StagedStep.complete`` (``snapshot``, CUDA's default: the ninth GPU session's
+    mutant, planted without it, survived there): a hit's staged rows repeat its last cached row, a miss's are untouched.
     Runs the stager's CPU contract (``HostStager(cpu)``: the same staging, no stream)."""
     from types import SimpleNamespace
 
     import torch
 
-    from omni_cache.core.staging import HostStager
+    from omni_cache.core.staging import HostStager, StagedStep
     from omni_cache.engine.stage_manager import OmniCacheStageManager
     from tests.mutants import FAULTS
 
     for name in ("merge", "stage_handoff"):  # restored after the test (the fault patches the class)
         monkeypatch.setattr(OmniCacheStageManager, name, OmniCacheStageManager.__dict__[name])
+    monkeypatch.setattr(StagedStep, "complete", StagedStep.complete)
     prefix, fresh = torch.arange(8.).reshape(4, 2), torch.arange(100., 106.).reshape(3, 2)
     mgr = SimpleNamespace(_stager=HostStager(torch.device("cpu")))
     plan = SimpleNamespace(req_ids=["hit", "miss"], handoff_keys=["hidden"])
@@ -112,8 +113,15 @@ def test_seam_fault_reaches_cudas_host_staging(monkeypatch):
                                                    {"hit": {"hidden": prefix}})
         return step.rows("hit")["hidden"], step.rows("miss")["hidden"]
 
+    def snapshot():  # CUDA's default staging: the prefix staged, the fresh rows copied in later
+        step = HostStager(torch.device("cpu")).stage_prefixes(["hidden"], [("hit", {"hidden": prefix}, 3)])
+        return step.complete("hit", {"hidden": fresh})["hidden"]
+
     hit, miss = staged()
     assert torch.equal(hit, torch.cat([prefix, fresh])) and torch.equal(miss, fresh)
+    assert torch.equal(snapshot(), torch.cat([prefix, fresh]))
     FAULTS["seam_off_by_one"]()
     hit, miss = staged()
     assert torch.equal(hit, torch.cat([prefix, prefix[-1:], fresh[:-1]])) and torch.equal(miss, fresh)
+    # the ninth GPU session's survivor: the seam made in StagedStep.complete was not planted
+    assert torch.equal(snapshot(), torch.cat([prefix, prefix[-1:], fresh[:-1]]))
