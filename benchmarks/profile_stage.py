@@ -83,9 +83,14 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--out", default=str(lab.RESULTS), help="folder the profile files are written to")
     args = ap.parse_args()
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(spy).exists():
-        print("error: py-spy not found (pip install py-spy)", file=sys.stderr)
+    # PATH, this interpreter's bin, or a --target install's bin on sys.path (the offline bundle's
+    # /tmp/site/bin: the ninth GPU session's first try found none of the others)
+    spy = shutil.which("py-spy") or next(
+        (str(c) for c in [Path(sys.executable).parent / "py-spy", *(Path(p) / "bin" / "py-spy" for p in sys.path if p)]
+         if c.exists()), None)
+    if spy is None:
+        print("error: py-spy not found on PATH, beside this Python or in a bin/ of sys.path (pip install py-spy)",
+              file=sys.stderr)
         return 2
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker inside the engine core
     import psutil

@@ -33,6 +33,12 @@ preemptions and resumed hits are counted by omni-cache's scheduler (its metrics 
 names the preempted requests) and some compared request must have been preempted and served
 its prefix again on resume, so the test fails if the pool stops forcing them. The engine
 must be alive at the end.
+
+Order of the checks (the oracle that holds on CUDA speaks first): every prompt hand-off whole
+(a row per prompt token, every request: oracle (a) on what the talker received, read from the
+records, so it judges a run whose engine died too); then any request's engine error (raised
+as an error, never an oracle's failure); then oracle (a) over every audited hit; then cache
+off's comparison (bitwise on the CPU, 16 row-scale ulps on CUDA).
 """
 
 from __future__ import annotations
@@ -83,45 +89,56 @@ def _workload():
 async def _one(omni, sem, rid, text, media, abort_after, sps=None):
     """Run one request; ``abort_after`` seconds after submission (or, with
     :data:`FIRST_PACKET`, when its first audio packet arrives) the client aborts it.
-    Returns ``(completed, num_cached_tokens, num_prompt_tokens, thinker token ids)``."""
+    Returns ``(completed, num_cached_tokens, num_prompt_tokens, thinker token ids, error)``:
+    ``error`` is None, or the request's error (an output's, or what ``generate`` raised — an
+    engine that died) in one line, for the test to report after its oracles have read what
+    the stages received."""
     async with sem:
-        prompt = build_request(text, **media).to_engine_prompt()
-        outs = []
-        first_packet = asyncio.Event()
+        try:
+            return await _run_one(omni, rid, text, media, abort_after, sps)
+        except Exception as e:  # noqa: BLE001 - an engine death is reported by the test, after the oracles
+            return False, 0, 0, [], f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
-        async def consume():
-            async for o in omni.generate(prompt, request_id=rid, **({"sampling_params_list": sps} if sps else {})):
-                outs.append(o)
-                if o.final_output_type == "audio":
-                    first_packet.set()
 
-        task = asyncio.ensure_future(consume())
-        if abort_after is not None:
-            if abort_after == FIRST_PACKET:
-                waiter = asyncio.ensure_future(first_packet.wait())
-                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                done = task.done()
-            else:
-                done, _ = await asyncio.wait({task}, timeout=abort_after)
-            if not done:
-                await omni.abort(rid)
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:  # the abort; any other error fails the test
-                    pass
-                return False, 0, 0, []
-        await task
-        thinker = [o for o in outs if o.stage_id == 0]
-        cached = max((int(o.num_cached_tokens or 0) for o in thinker), default=0)
-        errors = [o.error for o in outs if o.error]
-        assert not errors, f"request {rid}: {errors}"
-        # AsyncOmni streams the thinker's tokens as deltas (its stage defaults are coerced to
-        # RequestOutputKind.DELTA): the answer is their concatenation
-        tokens = [t for o in thinker if o.outputs for t in (o.outputs[0].token_ids or [])]
-        n_prompt = max((len(o.prompt_token_ids or []) for o in thinker), default=0)
-        return any(o.final_output_type == "audio" for o in outs), cached, n_prompt, tokens
+async def _run_one(omni, rid, text, media, abort_after, sps):
+    prompt = build_request(text, **media).to_engine_prompt()
+    outs = []
+    first_packet = asyncio.Event()
+
+    async def consume():
+        async for o in omni.generate(prompt, request_id=rid, **({"sampling_params_list": sps} if sps else {})):
+            outs.append(o)
+            if o.final_output_type == "audio":
+                first_packet.set()
+
+    task = asyncio.ensure_future(consume())
+    if abort_after is not None:
+        if abort_after == FIRST_PACKET:
+            waiter = asyncio.ensure_future(first_packet.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            done = task.done()
+        else:
+            done, _ = await asyncio.wait({task}, timeout=abort_after)
+        if not done:
+            await omni.abort(rid)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:  # the abort; any other error is the request's
+                pass
+            return False, 0, 0, [], None
+    await task
+    thinker = [o for o in outs if o.stage_id == 0]
+    cached = max((int(o.num_cached_tokens or 0) for o in thinker), default=0)
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        return False, cached, 0, [], f"output error: {errors[0]}"[:300]
+    # AsyncOmni streams the thinker's tokens as deltas (its stage defaults are coerced to
+    # RequestOutputKind.DELTA): the answer is their concatenation
+    tokens = [t for o in thinker if o.outputs for t in (o.outputs[0].token_ids or [])]
+    n_prompt = max((len(o.prompt_token_ids or []) for o in thinker), default=0)
+    return any(o.final_output_type == "audio" for o in outs), cached, n_prompt, tokens, None
 
 
 async def _drive(omni, sps=None):
@@ -203,6 +220,33 @@ def _writer_rows(d, request_ids, preempted: set[str]) -> dict[str, dict]:
         if recs and "embed.prefill" in recs[0]:
             rows[rid] = oracles.prompt_rows(recs, len(recs[0]["ids.prompt"]))
     return rows
+
+
+def _every_prompt_row_received(d, request_ids) -> int:
+    """Oracle (a), what the talker received: every prompt hand-off a request made (its first
+    streamed chunk, recorded before vLLM-Omni's hand-off function runs) holds a row for every
+    prompt token — ``embed.prefill`` ``[prompt + 1]``, ``hidden_states.output`` at least
+    ``[prompt]`` — for every request of the run: preempted, resumed and aborted ones included.
+    A served prefix whose rows never reach the talker (a resume that hands off only its
+    recomputed rows) fails here, by name, even where the talker then dies of the short
+    hand-off (vLLM-Omni's talker raises on it: the ninth GPU session). Returns the number of
+    prompt hand-offs checked."""
+    bad, checked = [], 0
+    for rid in request_ids:
+        for rec in (r for r in records(d, rid) if "embed.prefill" in r):
+            checked += 1
+            n_prompt = len(rec["ids.prompt"])
+            rows = {k: rec[k].reshape(-1, rec[k].shape[-1]).shape[0]
+                    for k in ("embed.prefill", "hidden_states.output") if k in rec}
+            if rows["embed.prefill"] != n_prompt + 1 or any(n < n_prompt for n in rows.values()):
+                bad.append(f"{rid}: its prompt hand-off holds {rows} rows for a prompt of {n_prompt} tokens")
+    assert not bad, bad[:5]
+    return checked
+
+
+def _engine_errors(run: dict, alive: tuple) -> dict[str, str]:
+    """Request → its error (one line) for the requests of a run that failed (not aborted)."""
+    return {rid: r[4] for rid, r in [*run.items(), ("alive", alive)] if r[4]}
 
 
 #: oracle (a)'s reader categories (:func:`_oracle_a`)
@@ -309,11 +353,19 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
     served its prefix again on resume (two audited hits), with a verified block."""
     d_off, off, alive_off = stress["off"]
     d_on, on, alive_on = stress["omni_cache"]
+    work = _workload()
+    everyone = [w[0] for w in work] + ["alive"]
+    # oracle (a) on what the talker received, first: it reads the records, so it judges even a
+    # run whose engine died (an engine death is an error, reported next, never an oracle's kill)
+    handoffs = _every_prompt_row_received(d_on, everyone)
+    for name, errors in (("omni-cache", _engine_errors(on, alive_on)), ("cache off", _engine_errors(off, alive_off))):
+        if errors:
+            raise RuntimeError(f"{name}: {len(errors)} requests failed (an engine error, not an oracle's): "
+                               f"{dict(list(errors.items())[:3])}")
     assert alive_on[0] and alive_off[0], "engine not serving after the stress run"
     assert alive_on[3] == alive_off[3] or not CACHE_OFF_BITWISE, "the last request's tokens differ"
     aborted = [rid for rid, r in on.items() if not r[0]]
     assert aborted, "no request was aborted mid-flight"
-    work = _workload()
     after_packet = [w[0] for w in work if w[3] == FIRST_PACKET]
     assert after_packet, "the workload aborts no request at its first audio packet"
     never_aborted = [w[0] for w in work if w[3] is None]
@@ -322,23 +374,33 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
     assert sum(r[1] for r in on.values()) > 0, "the stress run produced no prefix hit"
     sched = _scheduler_metrics(d_on)
     assert sched["preemptions"] > 0 and sched["resumed_hits"] > 0, f"no preemption with a resumed hit: {sched}"
-    rows = bitwise = 0
     compared, diverged = [], []
     # the request sent alone after the stress (and after the first-packet aborts) is compared too
     on, off = {**on, "alive": alive_on}, {**off, "alive": alive_off}
-    for rid, (done_on, _, n_prompt, toks_on) in on.items():
-        done_off, _, n_prompt_off, toks_off = off[rid]
-        if not (done_on and done_off):
-            continue
-        compared.append(rid)
-        assert n_prompt == n_prompt_off, (rid, n_prompt, n_prompt_off)
+    for rid, (done_on, _, n_prompt, toks_on, _) in on.items():
+        done_off, _, n_prompt_off, toks_off, _ = off[rid]
+        if done_on and done_off:
+            compared.append(rid)
+            assert n_prompt == n_prompt_off, (rid, n_prompt, n_prompt_off)
+            if toks_on != toks_off:
+                # CUDA only (tests/device.py): near-tie logits may flip a token; the prompt chunk is
+                # still compared while the first sampled token (its last embedding row) agrees
+                assert not CACHE_OFF_BITWISE, f"{rid}: thinker tokens differ from cache off's"
+                diverged.append(rid)
+    assert len(compared) >= len(never_aborted) + 1, (len(compared), len(never_aborted))
+    preempted = {_owner(r, everyone) for r in sched["preempted_requests"]}
+    resumed = sorted(preempted & set(compared))
+    assert resumed, f"no compared request was preempted and resumed: {sched}"
+    # oracle (a) over every audited hit, before cache off's comparison: it is bitwise on CUDA as
+    # on the CPU, so a wrong row is named by the oracle that holds there (the ninth GPU session's
+    # stale_generation was killed by cache off's 16-ulp check instead, which runs next)
+    oracle_a = _oracle_a(d_on, everyone, preempted, set(compared), set(diverged))
+    rows = bitwise = 0
+    for rid in compared:
+        n_prompt, toks_on, toks_off = on[rid][2], on[rid][3], off[rid][3]
         (h_off, dec_off), (h_on, dec_on) = _chunks_for(d_off, rid), _chunks_for(d_on, rid)
         assert h_on["embed.prefill"].shape[0] == n_prompt + 1, (rid, h_on["embed.prefill"].shape, n_prompt)
-        if toks_on != toks_off:
-            # CUDA only (tests/device.py): near-tie logits may flip a token; the prompt chunk is
-            # still compared while the first sampled token (its last embedding row) agrees
-            assert not CACHE_OFF_BITWISE, f"{rid}: thinker tokens differ from cache off's"
-            diverged.append(rid)
+        if rid in diverged:
             dec_on = dec_off = []
             if toks_on[:1] != toks_off[:1]:
                 continue
@@ -346,12 +408,6 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
         for i, (g, r) in enumerate(zip([h_on, *dec_on], [h_off, *dec_off])):
             n, b = _compare_chunk(rid, i, g, r)
             rows, bitwise = rows + n, bitwise + b
-    assert len(compared) >= len(never_aborted) + 1, (len(compared), len(never_aborted))
-    everyone = [w[0] for w in work] + ["alive"]
-    preempted = {_owner(r, everyone) for r in sched["preempted_requests"]}
-    resumed = sorted(preempted & set(compared))
-    assert resumed, f"no compared request was preempted and resumed: {sched}"
-    oracle_a = _oracle_a(d_on, everyone, preempted, set(compared), set(diverged))
     verified, unverified = oracle_a["read"]["verified"], oracle_a["read"]["unverified"]
     hits_per_request = oracle_a["hits_per_request"]
     # the bound: no block unverified, in any category, read or received (CPU, 2026-11-27: 404
@@ -364,7 +420,8 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
     assert resumed_hit, f"no preempted request was served its prefix again on resume: {hits_per_request}"
     print(f"stress: {len(compared)} requests compared ({len(never_aborted)} never aborted), {rows} rows "
           f"({bitwise} bitwise equal, the rest within {oracles.TOLERANCE_ULPS:g} row-scale ulps); "
-          f"{len(aborted)} aborted; tokens diverged from cache off (CUDA): {diverged}; "
+          f"{len(aborted)} aborted; {handoffs} prompt hand-offs whole; "
+          f"tokens diverged from cache off (CUDA): {diverged}; "
           f"oracle (a): {verified} blocks read verified ({oracle_a['read']['by_digest']} by the writer's "
           f"block digest, {oracle_a['read']['by_rows']} by its hand-off rows), {unverified} unverified; "
           f"received (hand-off) {dict(oracle_a['received'])}; per reader category [reads, verified, "
