@@ -8,7 +8,10 @@ splits the model-runner samples (omni-cache's work, model forward, ``compute_log
     .venv/bin/python -m benchmarks.profile_stage --stage-config stage_configs/gemma4_yoco_cpu.yaml \\
         --variant fast+omni_cache --workloads image,floor --media-copies 6 --requests 6
 
-Writes ``<out>/profile-<variant>-stage<N>.json`` and the raw stacks beside it.
+With ``--concurrency c`` (> 1) each workload's requests run as one closed loop of c senders
+(as ``benchmarks.prefill``'s), recorded as one profile: where a stage's time goes under load.
+
+Writes ``<out>/profile-<variant>-stage<N>[-c<c>].json`` and the raw stacks beside it.
 """
 
 from __future__ import annotations
@@ -80,6 +83,11 @@ def main() -> int:
     ap.add_argument("--talker-kv-mib", type=int, default=None,
                     help="default 32, 256 for bench-voice (its talker holds ~9 KiB of KV a token); a GPU host: "
                          "the stage config's")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="c > 1: each workload's requests as one closed loop of c senders (benchmarks.prefill's "
+                         "--concurrency), recorded as one profile: where a stage's time goes under load")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="max_num_seqs of every stage (default: MemorySettings'; under load give >= --concurrency)")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--out", default=str(lab.RESULTS), help="folder the profile files are written to")
     args = ap.parse_args()
@@ -103,13 +111,17 @@ def main() -> int:
 
     workloads = [w for w in args.workloads.split(",") if w]
     out = Path(args.out)
-    tag = f"{args.variant}-stage{args.stage}"
+    if args.concurrency < 1:
+        ap.error(f"--concurrency must be >= 1, got {args.concurrency}")
+    c = args.concurrency
+    tag = f"{args.variant}-stage{args.stage}" + (f"-c{c}" if c > 1 else "")
     work = out / f"profile-{tag}.d"
     gpu_host = bool(gpu_inventory())
     thinker_mib = args.thinker_kv_mib or (None if gpu_host else 256)
     talker_mib = args.talker_kv_mib or (None if gpu_host else 256 if args.model_size == "bench-voice" else 32)
     cfg = variant_stage_config(Path(args.stage_config), work, args.variant, mem=MemorySettings(
-        thinker_kv_bytes=thinker_mib and thinker_mib << 20, talker_kv_bytes=talker_mib and talker_mib << 20))
+        thinker_kv_bytes=thinker_mib and thinker_mib << 20, talker_kv_bytes=talker_mib and talker_mib << 20,
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})))
     family = "gemma4" if load_stage_config(args.stage_config).thinker_family == "gemma4" else "qwen3-omni"
     model = str(lab.model_dir(args.model_size, args.model, family=family))
     opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
@@ -117,27 +129,48 @@ def main() -> int:
     fields = {"prefill_ms": "prefill_ms", "talker_prefill_ms": "talker_prefill_ms", "cached": "num_cached_tokens",
               "prompt": "num_prompt_tokens"}  # per workload: a list of each request's
     per: dict[str, dict] = {wl: {k: [] for k in ("raw", *fields)} for wl in workloads}
+
+    def recorded(raw: Path, run):
+        """``run()`` while py-spy records the stage's engine core into ``raw``."""
+        rec = subprocess.Popen([spy, "record", "-p", str(target[0].pid), "-r", str(args.rate), "-f", "raw",
+                                "-o", str(raw), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        time.sleep(1.5)
+        try:
+            return run()
+        finally:
+            rec.send_signal(signal.SIGINT)
+            rec.wait(120)
+
+    def keep(wl: str, raw: Path, rows: list[dict]) -> None:
+        per[wl]["raw"].append(raw.read_text() if raw.exists() else "")
+        for r in rows:
+            for k, field in fields.items():
+                per[wl][k].append(r.get(field))
+
     try:
-        for s in warmup_specs(workloads, opts):  # untimed: shared prefixes, first-request costs
-            w.run_one(s)
+        if c == 1:
+            for s in warmup_specs(workloads, opts):  # untimed: shared prefixes, first-request costs
+                w.run_one(s)
+        else:  # one untimed batch per workload at c: new batch sizes compile before the recording
+            w.run_concurrent(warmup_specs(workloads, opts, concurrency=c), c)
         name = f"stage{args.stage}"
         if not (target := [p for p in psutil.Process().children(recursive=True) if name in p.name()]):
             print(f"error: no engine-core process of stage {args.stage} (name with {name!r}) found", file=sys.stderr)
             return 1
-        todo = list(zip(*[specs(wl, 0, opts) for wl in workloads]))
+        if c > 1:
+            for wl in workloads:
+                raw = work / f"{wl}-c{c}.txt"
+                batch = recorded(raw, lambda wl=wl: w.run_concurrent(specs(wl, 0, opts, concurrency=c), c))
+                keep(wl, raw, batch["results"])
+                per[wl]["throughput_rps"], per[wl]["n_errors"] = batch["throughput_rps"], batch["n_errors"]
+                print(f"{wl} c={c}: {batch['n_requests']} requests, {batch['throughput_rps'] or 0:.2f} req/s, "
+                      f"{batch['n_errors']} errors", flush=True)
+        todo = list(zip(*[specs(wl, 0, opts) for wl in workloads])) if c == 1 else []
         for i, row in enumerate(todo):
             for s in row:
                 raw = work / f"{s['workload']}-{i}.txt"
-                rec = subprocess.Popen([spy, "record", "-p", str(target[0].pid), "-r", str(args.rate), "-f", "raw",
-                                        "-o", str(raw), "--nonblocking"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-                time.sleep(1.5)
-                r = w.run_one(s)
-                rec.send_signal(signal.SIGINT)
-                rec.wait(120)
-                per[s["workload"]]["raw"].append(raw.read_text() if raw.exists() else "")
-                for k, field in fields.items():
-                    per[s["workload"]][k].append(r.get(field))
+                r = recorded(raw, lambda s=s: w.run_one(s))
+                keep(s["workload"], raw, [r])
                 print(f"{s['workload']} {i + 1}/{len(todo)}: prefill {r.get('prefill_ms') or float('nan'):.0f} ms, "
                       f"{r.get('num_cached_tokens')}/{r.get('num_prompt_tokens')} tokens cached, talker prefill "
                       f"{r.get('talker_prefill_ms') or float('nan'):.0f} ms (hit {r.get('talker_hit_tokens')}/"
@@ -145,11 +178,14 @@ def main() -> int:
     finally:
         w.close()
     result = {**lab.stamp("benchmarks.profile_stage"), "variant": args.variant, "stage": args.stage,
+              "concurrency": c,
               "stage_config": str(args.stage_config), "rate_hz": args.rate, "workloads": {}}
     for wl, d in per.items():
         raw = "\n".join(d.pop("raw"))
         (out / f"profile-{tag}-{wl}.txt").write_text(raw)
-        r = result["workloads"][wl] = {**d, "prefill_ms_median": lab.stat(d["prefill_ms"]), **split_samples(raw)}
+        r = result["workloads"][wl] = {**d, "prefill_ms_median": lab.stat(d["prefill_ms"]),
+                                       "talker_prefill_ms_median": lab.stat(d["talker_prefill_ms"]),
+                                       **split_samples(raw)}
         print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; of stage {args.stage}'s "
               f"model-runner samples: omni-cache {100 * r['omni_cache_share']:.1f} %, model forward "
               f"{100 * r['model_forward_share']:.1f} %, compute_logits {100 * r['compute_logits_share']:.1f} %")

@@ -38,7 +38,8 @@
 #   Q  (never run) where the talker's time goes at full size (docs/gpu.md, "The next GPU session", item 3):
 #      benchmarks.profile_stage (py-spy) on four cards at once — omni-cache and cache off, each with
 #      the thinker (stage 0) and the talker (stage 1) recorded, text and floor, one request at a time
-#      Q_SPECS overrides the split ("card:variant:stage ..."; one card's specs run one after another)
+#      Q_SPECS overrides the split ("card:variant:stage ..."; one card's specs run one after another);
+#      Q_CONC=16: each workload as one closed loop of 16 senders, recorded as one profile (the talker under load)
 #   K  M and Q at once (e.g. MUTANT_CARDS over cards 0-2, Q_SPECS on card 3), to fit one hold
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
@@ -90,7 +91,7 @@ run_Q() {
          --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant "$variant" --stage "$stage" \
          --workloads text,floor --requests 6 --thinker-kv-mib 12288 --talker-kv-mib 4096 \
-         --out "$OUT/Q" >> "$OUT/Q$dev.log" 2>&1
+         --concurrency "${Q_CONC:-1}" --max-num-seqs 16 --out "$OUT/Q" >> "$OUT/Q$dev.log" 2>&1
        log "Q card $dev $variant stage $stage rc=$?"
      done) &
   done
