@@ -120,10 +120,17 @@ def _stale_generation() -> None:
     """A block served after its writer left and the slot was reused (stale generation): a
     write into a block that another request filled before is dropped from the pool (the
     pool keeps the earlier generation's rows) while the ledger records the new fill, so a
-    later hit on the new content is served the old rows."""
+    later hit on the new content is served the old rows. Planted in both write paths:
+    ``write_request_rows`` (``_store_rows``) and the engine's, ``write_step_rows`` (one write
+    for the whole step: such a request's rows are replaced by what the pool holds at its
+    slots). Until the ninth GPU session only the first was planted, which the engine never
+    calls: its stress selection passed with the fault "planted" (on the CPU)."""
+    import numpy as np
+
     from omni_cache.core.cache import HiddenStateCache
 
     orig = HiddenStateCache._store_rows
+    orig_step = HiddenStateCache.write_step_rows
 
     def _store_rows(self, write):
         ids = [int(b) for b in list(write.blocks.block_ids)]
@@ -132,7 +139,22 @@ def _stale_generation() -> None:
             return
         return orig(self, write)
 
+    def write_step_rows(self, requests, rows):
+        bs, off, rows = self.block_size, 0, {k: v.clone() for k, v in rows.items()}
+        for r in requests:
+            n = r.num_tokens
+            table = [int(b) for b in list(r.block_ids)]
+            if n and any((o := self.ledger.owner[b]) is not None and o != r.req_id
+                         for b in table[r.start // bs:(r.start + n - 1) // bs + 1]):
+                pos = np.arange(r.start, r.start + n, dtype=np.int64)
+                slots = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+                for k, t in rows.items():  # the earlier generation's rows stay in the pool
+                    t[off:off + n] = self.pools[k].gather(slots, out_device=t.device).to(t.dtype)
+            off += n
+        return orig_step(self, requests, rows)
+
     HiddenStateCache._store_rows = _store_rows
+    HiddenStateCache.write_step_rows = write_step_rows
 
 
 def _deferred_write_dropped() -> None:

@@ -125,3 +125,32 @@ def test_seam_fault_reaches_cudas_host_staging(monkeypatch):
     assert torch.equal(hit, torch.cat([prefix, prefix[-1:], fresh[:-1]])) and torch.equal(miss, fresh)
     # the ninth GPU session's survivor: the seam made in StagedStep.complete was not planted
     assert torch.equal(snapshot(), torch.cat([prefix, prefix[-1:], fresh[:-1]]))
+
+
+def test_stale_generation_reaches_the_engines_step_write(monkeypatch):
+    """``stale_generation`` is planted where the engine writes (``write_step_rows``, one write
+    for a step), not only in ``write_request_rows``: a request writing into a block another
+    request filled leaves the earlier generation's rows in the pool (the ninth GPU session's
+    stress selection ran with the fault planted only where the engine never writes)."""
+    import torch
+
+    from omni_cache.core.cache import HiddenStateCache
+    from omni_cache.core.step_write import StepRequest
+    from tests.mutants import FAULTS
+    from tests.unit.core_util import KEYS, make_cache, rows
+
+    for name in ("_store_rows", "write_step_rows"):  # restored after the test (the fault patches the class)
+        monkeypatch.setattr(HiddenStateCache, name, HiddenStateCache.__dict__[name])
+
+    def pool_after_reuse():
+        cache = make_cache()
+        first, second = ({k: rows(4, 3, seed=s + i) for i, k in enumerate(KEYS)} for s in (0, 10))
+        cache.write_step_rows([StepRequest("A", [1], 0, 4, {})], first)
+        cache.write_step_rows([StepRequest("B", [1], 0, 4, {})], second)  # block 1 freed by A, reused
+        return {k: cache.pools[k].gather(list(range(4, 8))) for k in KEYS}, first, second
+
+    got, first, second = pool_after_reuse()
+    assert all(torch.equal(got[k], second[k]) for k in KEYS)
+    FAULTS["stale_generation"]()
+    got, first, second = pool_after_reuse()
+    assert all(torch.equal(got[k], first[k]) for k in KEYS)
