@@ -41,6 +41,9 @@
 #      Q_SPECS overrides the split ("card:variant:stage ..."; one card's specs run one after another);
 #      Q_CONC=16: each workload as one closed loop of 16 senders, recorded as one profile (the talker under load)
 #   K  M and Q at once (e.g. MUTANT_CARDS over cards 0-2, Q_SPECS on card 3), to fit one hold
+#   W  (never run) the full-size table off / built-in / omni-cache on cards 0-2 (floor, text, chat; c = 1 and 16;
+#      one round, ~10 min after a ~7 min cold start) while card 3 runs the four mutants not yet killed by an oracle on CUDA, then the talker's
+#      py-spy under c = 16 (omni-cache, cache off): issue 43's table and profile, issue 44's mutants, one hold
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -134,6 +137,17 @@ for step in "$@"; do
          --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name H > "$OUT/H.log" 2>&1
        wait ;;
     M) run_M ;;
+    W) # cards 0-2: the three-variant full-size table (as H, without the lane); card 3: the mutants not yet
+       # killed by an oracle there, then the talker profiled under c = 16 (omni-cache, cache off)
+       $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       (MUTANT_CARDS=${MUTANT_CARDS:-"3:seam_off_by_one,stale_generation,resume_rows_lost,async_placeholders_unresolved"}
+        run_M
+        Q_SPECS=${Q_SPECS:-"3:omni_cache:1 3:off:1"} Q_CONC=${Q_CONC:-16} run_Q) &
+       $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat \
+         --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation concurrent \
+         --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name W > "$OUT/W.log" 2>&1
+       wait ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
        $PY -m tests.lanes.gpu_check --groups yoco-eager,yoco-compiled,equality-compiled --jobs 3 --out "$OUT/R" \
