@@ -88,7 +88,7 @@ def test_report_is_written_after_every_mutant(monkeypatch, tmp_path):
     assert report["complete"] is False and len(report["pending"]) == 1
 
 
-def test_seam_fault_reaches_cudas_host_staging(monkeypatch):
+def test_seam_fault_reaches_both_cuda_stagings(monkeypatch):
     """``seam_off_by_one`` is planted where CUDA makes the seam too: ``stage_handoff`` (``host``
     staging) and ``StagedStep.complete`` (``snapshot``, CUDA's default: the ninth GPU session's
     mutant, planted without it, survived there): a hit's staged rows repeat its last cached row, a miss's are untouched.
