@@ -88,6 +88,9 @@ def main() -> int:
                          "--concurrency), recorded as one profile: where a stage's time goes under load")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="max_num_seqs of every stage (default: MemorySettings'; under load give >= --concurrency)")
+    ap.add_argument("--thinker-cache-only", action="store_true",
+                    help="omni-cache variants without the talker's prefix cache (default: as the stage config says, "
+                         "as benchmarks.prefill)")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--out", default=str(lab.RESULTS), help="folder the profile files are written to")
     args = ap.parse_args()
@@ -103,7 +106,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker inside the engine core
     import psutil
 
-    from benchmarks.prefill.harness import gpu_inventory
+    from benchmarks.prefill.harness import gpu_inventory, talker_cache
     from benchmarks.prefill.worker import VariantWorker
     from benchmarks.prefill.workloads import WorkloadOptions, specs, warmup_specs
     from omni_cache.driver.stage_config import load_stage_config
@@ -121,7 +124,8 @@ def main() -> int:
     talker_mib = args.talker_kv_mib or (None if gpu_host else 256 if args.model_size == "bench-voice" else 32)
     cfg = variant_stage_config(Path(args.stage_config), work, args.variant, mem=MemorySettings(
         thinker_kv_bytes=thinker_mib and thinker_mib << 20, talker_kv_bytes=talker_mib and talker_mib << 20,
-        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})))
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})),
+        talker_prefix_caching=talker_cache(args.stage_config, args.variant, thinker_cache_only=args.thinker_cache_only))
     family = "gemma4" if load_stage_config(args.stage_config).thinker_family == "gemma4" else "qwen3-omni"
     model = str(lab.model_dir(args.model_size, args.model, family=family))
     opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
@@ -178,7 +182,8 @@ def main() -> int:
     finally:
         w.close()
     result = {**lab.stamp("benchmarks.profile_stage"), "variant": args.variant, "stage": args.stage,
-              "concurrency": c,
+              "concurrency": c, "talker_prefix_caching": talker_cache(args.stage_config, args.variant,
+                                                                      thinker_cache_only=args.thinker_cache_only),
               "stage_config": str(args.stage_config), "rate_hz": args.rate, "workloads": {}}
     for wl, d in per.items():
         raw = "\n".join(d.pop("raw"))

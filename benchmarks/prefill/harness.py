@@ -246,15 +246,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--name", help="run directory name (default: prefill-<timestamp>)")
 
 
-def _talker_cache(args, variant: str) -> bool:
+def talker_cache(stage_config: str | Path, variant: str, *, thinker_cache_only: bool = False) -> bool:
     """Whether ``variant`` runs the talker's prefix cache: an omni-cache variant where the base
-    config turns it on, unless ``--thinker-cache-only``; never ``off`` / ``builtin`` / ``fast``
-    (vLLM's own cache on the talker would match placeholder ids: docs/talker-cache.md)."""
-    if args.thinker_cache_only or "omni_cache" not in variant:
+    config ``stage_config`` turns it on, unless ``thinker_cache_only`` (``--thinker-cache-only``);
+    never ``off`` / ``builtin`` / ``fast`` (vLLM's own cache on the talker would match
+    placeholder ids: docs/talker-cache.md). Shared with ``benchmarks.profile_stage``."""
+    if thinker_cache_only or "omni_cache" not in variant:
         return False
     import yaml  # the YAML alone: load_stage_config imports vLLM, which this driver keeps out
 
-    raw = yaml.safe_load(Path(args.stage_config).read_text())
+    raw = yaml.safe_load(Path(stage_config).read_text())
     talker = [st for st in raw.get("stages", []) if st.get("stage_id") == 1]
     return bool(talker and talker[0].get("enable_prefix_caching", raw.get("enable_prefix_caching")))
 
@@ -305,8 +306,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     gpus = gpu_inventory()
     stamp = lab.stamp("benchmarks.prefill", argv, gpus=gpus)
     mem = _memory_settings(args, gpu_host=bool(gpus))
-    cfgs = {v: variant_stage_config(Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
-                                    talker_prefix_caching=_talker_cache(args, v)) for v in variants}
+    cfgs = {v: variant_stage_config(
+        Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
+        talker_prefix_caching=talker_cache(args.stage_config, v, thinker_cache_only=args.thinker_cache_only))
+        for v in variants}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(lab.REPO), os.environ.get("PYTHONPATH")]))}
     if mem.malloc_arena_max:
         env["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
