@@ -33,7 +33,7 @@ import torch
 
 from omni_cache.driver.inputs import build_request
 from omni_cache.engine.scheduler import FORGET_ROWS
-from omni_cache.exactness.fuzz import served_rows_report
+from omni_cache.exactness.fuzz import audit_lines, served_rows_report
 from tests.device import BATCH_INVARIANT, CACHE_OFF_BITWISE
 from tests.pipeline.engines import thinker_params
 from tests.pipeline.workloads import (
@@ -232,9 +232,22 @@ def test_streaming_capped_hits_stay_exact(stream_runs):
     bitwise equality alone would not show the cap: the hits are asserted exactly, computed
     from token ids here (:func:`~tests.pipeline.workloads.prefix_hit`) — capped to the blocks the pair shares with
     requests sent before it (the system prompt), while the built-in cache, on the same
-    requests without the fault, serves the whole shared prefix."""
+    requests without the fault, serves the whole shared prefix.
+
+    First, oracle (a) with the first request's rows declared lost: every row served to the
+    second equals its writer's bitwise, and no served block's writer is the first (its rows
+    are not there to serve — were the cap off, the worker's copy of them would be served, and
+    this fails before any hit count is looked at)."""
     on, off, bi = stream_runs["omni_cache"], stream_runs["off"], stream_runs["builtin"]
     lost = on["lost"]["lost:second"]
+    declared_lost = on["lost"]["lost:first"].request_id
+    writers = [r for r in on["all"] if r.request_id != declared_lost]
+    from_lost = [(line["request"], i) for line in audit_lines(on["dir"])
+                 if line["request"].startswith(lost.request_id)
+                 for i, w in enumerate(line["writers"]) if w and w.startswith(declared_lost)]
+    assert not from_lost, f"served rows differ from their writer's: blocks {from_lost} served from rows declared lost"
+    v, u, bad = served_rows_report(on["dir"], writers).get(lost.request_id, (0, 0, []))
+    assert not bad and u == 0, ("served rows differ from their writer's", bad, u)
     ids = _prompt_ids(off["dir"], off["lost"]["lost:second"].request_id)
     before = [r for _, r in on["named"]] + list(on["batch"]) + [r for _, r in on["talker"][0]]
     earlier = [_prompt_ids(on["dir"], r.request_id) for r in before]
