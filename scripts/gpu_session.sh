@@ -44,6 +44,9 @@
 #   W  (never run) the full-size table off / built-in / omni-cache on cards 0-2 (floor, text, chat; c = 1 and 16;
 #      one round, ~10 min after a ~7 min cold start) while card 3 runs the four mutants not yet killed by an oracle on CUDA, then the talker's
 #      py-spy under c = 16 (omni-cache, cache off): issue 43's table and profile, issue 44's mutants, one hold
+#   T  a 4 x H100 host (when 4 x H200 is not lent): the shipped two-GPU layout at full size on cards 0-1
+#      (qwen3_omni_30b_a3b_2xh100_dummy.yaml; omni-cache, cache off, built-in one at a time: floor, text, chat;
+#      c = 1 and 16) while cards 2-3 run the mutants not yet killed by an oracle on CUDA (MUTANT_CARDS)
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -147,6 +150,17 @@ for step in "$@"; do
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat \
          --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation concurrent \
          --variant-devices "omni_cache=0;off=1;builtin=2" --out "$OUT" --name W > "$OUT/W.log" 2>&1
+       wait ;;
+    T) # 4 x H100: the shipped two-GPU layout at full size on cards 0-1, omni-cache / cache off / built-in one
+       # pipeline at a time (results written after each variant), while cards 2-3 run the mutants
+       $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       (MUTANT_CARDS=${MUTANT_CARDS:-"2:seam_off_by_one,stale_generation,cap_disabled 3:resume_rows_lost,async_placeholders_unresolved"}
+        run_M) &
+       CUDA_VISIBLE_DEVICES=0,1 $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat \
+         --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart \
+         --variants omni_cache,off,builtin --thinker-kv-mib 12288 --talker-kv-mib 4096 \
+         --out "$OUT" --name T > "$OUT/T.log" 2>&1
        wait ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
