@@ -24,6 +24,7 @@ import psutil
 from tqdm import tqdm
 
 from benchmarks import lab
+from benchmarks.prefill import jit as jit_log
 from benchmarks.prefill import summary as S
 from benchmarks.prefill.worker import RESULT_PREFIX
 from benchmarks.prefill.workloads import WORKLOADS, WorkloadOptions, check_media, specs, warmup_specs
@@ -310,6 +311,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
         talker_prefix_caching=talker_cache(args.stage_config, v, thinker_cache_only=args.thinker_cache_only))
         for v in variants}
+    if gpus:  # every Triton compile logged, to tell a compile's latency spike from the variant's own
+        for p in cfgs.values():
+            jit_log.verbose_jit_monitor(p)
+    timed_from: dict[str, float] = {}  # variant -> unix time its warm-up ended (benchmarks.prefill.jit)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(lab.REPO), os.environ.get("PYTHONPATH")]))}
     if mem.malloc_arena_max:
         env["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
@@ -345,6 +350,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             ans = var.run_concurrent(warmup_specs(workloads, opts, c), c)
             warm[var.name].extend({**row, "concurrency": c} for row in ans["results"])
         sample_mem(var, "after warm-up")
+        timed_from[var.name] = time.time()
 
     def sample_mem(var: Variant, when: str) -> None:
         m, gpu = var.mem()
@@ -417,6 +423,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm, "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
             "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in failed},
+            "jit_compiles": jit_log.jit_report(out, variants, timed_from, samples) if gpus else None,
             "aborted": aborted, "complete": final and not aborted}
         lab.write_result(out, result)
         what = f"{Path(model).name}, {alternation['mode']}, N={args.requests} R={args.repeats}"
@@ -434,8 +441,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     aborted, t_start = None, time.time()  # aborted: why the run stopped early (WorkerDied), else None
     try:
         mode = args.alternation
-        # the pipeline measured for the memory decision: omni-cache's (it holds the largest pool)
-        variants = sorted(variants, key=lambda v: v != "omni_cache")
+        if mode == "auto":  # the pipeline measured for the memory decision: omni-cache's (the largest pool)
+            variants = sorted(variants, key=lambda v: v != "omni_cache")
+        # else --variants' order: under restart the first pipeline on a fresh GPU host compiles the Triton
+        # kernels the later ones find in the disk cache (docs/benchmarks.md): put omni_cache where you mean to
         live.append(start(variants[0]))
         ready_and_warm(live[0])
         one = memory["samples"][-1]["total"]
@@ -533,6 +542,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print("idle pipeline CPU (cores): " + ", ".join(
               f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
               + ("; frozen while others are timed" if alternation.get("freeze_idle") else ""))
+    if gpus:
+        print("\n" + jit_log.format_jit(jit_log.jit_report(out, variants, timed_from, samples)))
     print(f"wrote {out / 'result.json'} and {png}" + (f" and {load_png}" if load_png else ""))
     if aborted:
         print(f"INCOMPLETE RUN: {aborted}", file=sys.stderr)

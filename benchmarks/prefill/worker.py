@@ -249,6 +249,7 @@ class _Request:
         w._seq += 1
         self.w, self.spec, self.rid = w, spec, f"bench-{w._seq}"
         self.prompt, self.params, self.t0 = w.engine_prompt(spec), w.sampling_params(spec), time.perf_counter()
+        self.t_wall = time.time()  # host clock, to match the stage logs' lines (benchmarks.prefill.jit)
         self.ttft = self.ttfp = None  # perf_counter() at the first text token / audio packet
         self.prompt_ids, self.gen_ids, self.errors, self.text = [], [], [], ""
         self.cached = self.audio_samples = self.packets = 0
@@ -288,6 +289,7 @@ class _Request:
         ms = lambda t: 1000.0 * (t - self.t0) if t is not None else None  # noqa: E731
         out = {"workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
                "measure": spec.get("measure", True), "streaming": w.stream, "request_id": self.rid,
+               "started_unix": self.t_wall,
                "num_prompt_tokens": len(prompt_ids), "num_cached_tokens": self.cached,
                "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0, "computed_tokens": None,
                "num_output_tokens": len(gen_ids), "prefill_ms": None, "prefill_source": UNDER_LOAD,
