@@ -45,7 +45,8 @@
 #      one round, ~10 min after a ~7 min cold start) while card 3 runs the four mutants not yet killed by an oracle on CUDA, then the talker's
 #      py-spy under c = 16 (omni-cache, cache off): issue 43's table and profile, issue 44's mutants, one hold
 #   T  a 4 x H100 host (when 4 x H200 is not lent): the shipped two-GPU layout at full size on cards 0-1
-#      (qwen3_omni_30b_a3b_2xh100_dummy.yaml; omni-cache, cache off, built-in one at a time: floor, text, chat;
+#      (qwen3_omni_30b_a3b_2xh100_dummy.yaml; cache off, built-in, omni-cache one at a time, omni-cache last
+#      so the first pipeline on the fresh host pays the Triton compiles: floor, text, chat;
 #      c = 1 and 16) while cards 2-3 run the mutants not yet killed by an oracle on CUDA (MUTANT_CARDS)
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
@@ -159,7 +160,7 @@ for step in "$@"; do
        CUDA_VISIBLE_DEVICES=0,1 $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat \
          --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart \
-         --variants omni_cache,off,builtin --thinker-kv-mib 12288 --talker-kv-mib 4096 \
+         --variants off,builtin,omni_cache --thinker-kv-mib 12288 --talker-kv-mib 4096 \
          --out "$OUT" --name T > "$OUT/T.log" 2>&1
        wait ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
