@@ -314,7 +314,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if gpus:  # every Triton compile logged, to tell a compile's latency spike from the variant's own
         for p in cfgs.values():
             jit_log.verbose_jit_monitor(p)
-    timed_from: dict[str, float] = {}  # variant -> unix time its warm-up ended (benchmarks.prefill.jit)
+    warmups: dict[str, list[tuple[float, float]]] = {}  # variant -> unix (start, end) of each warm-up (jit report)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(lab.REPO), os.environ.get("PYTHONPATH")]))}
     if mem.malloc_arena_max:
         env["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
@@ -343,6 +343,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     def ready_and_warm(var: Variant) -> None:
         starts[var.name].append(var.wait_ready()["start_s"])
+        t_warm = time.time()
         bar.set_postfix_str(f"warming {var.name}")
         warm[var.name].extend(var.run(warmup_specs(workloads, opts)))
         for c in loads:  # batch shapes of every c compiled / autotuned before timing (see warmup_specs)
@@ -350,7 +351,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             ans = var.run_concurrent(warmup_specs(workloads, opts, c), c)
             warm[var.name].extend({**row, "concurrency": c} for row in ans["results"])
         sample_mem(var, "after warm-up")
-        timed_from[var.name] = time.time()
+        warmups.setdefault(var.name, []).append((t_warm, time.time()))
 
     def sample_mem(var: Variant, when: str) -> None:
         m, gpu = var.mem()
@@ -423,7 +424,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm, "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
             "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in failed},
-            "jit_compiles": jit_log.jit_report(out, variants, timed_from, samples) if gpus else None,
+            "jit_compiles": jit_log.jit_report(out, variants, warmups, samples) if gpus else None,
             "aborted": aborted, "complete": final and not aborted}
         lab.write_result(out, result)
         what = f"{Path(model).name}, {alternation['mode']}, N={args.requests} R={args.repeats}"
@@ -543,7 +544,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
               f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
               + ("; frozen while others are timed" if alternation.get("freeze_idle") else ""))
     if gpus:
-        print("\n" + jit_log.format_jit(jit_log.jit_report(out, variants, timed_from, samples)))
+        print("\n" + jit_log.format_jit(jit_log.jit_report(out, variants, warmups, samples)))
     print(f"wrote {out / 'result.json'} and {png}" + (f" and {load_png}" if load_png else ""))
     if aborted:
         print(f"INCOMPLETE RUN: {aborted}", file=sys.stderr)

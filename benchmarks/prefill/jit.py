@@ -60,19 +60,23 @@ def compile_events(log: Path, year: int) -> list[dict[str, Any]]:
     return out
 
 
-def jit_report(out: Path, variants: list[str], timed_from: dict[str, float],
+def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[float, float]]],
                samples: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
-    """Per variant: compiles logged after its warm-up (``timed_from``: unix time its warm-up
-    ended; the untimed re-warm request of each workload counts with the timed ones; a variant
-    never timed is left out), counted by stage and kernel, and every TTFT spike of a request
-    sent alone (``samples[workload][variant]`` rows with ``started_unix``) with the compiles
-    logged while it ran (from its start's second to the second after its first token)."""
+    """Per variant: compiles logged after its first warm-up and outside every warm-up
+    (``warmups``: the unix ``(start, end)`` of each of its pipeline's warm-ups — one per start,
+    so restart alternation has one a round; the untimed re-warm request of each workload counts
+    with the timed ones; a variant never warmed is left out), counted by stage and kernel, and
+    every TTFT spike of a request sent alone (``samples[workload][variant]`` rows with
+    ``started_unix``) with the compiles logged while it ran (from its start's second to the
+    second after its first token)."""
     report: dict[str, Any] = {}
     for v in variants:
-        if v not in timed_from:
+        if not warmups.get(v):
             continue
-        t0 = timed_from[v]
-        events = [e for e in compile_events(out / f"log_{v}.txt", time.localtime(t0).tm_year) if e["t"] >= int(t0)]
+        windows = [(int(a), b) for a, b in warmups[v]]
+        t0 = windows[0][1]
+        events = [e for e in compile_events(out / f"log_{v}.txt", time.localtime(t0).tm_year)
+                  if e["t"] >= int(t0) and not any(a <= e["t"] <= b for a, b in windows)]
         by: dict[str, int] = {}
         for e in events:
             key = f"stage {e['stage']}: {e['kernel']}"

@@ -23,11 +23,12 @@ def test_compiles_after_warmup_are_counted_and_matched_with_spikes(tmp_path):
     log.write_text(_line(t0 - 30, 0, "fused_moe_kernel")  # during warm-up: not counted
                    + "INFO some other line\n"
                    + _line(t0 + 10, 0, "fused_moe_kernel")  # during request 1 (a spike)
-                   + _line(t0 + 40, 1, "_bmm_outer_product_kernel"))  # between requests
+                   + _line(t0 + 40, 1, "_bmm_outer_product_kernel")  # in a second warm-up (a restart)
+                   + _line(t0 + 55, 1, "_bmm_outer_product_kernel"))  # between requests
     rows = [{"index": i, "measure": True, "ttft_ms": ms, "started_unix": t0 + start}
             for i, (start, ms) in enumerate([(2, 90), (9.5, 1200), (20, 95), (30, 1100), (50, 85)])]
     rows.append({"index": 9, "measure": False, "ttft_ms": 5000, "started_unix": t0 + 60})  # untimed
-    rep = jit.jit_report(tmp_path, ["omni_cache", "off"], {"omni_cache": t0},
+    rep = jit.jit_report(tmp_path, ["omni_cache", "off"], {"omni_cache": [(t0 - 60, t0), (t0 + 35, t0 + 45)]},
                          {"floor": {"omni_cache": rows, "off": []}})
     assert set(rep) == {"omni_cache"}  # "off" was never timed
     r = rep["omni_cache"]
