@@ -411,6 +411,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         load = S.summarize_load(load_samples, samples if alone else None)
         load_checks = S.load_checks(load) if "omni_cache" in variants else {}
         mem_per_variant = S.memory_per_variant(memory["samples"], metrics, variants)
+        jit_report = jit_log.jit_report(out, variants, warmups, samples) if gpus else None
         failed = [v for v in variants if any(r.get("error") for w in workloads for r in samples[w][v])
                   or any(r.get("error") for r in warm[v])]
         result = {
@@ -424,13 +425,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm, "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
             "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in failed},
-            "jit_compiles": jit_log.jit_report(out, variants, warmups, samples) if gpus else None,
+            "jit_compiles": jit_report,
             "aborted": aborted, "complete": final and not aborted}
         lab.write_result(out, result)
         what = f"{Path(model).name}, {alternation['mode']}, N={args.requests} R={args.repeats}"
         png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {what}")
         load_png = S.plot_load(load, out / "load.png", title=f"under load, {what}") if loads else None
-        return summ, checks, load, load_checks, mem_per_variant, png, load_png
+        return summ, checks, load, load_checks, mem_per_variant, png, load_png, jit_report
 
     def checkpoint() -> None:
         try:
@@ -528,7 +529,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             var.close()
         bar.close()
 
-    summ, checks, load, load_checks, mem_per_variant, png, load_png = write_result(final=True)
+    summ, checks, load, load_checks, mem_per_variant, png, load_png, jit_report = write_result(final=True)
     print()
     if alone:
         print(S.format_table(summ, checks))
@@ -543,8 +544,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print("idle pipeline CPU (cores): " + ", ".join(
               f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
               + ("; frozen while others are timed" if alternation.get("freeze_idle") else ""))
-    if gpus:
-        print("\n" + jit_log.format_jit(jit_log.jit_report(out, variants, warmups, samples)))
+    if jit_report is not None:
+        print("\n" + jit_log.format_jit(jit_report))
     print(f"wrote {out / 'result.json'} and {png}" + (f" and {load_png}" if load_png else ""))
     if aborted:
         print(f"INCOMPLETE RUN: {aborted}", file=sys.stderr)
