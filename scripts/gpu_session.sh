@@ -48,6 +48,12 @@
 #      (qwen3_omni_30b_a3b_2xh100_dummy.yaml; cache off, built-in, omni-cache one at a time, omni-cache last
 #      so the first pipeline on the fresh host pays the Triton compiles: floor, text, chat;
 #      c = 1 and 16) while cards 2-3 run the mutants not yet killed by an oracle on CUDA (MUTANT_CARDS)
+#   E  (eleventh session) after a change to omni_cache/: the whole lane plus the mutant it was made for,
+#      and the full-size floor on the card left: on 4 x H200 the lane on cards 0-2 (N's split), the
+#      mutants in MUTANT_CARDS (default "1:async_placeholders_unresolved") beside it, card 3 the
+#      one-GPU full-size config, cache off / omni-cache / built-in one at a time (floor, text; c = 1
+#      and 16; 12 requests; jit_compiles on); on 4 x H100 (a full-size pipeline needs an H200 or two
+#      H100s) the lane over four cards (L's split) and the mutants beside it on card 2
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -200,6 +206,38 @@ for step in "$@"; do
        $PY -m tests.lanes.gpu_check --groups "" --out "$OUT/L" --commit "$COMMIT" \
          --merge "$OUT"/L0/report.json "$OUT"/L1/report.json "$OUT"/L2/report.json > "$OUT/L.log" 2>&1
        log "lane merged"; wait $bench ;;
+    E) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
+       $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
+       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | tr -d ' ')
+       lane=(); bench=""
+       if [ "${mib:-0}" -ge 100000 ]; then
+         $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+         CUDA_VISIBLE_DEVICES=3 $PY -m benchmarks.prefill \
+           --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
+           --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text \
+           --requests 12 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart \
+           --variants off,omni_cache,builtin --out "$OUT" --name E3 > "$OUT/E3.log" 2>&1 &
+         bench=$!
+         specs=("0:equality-compiled,yoco-eager,equality" "1:streaming,yoco-compiled,main-job"
+                "2:serve,stress,equality-default,unit"); jobs=3; mcards=${MUTANT_CARDS:-"1:async_placeholders_unresolved"}
+       else
+         specs=("0:equality-compiled,yoco-eager" "1:yoco-compiled,streaming" "2:serve,equality-default,main-job"
+                "3:stress,equality,unit"); jobs=2; mcards=${MUTANT_CARDS:-"2:async_placeholders_unresolved"}
+       fi
+       log "E: ${mib} MiB a card; lane ${specs[*]}; mutants $mcards; bench ${bench:-none}"
+       (MUTANT_CARDS=$mcards run_M) &
+       mut=$!
+       parts=()
+       for spec in "${specs[@]}"; do
+         dev=${spec%%:*}
+         CUDA_VISIBLE_DEVICES=$dev $PY -m tests.lanes.gpu_check --groups "${spec#*:}" --jobs $jobs --out "$OUT/L$dev" \
+           --commit "$COMMIT" > "$OUT/L$dev.log" 2>&1 &
+         lane+=($!); parts+=("$OUT/L$dev/report.json")
+       done
+       wait "${lane[@]}"
+       $PY -m tests.lanes.gpu_check --groups "" --out "$OUT/L" --commit "$COMMIT" --merge "${parts[@]}" \
+         > "$OUT/L.log" 2>&1
+       log "lane merged"; wait $mut; log "mutants done"; [ -n "$bench" ] && wait $bench ;;
     Y) $PY -m omni_cache.cli make-model --family gemma4 --size full >> "$OUT/models.log" 2>&1
        $PY -m benchmarks.prefill --stage-config stage_configs/gemma4_e4b_yoco_h200_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/gemma4-omni-full" --modalities text,miss --prefix-words 1080 \

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from omni_cache.engine.stage_manager import OmniCacheStageManager
+from omni_cache.engine.stage_manager import CACHED_BLOCKS_ATTR, OmniCacheStageManager
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +106,20 @@ class OmniCacheRunnerMixin:
         else inline): before it materializes the step, hand the stage manager vLLM-Omni's own
         snapshot of the step's outputs (``hidden_states``, ``multimodal_outputs``: host copies
         under async output), from which the fresh hand-off rows are taken instead of a second
-        copy of ours (``OMNI_CACHE_HANDOFF_STAGING=snapshot``, docs/gpu.md "Zero overhead")."""
+        copy of ours (``OMNI_CACHE_HANDOFF_STAGING=snapshot``, docs/gpu.md "Zero overhead").
+        The built output carries the block ids the step cached (:data:`CACHED_BLOCKS_ATTR`) to
+        the capped scheduler."""
         mgr = getattr(self, "omni_prefix_cache", None)
         step_id = kwargs.get("prefix_cache_step_id")
+        cached = None
         if step_id is not None and isinstance(mgr, OmniCacheStageManager):
+            cached = mgr.cached_blocks(step_id)
             mgr.attach_snapshot(step_id, kwargs.get("hidden_states"), kwargs.get("multimodal_outputs"))
-        return super()._build_omni_model_runner_output_from_snapshot(**kwargs)
+        output = super()._build_omni_model_runner_output_from_snapshot(**kwargs)
+        if cached is not None:
+            # the step's cached blocks, for the capped scheduler (CACHED_BLOCKS_ATTR)
+            setattr(output, CACHED_BLOCKS_ATTR, cached)
+        return output
 
     def _settle_ledger(self) -> None:
         """Apply the ledger updates the step's writes deferred (``HiddenStateCache.settle``,

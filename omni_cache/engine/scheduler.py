@@ -16,7 +16,10 @@ vLLM-Omni's ``OmniARAsyncScheduler``, vLLM-Omni's default) variant from the stag
 ``async_scheduling``. Under async scheduling step N+1 is scheduled while step N runs: a block
 recorded at ``schedule()`` is written by that step, which runs before any later step reads a
 hit; decode-filled blocks, hashed by vLLM only when their step's output arrives, are recorded
-then (:meth:`OmniCacheSchedulerMixin._resolve_pending_blocks`). (vLLM's CPU platform forces
+then (:meth:`OmniCacheSchedulerMixin._resolve_pending_blocks`), and only if the worker reports
+with that step's output that it cached the block under its own hash (a token the worker could
+not resolve leaves the block uncached there: a hit on it is capped and recomputed, never
+refused in the worker — :meth:`OmniCacheSchedulerMixin._drop_unconfirmed`). (vLLM's CPU platform forces
 synchronous scheduling; ``tests/unit/test_scheduler_cap.py`` drives vLLM's real async
 scheduler the way its engine core does.)
 """
@@ -34,6 +37,7 @@ from omni_cache.core.coverage import RowValidity, WrittenBlocks, spans_overlap
 from omni_cache.engine.metrics import MetricsFile
 from omni_cache.engine.runner import full_attention_group
 from omni_cache.engine.sched_stats import PrefixStatsFlushMixin
+from omni_cache.engine.stage_manager import CACHED_BLOCKS_ATTR
 from omni_cache.engine.shm_hygiene import FinalStageHandOffMixin
 
 logger = logging.getLogger(__name__)
@@ -89,6 +93,11 @@ class SchedulerCapState:
         steps_done: steps whose output has been processed (``update_from_output``): their
             rows are written.
         step_of_output: ``id(SchedulerOutput)`` → its step index, until its output arrives.
+        worker_reports: step outputs that carried the worker's cached blocks
+            (:data:`~omni_cache.engine.stage_manager.CACHED_BLOCKS_ATTR`).
+        unconfirmed_blocks: pending blocks dropped because the worker did not cache them in
+            the step that completed them (0 unless the worker's hashes fall behind vLLM's:
+            each one is a capped hit instead of a refused one).
     """
 
     written: WrittenBlocks
@@ -109,6 +118,8 @@ class SchedulerCapState:
     steps_scheduled: int = 0
     steps_done: int = 0
     step_of_output: dict[int, int] = field(default_factory=dict)
+    worker_reports: int = 0
+    unconfirmed_blocks: int = 0
 
     def note_resumed(self, request_id: str, num_preemptions: int, tokens: int) -> None:
         """A preempted request's prefix hit on resume (``tokens``). The lookup repeats while the
@@ -129,6 +140,7 @@ class SchedulerCapState:
                 "resumed_hit_tokens": self.resumed_older[1] + sum(self.resumed.values()),
                 "capped_tokens": self.capped_tokens,
                 "same_step_hit_tokens": self.same_step_hit_tokens,
+                "worker_reports": self.worker_reports, "unconfirmed_blocks": self.unconfirmed_blocks,
                 "preempted_requests": list(self.preempted),
                 "resumed_hit_requests": sorted({rid for rid, _ in self.resumed})}
 
@@ -303,9 +315,37 @@ class OmniCacheSchedulerMixin:
         step = st.step_of_output.pop(id(scheduler_output), None)
         if step is not None:
             st.steps_done = max(st.steps_done, step + 1)
+            cached = getattr(model_runner_output, CACHED_BLOCKS_ATTR, None)
+            if cached is not None:
+                st.worker_reports += 1
+                if st.pending:
+                    self._drop_unconfirmed(st, step, cached)
         if st.pending:
             self._resolve_pending_blocks(st)
         return outputs
+
+    def _drop_unconfirmed(self, st: SchedulerCapState, step: int, cached) -> None:
+        """Drop the pending blocks completed by ``step`` that the worker did not cache in it
+        (``cached``: the block ids its stage manager cached under its own block hash,
+        :meth:`~omni_cache.engine.stage_manager.OmniCacheStageManager.cached_blocks`). vLLM
+        hashes a decode-filled block from its sampled tokens; the worker hashes it from the
+        step's input ids it kept on the device (async scheduling: the host holds
+        placeholders). Should the two ever disagree, the block stays unrecorded here and any
+        hit on it is capped and recomputed — the worker would otherwise refuse the hit
+        (``StaleRowsError``) and the engine stop. Counted in ``unconfirmed_blocks`` and
+        logged (a warning: the worker's hashes fell behind vLLM's)."""
+        for rid in list(st.pending):
+            pending = st.pending[rid]
+            for i, (block_id, at) in list(pending.items()):
+                if at == step and block_id not in cached:
+                    del pending[i]
+                    st.unconfirmed_blocks += 1
+                    if st.unconfirmed_blocks <= 8:
+                        logger.warning("omni-cache: request %s: block %d (id %d), completed in step %d, was not "
+                                       "cached by the worker; hits on it are capped and recomputed", rid, i,
+                                       block_id, step)
+            if not pending:
+                del st.pending[rid]
 
     def _resolve_pending_blocks(self, st: SchedulerCapState) -> None:
         """Record pending blocks (see :meth:`_record_completed_blocks`) whose writing step has

@@ -53,6 +53,11 @@ HIDDEN_KEY = "hidden"
 #: token sampled under async scheduling whose value is still on the device
 #: (``gpu_model_runner.py``: ``sampled_ids = [-1]``; ``InputBatch.update_async_output_token_ids``)
 PLACEHOLDER_TOKEN = -1
+#: attribute of a step's ``ModelRunnerOutput`` with the block ids the worker cached in that step
+#: (a ``frozenset[int]``, :meth:`OmniCacheStageManager.cached_blocks`), set by
+#: :class:`omni_cache.engine.runner.OmniCacheRunnerMixin`, read by the capped scheduler; an
+#: instance attribute, so it travels wherever the output does (in process, or pickled)
+CACHED_BLOCKS_ATTR = "omni_cache_cached_block_ids"
 
 
 @dataclass
@@ -139,6 +144,9 @@ class _SavedStep:
     #: ``staged`` then holds only the hits' prefixes
     from_snapshot: bool = False
     snapshot: dict[str, torch.Tensor] | None = None  # key -> [>= num_tokens, ...] (attach_snapshot)
+    #: block ids of the mirrored group whose rows this step completed and cached with a hash
+    #: (:meth:`OmniCacheStageManager.cached_blocks`)
+    cached_blocks: frozenset[int] = frozenset()
 
     def rows(self, req_id: str) -> dict[str, torch.Tensor]:
         """Key → the request's hand-off rows (``cached prefix ++ fresh``)."""
@@ -199,6 +207,7 @@ class OmniCacheStageManager:
         #: CUDA, ``OMNI_CACHE_HANDOFF_STAGING=snapshot``: fresh hand-off rows are taken from
         #: vLLM-Omni's output snapshot (:meth:`attach_snapshot`), only hits' prefixes are staged
         self._from_snapshot = False
+        self._cached_this_step: list[int] = []  # write_rows: block ids it cached (cached_blocks)
 
     # ---- 1. step begin ---------------------------------------------------------------
     def new_step_starts(self, scheduler_output) -> None:
@@ -265,6 +274,7 @@ class OmniCacheStageManager:
         t_plan = time.perf_counter()
         snapshot = self._from_snapshot  # (set only with a stager)
         fresh = self.write_rows(plan, outputs, keep_fresh=not snapshot)
+        cached_blocks, self._cached_this_step = frozenset(self._cached_this_step), []
         prefixes = self.read_hits(plan)
         t_stage = time.perf_counter()
         if snapshot:
@@ -276,7 +286,7 @@ class OmniCacheStageManager:
             merged, staged = self.merge(plan, fresh, prefixes), None
         step_id = next(self._step_ids)
         self._steps[step_id] = _SavedStep(plan, merged, staged, outputs.passthrough, outputs.num_tokens,
-                                          from_snapshot=snapshot)
+                                          from_snapshot=snapshot, cached_blocks=cached_blocks)
         t1 = time.perf_counter()
         self.step_seconds = t1 - t0
         m = self.cache.metrics
@@ -435,9 +445,11 @@ class OmniCacheStageManager:
         (:meth:`~omni_cache.core.HiddenStateCache.write_step_rows`: one index, one write per
         key), or per request in a step where fast prefill truncated some request's final
         hidden rows. Returns request → key → this step's rows (fresh; empty with
-        ``keep_fresh=False`` unless the step writes per request)."""
+        ``keep_fresh=False`` unless the step writes per request); the ids of the blocks it
+        cached are kept for :meth:`cached_blocks`."""
         fresh: dict[str, dict[str, torch.Tensor]] = {}
         step: list[StepRequest] = []
+        self._cached_this_step = []
         keep_fresh = keep_fresh or bool(plan.truncated)
         for rid in plan.req_ids:
             s, e = plan.spans[rid]
@@ -446,6 +458,8 @@ class OmniCacheStageManager:
             start = self.reqs[rid].num_computed_tokens
             hashes = self.block_hashes(rid, start + (e - s))
             new_full = {b: hashes[b] for b in range(start // self.block_size, len(hashes))}
+            table = self.reqs[rid].block_ids
+            self._cached_this_step.extend(table[b] for b in new_full)
             if self._block_audit.path is not None:
                 keys = [k for k in plan.handoff_keys if not (k == HIDDEN_KEY and rid in plan.truncated)]
                 self._block_audit.add(rid, start, {k: outputs.rows[k][s:e] for k in keys}, new_full)
@@ -596,6 +610,18 @@ class OmniCacheStageManager:
         self._publish_metrics(force=self._read_this_step)
         self._read_this_step = False
         return HandOff(hidden_states=hidden or None, mm_outputs=mm)
+
+    def cached_blocks(self, step_id: int) -> frozenset[int] | None:
+        """Block ids (mirrored KV cache group) whose rows the saved step ``step_id`` completed
+        and cached under the block hash this stage manager computed — None for an unknown or
+        consumed step. The runner hands them to the scheduler with the step's output
+        (:data:`CACHED_BLOCKS_ATTR`): under async scheduling the scheduler vouches for a
+        decode-filled block only once the worker has cached it
+        (:meth:`omni_cache.engine.scheduler.OmniCacheSchedulerMixin.update_from_output`), so a
+        block the worker could not hash (a token still a placeholder) is never hit: the hit
+        is capped and recomputed, the engine keeps serving."""
+        step = self._steps.get(step_id)
+        return None if step is None else step.cached_blocks
 
     def discard_step(self, step_id: int) -> None:
         """Drop a saved step that will not be handed off."""

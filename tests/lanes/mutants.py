@@ -106,10 +106,12 @@ MUTANTS = (
     Mutant("talker_seed_dropped", "talker block keys without speaker / language / salt",
            (("tests/unit/test_talker_identity.py",), (CACHE_EQ, "-k", "talker_prefix_cache"))),
     # async scheduling runs on GPUs only (the CPU platform schedules synchronously): on the CPU only
-    # the unit test reaches it; on CUDA the streaming hits test (exact expected hits) does
+    # the unit tests reach it; on CUDA the worker's blocks go uncached, its output says so, the
+    # scheduler caps the chat's hit on them (the engine keeps serving): oracle (b) sees a hit
+    # shorter than the built-in's on the same request
     Mutant("async_placeholders_unresolved", "async scheduling's device input ids not kept: decode-filled "
            "blocks never hashed (the H200 defect of 22d261f)",
-           ((STAGE_MANAGER,), (STREAM_EQ, "-k", "hits_happen"))),
+           ((STAGE_MANAGER,), (STREAM_EQ, "-k", "builtin_cache_bitwise"))),
     Mutant("resume_rows_lost", "a request resumed after preemption hands off only its recomputed rows",
            ((STAGE_MANAGER,), (STRESS,))),
 )

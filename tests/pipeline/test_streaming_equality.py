@@ -259,6 +259,9 @@ def test_streaming_capped_hits_stay_exact(stream_runs):
     assert on["lost"]["lost:first"].num_cached_tokens == prefix_hit(first, earlier)
     sched = read_metrics(on["dir"], "scheduler", until=lambda m: m["capped_tokens"] >= whole - capped)
     assert sched["capped_tokens"] == whole - capped, (sched, whole - capped)
+    # the worker reports with each step's output the blocks it cached (the real engine's path,
+    # runner → scheduler), and cached every block the scheduler vouched for after the fact
+    assert sched["worker_reports"] > 0 and sched["unconfirmed_blocks"] == 0, sched
     m = read_metrics(on["dir"], "metrics")
     assert m["hits_refused"] == 0, m  # capped before the forward, never refused in the worker
     for name, _ in LOST_PAIR:

@@ -374,6 +374,8 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
     assert sum(r[1] for r in on.values()) > 0, "the stress run produced no prefix hit"
     sched = _scheduler_metrics(d_on)
     assert sched["preemptions"] > 0 and sched["resumed_hits"] > 0, f"no preemption with a resumed hit: {sched}"
+    # every decode-filled block the scheduler recorded after its step's output, the worker cached
+    assert sched["worker_reports"] > 0 and sched["unconfirmed_blocks"] == 0, sched
     compared, diverged = [], []
     # the request sent alone after the stress (and after the first-packet aborts) is compared too
     on, off = {**on, "alive": alive_on}, {**off, "alive": alive_off}

@@ -7,13 +7,21 @@ A small model-runner stand-in (:class:`Runner`) keeps the runner's view of each 
 block table from the scheduler outputs, writes every scheduled token's row at its slot when a
 step runs — the row's content is the token prefix it was computed from, as a causal model's
 is — and, after the step's writes, checks every prefix hit the step serves: each hit row must
-hold exactly the hitting request's own prefix. Rows of "lost" requests are never written
-(fault injection: such a request carries the scheduler's ``FORGET_ROWS`` marker).
+hold exactly the hitting request's own prefix, and each hit block must be cached in the
+worker's ledger (as the stage manager's read requires: a block it never hashed is refused
+there, ``StaleRowsError``, and the engine stops). Rows of "lost" requests are never written
+(fault injection: such a request carries the scheduler's ``FORGET_ROWS`` marker). Like the
+real runner, each step's output carries the block ids the worker cached in it
+(``CACHED_BLOCKS_ATTR``); with ``decode_blocks_hashed=False`` the worker cannot hash a block
+whose last token it decoded in that step (the mutant ``async_placeholders_unresolved``: the
+token a placeholder on the host) and never caches it.
 """
 
 from __future__ import annotations
 
 import pytest
+
+from omni_cache.engine.stage_manager import CACHED_BLOCKS_ATTR
 
 from tests.unit.sched_util import BS, scheduler_kwargs
 from tests.unit.sched_util import request as _request
@@ -54,8 +62,11 @@ class StaleRow(AssertionError):
 class Runner:
     """The model runner's side of the simulation (see the module docstring)."""
 
-    def __init__(self, lost: set[str] = frozenset()):
+    def __init__(self, lost: set[str] = frozenset(), *, decode_blocks_hashed: bool = True, report: bool = True):
         self.lost = set(lost)
+        self.decode_blocks_hashed = decode_blocks_hashed
+        self.report = report  # the output carries the step's cached block ids
+        self.cached: dict[int, tuple[int, ...]] = {}  # the worker's ledger: block id -> prefix through it
         self.tokens: dict[str, list[int]] = {}  # prompt + sampled so far (the runner samples)
         self.tables: dict[str, list[int]] = {}
         self.slots: dict[int, tuple[int, ...]] = {}  # slot id -> the token prefix its row holds
@@ -86,14 +97,22 @@ class Runner:
             elif new is not None:
                 self.tables[rid].extend(new[0])
             spans[rid] = c.num_computed_tokens[i]
-        sampled_ids = []
+        sampled_ids, cached = [], set()
         for rid, start in spans.items():  # 1. every write of the step ...
             end = start + out.num_scheduled_tokens[rid]
             toks = self.tokens[rid]
             assert end <= len(toks), (rid, start, end, len(toks))  # inputs are known when the step runs
+            for b in range(start // BS, (end - 1) // BS + 1):  # blocks being (re)written
+                self.cached.pop(self.tables[rid][b], None)
             if rid not in self.lost:
                 for p in range(start, end):
                     self.slots[self._slot(rid, p)] = tuple(toks[: p + 1])
+                decoded = end - start == 1 and start >= len(toks) - 1 and start > 0
+                for b in range(start // BS, end // BS):  # blocks this step completes: hashed, cached
+                    if decoded and not self.decode_blocks_hashed:
+                        continue  # its last token a placeholder the worker could not resolve
+                    self.cached[self.tables[rid][b]] = tuple(toks[: (b + 1) * BS])
+                    cached.add(self.tables[rid][b])
             if end == len(toks):  # the step reached the last known token: it samples one
                 toks.append(sampled(end))
                 sampled_ids.append([toks[-1]])
@@ -103,12 +122,18 @@ class Runner:
             for p in range(hit):
                 if self.slots.get(self._slot(rid, p)) != tuple(self.tokens[rid][: p + 1]):
                     raise StaleRow(f"request {rid}: hit row at position {p} of {hit} is not its own")
+            for b in range(hit // BS):
+                if self.cached.get(self.tables[rid][b]) != tuple(self.tokens[rid][: (b + 1) * BS]):
+                    raise StaleRow(f"request {rid}: hit block {b} is not cached by the worker")
             self.hit_tokens_checked += hit
             self.hits[rid] = max(self.hits.get(rid, 0), hit)
             self.first_hits.setdefault(rid, hit)
         ids = list(spans)
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=sampled_ids)
+        output = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                   sampled_token_ids=sampled_ids)
+        if self.report:
+            setattr(output, CACHED_BLOCKS_ATTR, frozenset(cached))
+        return output
 
     def _slot(self, rid: str, pos: int) -> int:
         return self.tables[rid][pos // BS] * BS + pos % BS
@@ -189,3 +214,28 @@ def test_the_check_catches_an_uncapped_scheduler(vllm_config):
     s = _scheduler(vllm_config, capped=False)
     with pytest.raises(StaleRow):
         _workload(s, Runner(lost={"A"}))
+
+
+def test_async_decode_blocks_the_worker_did_not_cache_are_capped(vllm_config):
+    """The worker cannot hash the blocks it fills while decoding (``async_placeholders_unresolved``:
+    the step's input token stays a placeholder on the host), vLLM hashes them from the sampled
+    tokens: the scheduler vouches for such a block only when the step's output says the worker
+    cached it, so B's hit stops before A's first decode-filled block (block 2, positions
+    32..47) and is recomputed from there — no hit on an uncached block, the engine keeps going."""
+    s = _scheduler(vllm_config)
+    runner = Runner(decode_blocks_hashed=False)
+    _workload(s, runner)
+    st = s._omni_cache_state()
+    assert runner.first_hits.get("B") == 32 and runner.first_hits.get("D") == 32, runner.first_hits
+    c = st.counters()
+    assert c["unconfirmed_blocks"] >= 2 and c["capped_tokens"] >= 32 and c["worker_reports"] > 0, c
+    assert not st.pending
+
+
+def test_without_the_workers_report_the_uncached_block_is_hit(vllm_config):
+    """The same worker, its outputs without the cached block ids (the scheduler vouches from
+    vLLM's hashes alone, as before): B hits the block the worker never cached — the runner
+    stand-in's ledger check refuses it, so the test above can fail."""
+    s = _scheduler(vllm_config)
+    with pytest.raises(StaleRow, match="not cached by the worker"):
+        _workload(s, Runner(decode_blocks_hashed=False, report=False))

@@ -56,6 +56,7 @@ class FakeEngine:
         #: ``output_token_ids``; its value is only in the device ``input_ids`` of the next step
         self.async_tokens = async_tokens
         self.real: dict[str, list[int]] = {}
+        self.cached_log: list[frozenset[int] | None] = []  # per step: the block ids it cached
         self.runner = NS(cache_config=NS(kv_sharing_fast_prefill=False),
                          kv_sharing_fast_prefill_eligible_layers=None,
                          model=NS(omni_pooler_payload_include_hidden=True),
@@ -84,7 +85,9 @@ class FakeEngine:
         mm = {k: hidden * 2 + 1 for k in keys if k != HIDDEN_KEY}
         step_id = self.manager.save_outputs(hidden, mm, num_tokens_unpadded=hidden.shape[0],
                                             num_tokens_padded=hidden.shape[0])
+        self.cached_log.append(self.manager.cached_blocks(step_id))  # what the step's output reports
         out = self.manager.materialize(step_id, order)
+        assert self.manager.cached_blocks(step_id) is None  # consumed
         return {r: {HIDDEN_KEY: out.hidden_states[r], **{k: v[r] for k, v in out.mm_outputs.items()}}
                 for r in order}
 
@@ -155,6 +158,9 @@ def test_async_scheduling_placeholders_hash_the_real_decode_tokens():
     assert eng.runner.requests["A"].output_token_ids == [-1, -1, -1]  # the placeholders were there
     assert_rows(got, expected(turn2, 0, 11))
     assert eng.manager.metrics()["hit_tokens"] == 8
+    # each step reports the blocks it cached (for the capped scheduler): the decode step that
+    # completed block 1 (position 7) reports it
+    assert eng.cached_log == [{0}, set(), {1}, set()], eng.cached_log
 
 
 def test_an_unresolved_placeholder_block_is_never_cached(monkeypatch):
@@ -165,6 +171,9 @@ def test_an_unresolved_placeholder_block_is_never_cached(monkeypatch):
     with pytest.raises(StaleRowsError):
         _decode_then_turn2(eng)
     assert eng.manager.cache.ledger.block_hash[1] is None and eng.manager.cache.ledger.block_hash[0] is not None
+    # ... and the step that completed it does not report it: the capped scheduler, told so, caps
+    # the hit instead (tests/unit/test_scheduler_async.py), and the refusal above never happens
+    assert eng.cached_log == [{0}, set(), set()], eng.cached_log
 
 
 def test_resumed_request_serves_its_hit_from_the_cache():
