@@ -37,8 +37,8 @@ from omni_cache.core.coverage import RowValidity, WrittenBlocks, spans_overlap
 from omni_cache.engine.metrics import MetricsFile
 from omni_cache.engine.runner import full_attention_group
 from omni_cache.engine.sched_stats import PrefixStatsFlushMixin
-from omni_cache.engine.stage_manager import CACHED_BLOCKS_ATTR
 from omni_cache.engine.shm_hygiene import FinalStageHandOffMixin
+from omni_cache.engine.stage_manager import CACHED_BLOCKS_ATTR
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import pytest
 
 from omni_cache.engine.stage_manager import CACHED_BLOCKS_ATTR
-
 from tests.unit.sched_util import BS, scheduler_kwargs
 from tests.unit.sched_util import request as _request
 from tests.unit.sched_util import vllm_config as _vllm_config
