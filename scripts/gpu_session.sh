@@ -237,7 +237,7 @@ for step in "$@"; do
        wait "${lane[@]}"
        $PY -m tests.lanes.gpu_check --groups "" --out "$OUT/L" --commit "$COMMIT" --merge "${parts[@]}" \
          > "$OUT/L.log" 2>&1
-       log "lane merged"; wait $mut; log "mutants done"; [ -n "$bench" ] && wait $bench ;;
+       log "lane merged"; wait $mut; log "mutants done"; if [ -n "$bench" ]; then wait $bench; fi ;;
     Y) $PY -m omni_cache.cli make-model --family gemma4 --size full >> "$OUT/models.log" 2>&1
        $PY -m benchmarks.prefill --stage-config stage_configs/gemma4_e4b_yoco_h200_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/gemma4-omni-full" --modalities text,miss --prefix-words 1080 \
