@@ -29,11 +29,12 @@
 #      merged into OUT/L/report.json) while card 3 runs the full-size benchmark, omni-cache then
 #      cache off, one pipeline at a time (floor, text, chat; c = 1 and 16): the sixth session's
 #      engine death gone or not (result.json's variant_failures), and the step-time counters
-#   Y  issue 47, item 1 (never run): Gemma-4-E4B's shape with YOCO at size on a 4-GPU H200 host, one
+#   Y  issue 47, item 1 (never run): Gemma-4-E4B's shape with YOCO at size on a 4-GPU host (H200 or H100: the
+#      config follows the card's memory), production mode (CUDA graphs on all three stages), one
 #      variant per card (fast prefill off/on x omni-cache off/on), ISL ~8,192 (1,080 shared words +
 #      a question; workload miss: the control without a shared prefix), c = 1, 8 and 32
 #   V  issue 47, item 2 (never run): realtime duplex sessions at Qwen3-Omni-30B-A3B's size on one card
-#      (an H200; card $V_CARD, default 0), three servers one at a time, sessions 1 and 8, 8 turns, with
+#      (an H200; card $V_CARD, default 0; on H100s the two-GPU layout on $V_CARDS, default 0,1), three servers one at a time, sessions 1 and 8, 8 turns, with
 #      the oracles (recorded hand-offs): docs/benchmarks.md's GPU command at --rounds 1
 #   Q  (never run) where the talker's time goes at full size (docs/gpu.md, "The next GPU session", item 3):
 #      benchmarks.profile_stage (py-spy) on four cards at once — omni-cache and cache off, each with
@@ -54,6 +55,9 @@
 #      one-GPU full-size config, cache off / omni-cache / built-in one at a time (floor, text; c = 1
 #      and 16; 12 requests; jit_compiles on); on 4 x H100 (a full-size pipeline needs an H200 or two
 #      H100s) the lane over four cards (L's split) and the mutants beside it on card 2
+#   X  (never run) 4 x H100, issues 43 and 47 at once: T's full-size table on cards 0-1 (cache off, built-in,
+#      omni-cache last; floor, text, chat; c = 1 and 16; jit_compiles) while cards 2-3 run V on the two-GPU
+#      duplex config (V_SESSIONS, default 1,8)
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -169,6 +173,21 @@ for step in "$@"; do
          --variants off,builtin,omni_cache --thinker-kv-mib 12288 --talker-kv-mib 4096 \
          --out "$OUT" --name T > "$OUT/T.log" 2>&1
        wait ;;
+    X) # 4 x H100, issues 43 and 47 at once: T's two-GPU table on cards 0-1 (omni-cache last), the realtime
+       # duplex sessions (V) on the two-GPU layout on cards 2-3
+       $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       (export V_CARDS=2,3
+        CUDA_VISIBLE_DEVICES=2,3 $PY -m benchmarks.realtime_bench \
+          --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy_duplex.yaml \
+          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --servers one-at-a-time \
+          --sessions "${V_SESSIONS:-1,8}" --turns 8 --rounds 1 --out "$OUT/V" > "$OUT/V.log" 2>&1
+        log "X: V rc=$?") &
+       CUDA_VISIBLE_DEVICES=0,1 $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat \
+         --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart \
+         --variants off,builtin,omni_cache --thinker-kv-mib 12288 --talker-kv-mib 4096 \
+         --out "$OUT" --name X > "$OUT/X.log" 2>&1
+       log "X: table rc=$?"; wait ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
        $PY -m tests.lanes.gpu_check --groups yoco-eager,yoco-compiled,equality-compiled --jobs 3 --out "$OUT/R" \
@@ -239,16 +258,26 @@ for step in "$@"; do
          > "$OUT/L.log" 2>&1
        log "lane merged"; wait $mut; log "mutants done"; if [ -n "$bench" ]; then wait $bench; fi ;;
     Y) $PY -m omni_cache.cli make-model --family gemma4 --size full >> "$OUT/models.log" 2>&1
-       $PY -m benchmarks.prefill --stage-config stage_configs/gemma4_e4b_yoco_h200_dummy.yaml \
+       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | tr -d ' ')
+       ycfg=stage_configs/gemma4_e4b_yoco_h200_dummy.yaml
+       [ "${mib:-0}" -lt 100000 ] && ycfg=stage_configs/gemma4_e4b_yoco_h100_dummy.yaml
+       log "Y: ${mib} MiB a card: $ycfg"
+       $PY -m benchmarks.prefill --stage-config "$ycfg" \
          --model "$HOME/.cache/omni-cache/models/gemma4-omni-full" --modalities text,miss --prefix-words 1080 \
          --variants off,fast,omni_cache,fast+omni_cache --requests 8 --repeats 1 --concurrency 1,8,32 \
          --max-num-seqs 32 --alternation concurrent \
          --variant-devices "off=0;fast=1;omni_cache=2;fast+omni_cache=3" --out "$OUT" --name Y > "$OUT/Y.log" 2>&1 ;;
     V) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
-       CUDA_VISIBLE_DEVICES=${V_CARD:-0} $PY -m benchmarks.realtime_bench \
-         --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy_duplex.yaml \
+       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | tr -d ' ')
+       vcfg=stage_configs/qwen3_omni_30b_a3b_h200_dummy_duplex.yaml; vcards=${V_CARD:-0}
+       if [ "${mib:-0}" -lt 100000 ]; then  # H100s: the shipped two-GPU layout
+         vcfg=stage_configs/qwen3_omni_30b_a3b_2xh100_dummy_duplex.yaml; vcards=${V_CARDS:-0,1}
+       fi
+       log "V: ${mib} MiB a card: $vcfg on cards $vcards"
+       CUDA_VISIBLE_DEVICES=$vcards $PY -m benchmarks.realtime_bench \
+         --stage-config "$vcfg" \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --servers one-at-a-time \
-         --sessions 1,8 --turns 8 --rounds 1 --out "$OUT/V" > "$OUT/V.log" 2>&1 ;;
+         --sessions "${V_SESSIONS:-1,8}" --turns 8 --rounds 1 --out "$OUT/V" > "$OUT/V.log" 2>&1 ;;
     Q) run_Q ;;
     K) run_M & run_Q & wait ;;
     *) log "unknown step $step" ;;

@@ -107,7 +107,7 @@ def test_plan_window_budget_and_state():
 def test_bundled_duplex_config_is_the_cpu_config_in_duplex_mode(tmp_path):
     """``qwen3_omni_cpu_duplex.yaml`` = ``qwen3_omni_cpu.yaml`` + ``session_mode: duplex`` + the
     thinker's media limits of vLLM-Omni's duplex deploy (the GPU ones likewise: two GPUs, one
-    H200); it validates, names omni-cache's pipeline (whose duplex plugin is the cache-aware
+    H200, two H100s at full size); it validates, names omni-cache's pipeline (whose duplex plugin is the cache-aware
     window) and the server prints its URL."""
     import yaml
 
@@ -117,7 +117,8 @@ def test_bundled_duplex_config_is_the_cpu_config_in_duplex_mode(tmp_path):
 
     for turn_based, name in (("qwen3_omni_cpu.yaml", "qwen3_omni_cpu_duplex.yaml"),
                              ("qwen3_omni_30b_a3b_gpu.yaml", "qwen3_omni_30b_a3b_gpu_duplex.yaml"),
-                             ("qwen3_omni_30b_a3b_h200_dummy.yaml", "qwen3_omni_30b_a3b_h200_dummy_duplex.yaml")):
+                             ("qwen3_omni_30b_a3b_h200_dummy.yaml", "qwen3_omni_30b_a3b_h200_dummy_duplex.yaml"),
+                             ("qwen3_omni_30b_a3b_2xh100_dummy.yaml", "qwen3_omni_30b_a3b_2xh100_dummy_duplex.yaml")):
         base = yaml.safe_load(bundled_stage_config(turn_based).read_text())
         duplex = yaml.safe_load(bundled_stage_config(name).read_text())
         assert duplex.pop("session_mode") == "duplex", name
