@@ -9,6 +9,15 @@ violating oracle (a) or (b) is shrunk and printed as a command that runs it agai
 off, foreign-row distances) and ``ulps.png`` into ``--out``.
 
     .venv/bin/python -m benchmarks.fuzz_exactness --groups 70 --modes streaming,non-streaming
+
+On a GPU host (issue 47, item 3: the fuzzer at size): ``--stage-config`` names the GPU config the
+three engines derive from (the recording variant of each, as on the CPU) and ``--engine-devices``
+gives each engine its own cards (``off=0;builtin=1;omni=2``: each stage's ``devices`` index into
+that engine's list), with ``OMNI_CACHE_CUDA_PLATFORM=1``:
+
+    OMNI_CACHE_CUDA_PLATFORM=1 python -m benchmarks.fuzz_exactness --modes streaming --groups 25 \
+      --stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml \
+      --model ~/.cache/omni-cache/models/qwen3-omni-full-l6 --engine-devices "off=0;builtin=1;omni=2"
 """
 
 from __future__ import annotations
@@ -27,14 +36,55 @@ from omni_cache.exactness import fuzz, oracles
 from omni_cache.exactness.conversations import Knobs, make_group
 
 
-def _start(stack: contextlib.ExitStack, mode: str, out: Path, model_dir: Path) -> dict:
+def parse_engine_devices(text: str | None) -> dict[str, list[str]]:
+    """``--engine-devices``: ``engine=cards`` pairs separated by ``;`` for the three engines of
+    :data:`omni_cache.exactness.fuzz.ENGINE_VARIANTS` (``off=0;builtin=1;omni=2``, ``=0,1`` for two
+    cards). ``None`` / empty: ``{}`` (the stage config's devices, unchanged).
+
+    Raises:
+        ValueError: as :func:`benchmarks.prefill.harness.parse_variant_devices` (a malformed pair,
+            an engine left out, two engines sharing a card), naming ``--engine-devices``.
+    """
+    from benchmarks.prefill.harness import parse_variant_devices
+
+    try:
+        out = parse_variant_devices(text, list(fuzz.ENGINE_VARIANTS))
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--variant-devices", "--engine-devices")) from None
+    return {name: devs.split(",") for name, devs in out.items()}
+
+
+def place_on_cards(cfg: Path, cards: list[str]) -> None:
+    """Rewrite the stage config ``cfg`` in place so that stage device ``i`` is ``cards[i]`` (one
+    engine's cards of :func:`parse_engine_devices`).
+
+    Raises:
+        ValueError: a stage's ``devices`` indexes past ``cards`` or is not comma-separated integers.
+    """
+    import yaml
+
+    raw = yaml.safe_load(cfg.read_text())
+    for st in raw["stages"]:
+        ids = [d.strip() for d in str(st.get("devices", "0")).split(",")]
+        if not all(d.isdigit() and int(d) < len(cards) for d in ids):
+            raise ValueError(f"{cfg}: stage {st.get('stage_id')} devices {st.get('devices')!r} do not index into "
+                             f"the engine's cards {cards}")
+        st["devices"] = ",".join(cards[int(d)] for d in ids)
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def _start(stack: contextlib.ExitStack, mode: str, out: Path, model_dir: Path, base: Path | None = None,
+           devices: dict[str, list[str]] | None = None) -> dict:
     """The mode's three recording engines (:data:`omni_cache.exactness.fuzz.ENGINE_VARIANTS`),
-    started through :func:`benchmarks.lab.start`; ``stack`` stops them."""
+    derived from ``base`` (default: the bundled CPU config) and placed on ``devices``
+    (:func:`place_on_cards`), started through :func:`benchmarks.lab.start`; ``stack`` stops them."""
     streaming = mode == "streaming"
     engines = {}
     for name, variant in fuzz.ENGINE_VARIANTS.items():
         d = out / mode / name
-        cfg = fuzz.recording_stage_config(d, variant, streaming=streaming, in_process=True)
+        cfg = fuzz.recording_stage_config(d, variant, streaming=streaming, in_process=True, base=base)
+        if devices:
+            place_on_cards(cfg, devices[name])
         t0 = time.perf_counter()
         pipe = stack.enter_context(lab.start("streaming" if streaming else "pipeline", model_dir, cfg))
         engines[name] = fuzz.FuzzEngine(name, pipe, d)
@@ -45,7 +95,7 @@ def _start(stack: contextlib.ExitStack, mode: str, out: Path, model_dir: Path) -
 def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report: dict) -> None:
     streaming = mode == "streaming"
     with contextlib.ExitStack() as stack:
-        engines = _start(stack, mode, out, model_dir)
+        engines = _start(stack, mode, out, model_dir, args.stage_config, args.engine_devices)
         for i, seed in enumerate(range(args.seed, args.seed + args.groups)):
             cache = args.cache if args.cache != "alternate" else fuzz.CACHES[seed % 2]
             group = make_group(seed, knobs, salt=f"{seed}-{mode}")
@@ -174,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-concurrent", action="store_true")
     ap.add_argument("--shrink-budget", type=int, default=6, help="reruns spent shrinking a failing group (0: none)")
     ap.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
+    ap.add_argument("--stage-config", type=Path, default=None,
+                    help="the config the engines derive from (default: the bundled CPU config; on a GPU host a "
+                         "GPU config)")
+    ap.add_argument("--engine-devices", default=None,
+                    help="GPU host: each engine's cards, e.g. 'off=0;builtin=1;omni=2' (stage devices index into them)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--rejudge", type=Path, default=None, metavar="DIR",
                     help="re-apply oracle (b) to the concurrent requests of the finished run in DIR; "
@@ -188,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[fuzz] rejudged {args.rejudge}: {n} mismatch(es) superseded; violations "
               f"{report['summary']['violations']}")
         return 1 if any(report["summary"]["violations"].values()) else 0
+    try:
+        args.engine_devices = parse_engine_devices(args.engine_devices)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.stage_config is not None and not args.stage_config.is_file():
+        ap.error(f"--stage-config: {args.stage_config} is not a file")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if bad := set(modes) - {"streaming", "non-streaming"}:
         ap.error(f"--modes: unknown {sorted(bad)} (streaming, non-streaming)")
@@ -195,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                   media=not args.no_media, concurrent=not args.no_concurrent)
     out = lab.results_dir(args.out, "fuzz")
     report = {**lab.stamp("benchmarks.fuzz_exactness", argv), "knobs": knobs.as_dict(), "modes": modes,
-              "groups": [], "mismatches": [], "env": {k: os.environ.get(k) for k in ("VLLM_CPU_ATTN_SPLIT_KV",)}}
+              "groups": [], "mismatches": [], "env": {k: os.environ.get(k) for k in ("VLLM_CPU_ATTN_SPLIT_KV",)},
+              "stage_config": str(args.stage_config) if args.stage_config else None,
+              "engine_devices": args.engine_devices or None}
     model_dir = lab.model_dir("tiny", args.model)
     t0 = time.perf_counter()
     for mode in modes:

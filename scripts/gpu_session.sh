@@ -58,6 +58,9 @@
 #   X  (never run) 4 x H100, issues 43 and 47 at once: T's full-size table on cards 0-1 (cache off, built-in,
 #      omni-cache last; floor, text, chat; c = 1 and 16; jit_compiles) while cards 2-3 run V on the two-GPU
 #      duplex config (V_SESSIONS, default 1,8)
+#   Z  (never run) issue 47, item 3: the exactness fuzzer at size (benchmarks.fuzz_exactness --stage-config
+#      --engine-devices): off / built-in / omni-cache one card each (cards 0-2), full size on H200s, the
+#      profiling shape on H100s; Z_GROUPS (default 25, ~300 requests), streaming; card 3 is free
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
 #      (CUDA_VISIBLE_DEVICES), two groups at a time on each, then one merged report (OUT/L/report.json)
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
@@ -188,6 +191,21 @@ for step in "$@"; do
          --variants off,builtin,omni_cache --thinker-kv-mib 12288 --talker-kv-mib 4096 \
          --out "$OUT" --name X > "$OUT/X.log" 2>&1
        log "X: table rc=$?"; wait ;;
+    Z) # issue 47, item 3: the exactness fuzzer at size, its three engines (off, built-in, omni-cache) one card
+       # each — full size on H200s, the profiling shape (Qwen3-Omni-30B-A3B's widths, 6 of 48 thinker layers)
+       # on H100s — Z_GROUPS seeded groups (~12 requests each), streaming
+       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | tr -d ' ')
+       if [ "${mib:-0}" -ge 100000 ]; then
+         $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+         zcfg=stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml; zmodel=qwen3-omni-full
+       else
+         $PY -m omni_cache.cli make-model --size full --thinker-layers 6 >> "$OUT/models.log" 2>&1
+         zcfg=stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml; zmodel=qwen3-omni-full-l6
+       fi
+       log "Z: ${mib} MiB a card: $zcfg"
+       $PY -m benchmarks.fuzz_exactness --modes streaming --groups "${Z_GROUPS:-25}" --stage-config "$zcfg" \
+         --model "$HOME/.cache/omni-cache/models/$zmodel" --engine-devices "${Z_DEVICES:-off=0;builtin=1;omni=2}" \
+         --out "$OUT/Z" > "$OUT/Z.log" 2>&1 ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1
        $PY -m omni_cache.cli make-model --family gemma3n >> "$OUT/models.log" 2>&1
        $PY -m tests.lanes.gpu_check --groups yoco-eager,yoco-compiled,equality-compiled --jobs 3 --out "$OUT/R" \
