@@ -203,7 +203,7 @@ for step in "$@"; do
          zcfg=stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml; zmodel=qwen3-omni-full-l6
        fi
        log "Z: ${mib} MiB a card: $zcfg"
-       $PY -m benchmarks.fuzz_exactness --modes streaming --groups "${Z_GROUPS:-25}" --stage-config "$zcfg" \
+       $PY -m benchmarks.fuzz_exactness --modes streaming --groups "${Z_GROUPS:-25}" --stage-config "$zcfg" --fail-on a,b \
          --model "$HOME/.cache/omni-cache/models/$zmodel" --engine-devices "${Z_DEVICES:-off=0;builtin=1;omni=2}" \
          --out "$OUT/Z" > "$OUT/Z.log" 2>&1 ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from benchmarks.fuzz_exactness import parse_engine_devices, place_on_cards
+from benchmarks.fuzz_exactness import exit_code, main, parse_engine_devices, place_on_cards
 from omni_cache.driver.stage_config import bundled_stage_config
 from omni_cache.exactness import fuzz
 
@@ -41,3 +41,15 @@ def test_a_stage_device_past_the_engines_cards_is_refused(tmp_path):
                                       base=bundled_stage_config("qwen3_omni_30b_a3b_2xh100_dummy.yaml"))
     with pytest.raises(ValueError, match="do not index into"):
         place_on_cards(cfg, ["0"])  # the talker's device 1 has no card
+
+
+def test_the_exit_code_follows_the_oracles_asked_for():
+    """On CUDA step Z passes ``--fail-on a,b``: a cache-off (c) difference is reported, not failed;
+    (a) or (b) fails either way; a bad ``--fail-on`` is refused before any engine starts."""
+    assert exit_code({"a": 0, "b": 0, "c": 3}, {"a", "b"}) == 0
+    assert exit_code({"a": 0, "b": 0, "c": 3}, {"a", "b", "c"}) == 1
+    assert exit_code({"a": 1, "b": 0, "c": 0}, {"a", "b"}) == 1 and exit_code({"a": 0, "b": 2, "c": 0}, {"b"}) == 1
+    for bad in ("", "a,d"):
+        with pytest.raises(SystemExit) as e:
+            main(["--fail-on", bad])
+        assert e.value.code == 2
