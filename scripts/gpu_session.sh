@@ -177,7 +177,8 @@ for step in "$@"; do
          --out "$OUT" --name T > "$OUT/T.log" 2>&1
        wait ;;
     X) # 4 x H100, issues 43 and 47 at once: T's two-GPU table on cards 0-1 (omni-cache last), the realtime
-       # duplex sessions (V) on the two-GPU layout on cards 2-3
+       # duplex sessions (V) on the two-GPU layout on cards 2-3; 12 requests a point (6 could not show a 2 % bar:
+       # a start costs minutes, a point at c = 1 seconds)
        $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
        (export V_CARDS=2,3
         CUDA_VISIBLE_DEVICES=2,3 $PY -m benchmarks.realtime_bench \
@@ -187,7 +188,7 @@ for step in "$@"; do
         log "X: V rc=$?") &
        CUDA_VISIBLE_DEVICES=0,1 $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,text,chat \
-         --requests 6 --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart \
+         --requests "${X_REQUESTS:-12}" --repeats 1 --concurrency 1,16 --max-num-seqs 16 --alternation restart \
          --variants off,builtin,omni_cache --thinker-kv-mib 12288 --talker-kv-mib 4096 \
          --out "$OUT" --name X > "$OUT/X.log" 2>&1
        log "X: table rc=$?"; wait ;;
