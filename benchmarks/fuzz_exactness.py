@@ -96,18 +96,19 @@ def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report:
     streaming = mode == "streaming"
     with contextlib.ExitStack() as stack:
         engines = _start(stack, mode, out, model_dir, args.stage_config, args.engine_devices)
+        block = lab.thinker_block_size(args.stage_config)  # the oracles slice served rows by it
         for i, seed in enumerate(range(args.seed, args.seed + args.groups)):
             cache = args.cache if args.cache != "alternate" else fuzz.CACHES[seed % 2]
             group = make_group(seed, knobs, salt=f"{seed}-{mode}")
             t0 = time.perf_counter()
-            res = fuzz.run_group(group, engines, cache, streaming=streaming)
+            res = fuzz.run_group(group, engines, cache, streaming=streaming, block_size=block)
             found = [{"seed": res.seed, "cache": res.cache, "streaming": res.streaming, "oracle": oracle,
                       "conversation": v.conversation, "turn": v.turn, "message": m}
                      for v in res.requests for oracle, msgs in v.violations.items() for m in msgs]
             strict = [m for m in found if m["oracle"] in ("a", "b")]
             if strict and args.shrink_budget:
                 def fails(g, cache=cache):
-                    r = fuzz.run_group(g, engines, cache, streaming=streaming)
+                    r = fuzz.run_group(g, engines, cache, streaming=streaming, block_size=block)
                     return any(r.violated.get(o) for o in ("a", "b"))
                 small, runs = fuzz.shrink(seed, knobs, fails, budget=args.shrink_budget)
                 for m in strict:
@@ -117,6 +118,7 @@ def _run_mode(mode: str, args, knobs: Knobs, out: Path, model_dir: Path, report:
             report["mismatches"] += found
             print(f"[fuzz] {mode} {i + 1}/{args.groups} {group.describe()} cache={cache} "
                   f"{time.perf_counter() - t0:.0f} s violations={res.violated or 0}", flush=True)
+        lab.thinker_block_size(args.stage_config, engines["omni"].dir)  # raises unless the hit audit agrees
 
 
 def summarize(report: dict) -> dict:

@@ -261,6 +261,29 @@ def prefix_cache_variant(base: str | os.PathLike, out: Path, variant: str) -> Pa
     return variant_config(base, out, variant, stages={0: {"enable_prefix_caching": False}} if variant == "off" else {})
 
 
+def thinker_block_size(stage_config: str | os.PathLike | None, engine_dir: str | os.PathLike | None = None) -> int:
+    """Tokens per KV block of the thinker (stage 0) of ``stage_config`` (None: :data:`BASE_CONFIG`):
+    its ``block_size``, else vLLM's default (``CacheConfig.DEFAULT_BLOCK_SIZE``, 16 — what the GPU
+    configs, which set none, run with). The exactness oracles slice served rows by it: a wrong
+    size pairs rows with another block's writer. With ``engine_dir``, the thinker's hit audit
+    there (``audit/hits-*.jsonl``: one writer per served block) must agree.
+
+    Raises:
+        ValueError: an audit line whose ``hit_tokens`` is not its writers × the block size.
+    """
+    import yaml
+
+    stage = (yaml.safe_load(Path(stage_config or BASE_CONFIG).read_text()).get("stages") or [{}])[0]
+    size = int(stage.get("block_size") or 16)  # vllm.config.cache.CacheConfig.DEFAULT_BLOCK_SIZE
+    for p in sorted(Path(engine_dir).glob("audit/hits-*.jsonl")) if engine_dir else ():
+        for line in filter(None, map(str.strip, p.read_text().splitlines())):
+            hit = json.loads(line)
+            if hit["writers"] and hit["hit_tokens"] != len(hit["writers"]) * size:
+                raise ValueError(f"{p}: {hit['request']} was served {hit['hit_tokens']} tokens from "
+                                 f"{len(hit['writers'])} blocks, not blocks of {size} ({stage_config})")
+    return size
+
+
 # ---- starting engines -----------------------------------------------------------------------
 @contextlib.contextmanager
 def start(kind: str, model: str | os.PathLike, config: str | os.PathLike, *,

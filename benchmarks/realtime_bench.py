@@ -38,7 +38,6 @@ WINDOWS = ("stock", "omni_cache")
 FLOOR = "floor"
 #: the server the floor runs on (no hit of any kind there)
 FLOOR_ON = "off"
-BLOCK = 32
 #: the bar looks at turns from this one on
 LATE_TURN = 4
 #: the bar: omni-cache's first audio p50 at most this many times the floor's
@@ -228,8 +227,10 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
 
 
 # -- oracles, summary, bars ---------------------------------------------------------------------------
-def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, sessions: list[int]) -> dict:
-    """Oracles (a) on every N, (b) and (c) on N = 1 (module docstring)."""
+def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, sessions: list[int],
+             block_size: int) -> dict:
+    """Oracles (a) on every N, (b) and (c) on N = 1 (module docstring); ``block_size``: the
+    thinker's tokens per KV block (:func:`lab.thinker_block_size`)."""
     from omni_cache.exactness import oracles
     from omni_cache.exactness.fuzz import records as handoffs
     from omni_cache.exactness.realtime import judge_session, session_requests
@@ -244,7 +245,8 @@ def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, ses
         for rnd in range(rounds):
             for n in sessions:
                 for i in range(n):
-                    for verdict in judge_session(out / "omni_cache", session_ids[("omni_cache", window, rnd, n, i)]):
+                    for verdict in judge_session(out / "omni_cache", session_ids[("omni_cache", window, rnd, n, i)],
+                                                 block_size=block_size):
                         res["a_verified_blocks"] += verdict.verified
                         res["a_unverified_blocks"] += verdict.unverified
                         res["a_violations"] += [f"{verdict.request_id}: {m}" for m in verdict.mismatches]
@@ -336,7 +338,7 @@ def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[
     return out
 
 
-def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int) -> dict:
+def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int, block: int) -> dict:
     """The hit bars at N = 1: every omni-cache turn from 2 on (its window) hit ≥ 0.9 of the blocks
     it shares with the previous turn's prompt; the talker hits from turn 2 on."""
     from omni_cache.exactness.realtime import common_prompt_tokens, first_prompts, session_requests
@@ -347,7 +349,7 @@ def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int) ->
         rids = session_requests(out / "omni_cache", session_ids[("omni_cache", "omni_cache", rnd, 1, 0)])
         for t in range(1, len(rids)):
             me, prev = prompts[rids[t]], prompts[rids[t - 1]]
-            shared = (min(common_prompt_tokens(me, prev), len(me.ids) - 1) // BLOCK) * BLOCK
+            shared = (min(common_prompt_tokens(me, prev), len(me.ids) - 1) // block) * block
             rec = next(r for r in records if r["variant"] == "omni_cache" and r["window"] == "omni_cache"
                        and r["round"] == rnd and r["n_sessions"] == 1 and r["turn"] == t + 1)
             hit = rec["thinker_hit"]
@@ -445,9 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(records, args.turns, args.sessions)
     bars = latency_bars(records, summary, args.turns, args.sessions)
     if args.record:
-        oracle = _oracles(out, records, session_ids, args.rounds, args.sessions)
+        block = lab.thinker_block_size(args.stage_config_path, out / "omni_cache")
+        oracle = _oracles(out, records, session_ids, args.rounds, args.sessions, block)
         if 1 in args.sessions:
-            bars.update(_hit_bars(out, records, session_ids, args.rounds))
+            bars.update(_hit_bars(out, records, session_ids, args.rounds, block))
         bars["oracles_0_violations"] = not (oracle["a_violations"] or oracle["b_violations"]
                                             or oracle["c_violations"] or oracle["hit_below_expected"])
     else:

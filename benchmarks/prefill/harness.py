@@ -311,9 +311,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
         talker_prefix_caching=talker_cache(args.stage_config, v, thinker_cache_only=args.thinker_cache_only))
         for v in variants}
-    if gpus:  # every Triton compile logged, to tell a compile's latency spike from the variant's own
-        for p in cfgs.values():
-            jit_log.verbose_jit_monitor(p)
     warmups: dict[str, list[tuple[float, float]]] = {}  # variant -> unix (start, end) of each warm-up (jit report)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(lab.REPO), os.environ.get("PYTHONPATH")]))}
     if mem.malloc_arena_max:
@@ -411,7 +408,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         load = S.summarize_load(load_samples, samples if alone else None)
         load_checks = S.load_checks(load) if "omni_cache" in variants else {}
         mem_per_variant = S.memory_per_variant(memory["samples"], metrics, variants)
-        jit_report = jit_log.jit_report(out, variants, warmups, samples) if gpus else None
+        jit_report = jit_log.jit_report(out, variants, warmups, samples, jit_log.triton_cache_dirs()) if gpus else None
         failed = [v for v in variants if any(r.get("error") for w in workloads for r in samples[w][v])
                   or any(r.get("error") for r in warm[v])]
         result = {

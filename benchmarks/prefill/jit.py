@@ -1,21 +1,31 @@
-"""Triton JIT compiles after a variant's warm-up, read from its log (vLLM's kernel JIT monitor).
+"""Triton JIT compiles after a variant's warm-up, matched with its TTFT spikes.
 
 A Triton kernel compiled for a new shape during inference costs ~1 s on a GPU (vLLM's
-``vllm/utils/jit_monitor.py``: "This causes a latency spike"). By default the monitor logs only
-the first compile of each kernel (``logger.warning_once``); the prefill harness turns on its
-``jit_monitor_verbose`` engine argument (``vllm/config/observability.py``) in every stage of
-every variant on a GPU host (:func:`verbose_jit_monitor`), so each compile is logged with its
-time, and :func:`jit_report` matches the compiles after a variant's warm-up with its requests:
-how many each variant paid while timed, and which TTFT spikes (over 1.5× the variant's p50, the
-at-size issue's definition) had a compile in the thinker, talker or code2wav while they ran.
-The first pipeline started on a fresh host compiles what later variants find in Triton's disk
-cache; this report is how a spike of that kind is told from one of the variant's own.
+``vllm/utils/jit_monitor.py``: "This causes a latency spike"). Two sources, both passive:
+
+- the variant's log: vLLM's kernel JIT monitor logs the **first** compile of each kernel
+  (``logger.warning_once``), with its stage. Its ``jit_monitor_verbose`` engine argument would
+  log every one, but vLLM-Omni 0.30 refuses it in a stage config ("explicit engine argument(s)
+  with no structured config owner"; the twelfth GPU session's first try), so it is not set;
+- Triton's disk caches (``TRITON_CACHE_DIR`` or ``~/.triton/cache``, and Inductor's
+  ``<tmp>/torchinductor_<user>/triton``): every compile writes its kernel's ``<name>.json``
+  there once (``triton/runtime/cache.py``), so a file's mtime is the compile's time — host-wide,
+  no stage; under restart alternation only one variant's pipeline runs at a time, so the files
+  written while it was timed are its compiles.
+
+:func:`jit_report` counts each variant's compiles after its warm-up and lists which TTFT spikes
+(over 1.5× the variant's p50, the at-size issue's definition) had a compile while they ran. The
+first pipeline started on a fresh host compiles what later variants find in Triton's disk cache;
+this report is how a spike of that kind is told from one of the variant's own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,17 +38,29 @@ COMPILE_LINE = re.compile(r"(?:stage(?P<stage>\d+)\S*\s+pid=\d+\)\s+)?\w+\s+(?P<
 SPIKE_FACTOR = 1.5
 
 
-def verbose_jit_monitor(stage_config: Path) -> None:
-    """Set ``jit_monitor_verbose: true`` in every stage of a (derived, machine-written) stage
-    config YAML: vLLM-Omni passes a stage's keys that are engine arguments to vLLM
-    (``filter_dataclass_kwargs(OmniEngineArgs, ...)``). Benchmarks only: it adds a log line per
-    compile, no work on the step path."""
-    import yaml
+def triton_cache_dirs() -> list[Path]:
+    """Triton's disk caches on this host: ``TRITON_CACHE_DIR`` (else ``~/.triton/cache``) and
+    Inductor's ``<tmp>/torchinductor_*/triton`` (those that exist)."""
+    env = os.environ.get("TRITON_CACHE_DIR")
+    dirs = [Path(env) if env else Path.home() / ".triton" / "cache"]
+    dirs += sorted(Path(tempfile.gettempdir()).glob("torchinductor_*/triton"))
+    return [d for d in dirs if d.is_dir()]
 
-    raw = yaml.safe_load(stage_config.read_text())
-    for st in raw.get("stages", []) or []:
-        st.setdefault("jit_monitor_verbose", True)
-    stage_config.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+def cache_compiles(dirs: list[Path], since: float) -> list[dict[str, Any]]:
+    """The kernels compiled into the Triton caches ``dirs`` at or after ``since`` (unix s):
+    ``{"t": the kernel metadata file's mtime (unix s), "stage": None, "kernel": name}``, by time.
+    Triton keeps a compile as ``<hash>/<name>.json`` beside its binaries (``__grp__*`` files
+    are its group index, not a compile)."""
+    out = []
+    for d in dirs:
+        for meta in d.rglob("*.json"):
+            if meta.name.startswith("__grp__"):
+                continue
+            with contextlib.suppress(OSError):
+                if (t := meta.stat().st_mtime) >= since:
+                    out.append({"t": t, "stage": None, "kernel": meta.stem})
+    return sorted(out, key=lambda e: e["t"])
 
 
 def compile_events(log: Path, year: int) -> list[dict[str, Any]]:
@@ -61,14 +83,16 @@ def compile_events(log: Path, year: int) -> list[dict[str, Any]]:
 
 
 def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[float, float]]],
-               samples: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
+               samples: dict[str, dict[str, list[dict]]], cache_dirs: list[Path] = ()) -> dict[str, Any]:
     """Per variant: compiles logged after its first warm-up and outside every warm-up
     (``warmups``: the unix ``(start, end)`` of each of its pipeline's warm-ups — one per start,
     so restart alternation has one a round; the untimed re-warm request of each workload counts
     with the timed ones; a variant never warmed is left out), counted by stage and kernel, and
     every TTFT spike of a request sent alone (``samples[workload][variant]`` rows with
     ``started_unix``) with the compiles logged while it ran (from its start's second to the
-    second after its first token)."""
+    second after its first token). With ``cache_dirs`` (:func:`triton_cache_dirs`), the compiles
+    Triton wrote there while one of the variant's requests ran (±1 s; key ``cache: <kernel>``)
+    count too, less those its log already names (the same kernel within 2 s)."""
     report: dict[str, Any] = {}
     for v in variants:
         if not warmups.get(v):
@@ -77,9 +101,14 @@ def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[flo
         t0 = windows[0][1]
         events = [e for e in compile_events(out / f"log_{v}.txt", time.localtime(t0).tm_year)
                   if e["t"] >= int(t0) and not any(a <= e["t"] <= b for a, b in windows)]
+        spans = [(r["started_unix"] - 1, r["started_unix"] + (r.get("e2e_ms") or r.get("ttft_ms") or 0) / 1000 + 1)
+                 for per_variant in samples.values() for r in per_variant.get(v, []) if r.get("started_unix")]
+        events += [e for e in cache_compiles(list(cache_dirs), t0) if any(a <= e["t"] <= b for a, b in spans)
+                   and not any(x["kernel"] == e["kernel"] and -1 <= e["t"] - x["t"] <= 2 for x in events)]
+        events.sort(key=lambda e: e["t"])
         by: dict[str, int] = {}
         for e in events:
-            key = f"stage {e['stage']}: {e['kernel']}"
+            key = _where(e)
             by[key] = by.get(key, 0) + 1
         spikes = []
         for w, per_variant in samples.items():
@@ -91,23 +120,28 @@ def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[flo
                 if r["ttft_ms"] <= SPIKE_FACTOR * p50 or r.get("started_unix") is None:
                     continue
                 lo, hi = int(r["started_unix"]), r["started_unix"] + r["ttft_ms"] / 1000 + 1
-                during = [f"stage {e['stage']}: {e['kernel']}" for e in events if lo <= e["t"] <= hi]
+                during = [_where(e) for e in events if lo <= e["t"] <= hi]
                 spikes.append({"workload": w, "index": r.get("index"), "ttft_ms": r["ttft_ms"], "p50_ms": p50,
                                "compiles_while_it_ran": during})
         report[v] = {"compiles_after_warmup": len(events), "by_stage_and_kernel": by, "ttft_spikes": spikes}
     return report
 
 
+def _where(event: dict[str, Any]) -> str:
+    return f"{'cache' if event['stage'] is None else 'stage ' + str(event['stage'])}: {event['kernel']}"
+
+
 def format_jit(report: dict[str, Any]) -> str:
     """The report as lines for the run's printed summary."""
     if not report:
         return "JIT compiles after warm-up: (no variant timed)"
-    lines = ["JIT compiles after warm-up (vLLM's kernel JIT monitor, verbose; a compile ≈ a latency spike):"]
+    lines = ["JIT compiles after warm-up (vLLM's JIT monitor: first compile of a kernel, by stage; Triton's disk "
+             "cache: every compile, host-wide; a compile ≈ a latency spike):"]
     for v, r in report.items():
         kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(r["by_stage_and_kernel"].items())) or "none"
         lines.append(f"  {v:12s} {r['compiles_after_warmup']:3d}  ({kinds})")
         for s in r["ttft_spikes"]:
-            why = ", ".join(s["compiles_while_it_ran"]) or "no compile logged while it ran"
+            why = ", ".join(s["compiles_while_it_ran"]) or "no compile while it ran"
             lines.append(f"    spike: {s['workload']} #{s['index']} TTFT {s['ttft_ms']:.0f} ms "
                          f"(p50 {s['p50_ms']:.0f}): {why}")
     return "\n".join(lines)

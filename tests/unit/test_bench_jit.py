@@ -3,9 +3,8 @@ spikes (engine-free: a log written here in vLLM's format)."""
 
 from __future__ import annotations
 
+import os
 import time
-
-import yaml
 
 from benchmarks.prefill import jit
 
@@ -38,14 +37,39 @@ def test_compiles_after_warmup_are_counted_and_matched_with_spikes(tmp_path):
     assert spikes == {1: ["stage 0: fused_moe_kernel"], 3: []}  # p50 95 ms: 1,200 and 1,100 ms are spikes
     text = jit.format_jit(rep)
     assert "floor #1 TTFT 1200 ms (p50 95): stage 0: fused_moe_kernel" in text
-    assert "floor #3 TTFT 1100 ms (p50 95): no compile logged while it ran" in text
+    assert "floor #3 TTFT 1100 ms (p50 95): no compile while it ran" in text
 
 
-def test_verbose_jit_monitor_sets_every_stage(tmp_path):
-    cfg = tmp_path / "stage_config_off.yaml"
-    cfg.write_text(yaml.safe_dump({"async_chunk": True, "stages": [{"stage_id": 0}, {"stage_id": 1,
-                                                                    "jit_monitor_verbose": False}]}))
-    jit.verbose_jit_monitor(cfg)
-    raw = yaml.safe_load(cfg.read_text())
-    assert [st.get("jit_monitor_verbose") for st in raw["stages"]] == [True, False]  # a stage's own setting kept
-    assert raw["async_chunk"] is True
+def test_compiles_in_tritons_disk_cache_count_while_a_request_ran(tmp_path):
+    # vLLM's monitor logs a kernel's first compile only; Triton writes <hash>/<name>.json per compile
+    t0 = float(int(time.time()) - 100)
+    (tmp_path / "log_omni_cache.txt").write_text(_line(t0 + 10, 0, "fused_moe_kernel"))
+    cache = tmp_path / "triton"
+
+    def compiled(h: str, name: str, t: float) -> None:
+        (cache / h).mkdir(parents=True)
+        for f in (f"{name}.json", f"__grp__{name}.json", f"{name}.cubin"):
+            (cache / h / f).write_text("{}")
+            os.utime(cache / h / f, (t, t))
+
+    compiled("a", "fused_moe_kernel", t0 + 10.4)  # the compile the log names: not counted twice
+    compiled("b", "fused_moe_kernel", t0 + 30.2)  # another shape, while request 3 ran: the log is silent
+    compiled("c", "triton_poi_fused_0", t0 - 20)  # during warm-up
+    compiled("d", "_bmm_outer_product_kernel", t0 + 70)  # after the last request: no request ran
+    rows = [{"index": i, "measure": True, "ttft_ms": ms, "e2e_ms": ms + 50, "started_unix": t0 + start}
+            for i, (start, ms) in enumerate([(2, 90), (9.5, 1200), (20, 95), (30, 1100), (50, 85)])]
+    args = (tmp_path, ["omni_cache"], {"omni_cache": [(t0 - 60, t0)]}, {"floor": {"omni_cache": rows}})
+    assert jit.jit_report(*args)["omni_cache"]["compiles_after_warmup"] == 1  # no cache: the log alone
+    r = jit.jit_report(*args, [cache])["omni_cache"]
+    assert r["by_stage_and_kernel"] == {"stage 0: fused_moe_kernel": 1, "cache: fused_moe_kernel": 1}
+    assert {s["index"]: s["compiles_while_it_ran"] for s in r["ttft_spikes"]} == {
+        1: ["stage 0: fused_moe_kernel"], 3: ["cache: fused_moe_kernel"]}
+    assert [e["kernel"] for e in jit.cache_compiles([cache], t0)] == ["fused_moe_kernel"] * 2 + [
+        "_bmm_outer_product_kernel"]
+
+
+def test_triton_cache_dirs_follow_triton_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert jit.triton_cache_dirs()[0] == tmp_path
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "missing"))
+    assert tmp_path / "missing" not in jit.triton_cache_dirs()

@@ -6,6 +6,7 @@ recorders here; the real starts are the benchmarks' smoke runs, docs/benchmarks.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 
@@ -156,3 +157,19 @@ def test_variant_worker_wraps_the_drivers_pipeline(monkeypatch):
         assert len(closed) == len(calls) - 1  # running until closed
         w.close()
         assert len(closed) == len(calls)
+
+
+def test_thinker_block_size_from_the_stage_config_and_checked_against_the_hit_audit(tmp_path):
+    # the CPU configs set 32; the GPU configs set none and run with vLLM's default, 16 — the
+    # realtime oracle assumed 32 on the first full-size run and paired rows 16-32 of every
+    # served block 0 with another session's writer (210 false violations, 2 x H100)
+    gpu = lab.REPO / "stage_configs" / "qwen3_omni_30b_a3b_2xh100_dummy_duplex.yaml"
+    assert lab.thinker_block_size(None) == lab.thinker_block_size(lab.BASE_CONFIG) == 32
+    assert lab.thinker_block_size(gpu) == 16
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    line = {"request": "duplex-s.x.e.0.r.stage0-turn1", "hit_tokens": 224, "writers": ["w"] * 14}
+    (audit / "hits-1.jsonl").write_text(json.dumps(line) + "\n" + json.dumps({**line, "hit_tokens": 0, "writers": []}))
+    assert lab.thinker_block_size(gpu, tmp_path) == 16
+    with pytest.raises(ValueError, match=r"stage0-turn1 was served 224 tokens from 14 blocks, not blocks of 32"):
+        lab.thinker_block_size(lab.BASE_CONFIG, tmp_path)
