@@ -55,9 +55,14 @@
 #      one-GPU full-size config, cache off / omni-cache / built-in one at a time (floor, text; c = 1
 #      and 16; 12 requests; jit_compiles on); on 4 x H100 (a full-size pipeline needs an H200 or two
 #      H100s) the lane over four cards (L's split) and the mutants beside it on card 2
-#   X  (never run) 4 x H100, issues 43 and 47 at once: T's full-size table on cards 0-1 (cache off, built-in,
-#      omni-cache last; floor, text, chat; c = 1 and 16; jit_compiles) while cards 2-3 run V on the two-GPU
-#      duplex config (V_SESSIONS, default 1,8)
+#   X  4 x H100, issues 43 and 47 at once: T's full-size table on cards 0-1 (cache off, built-in,
+#      omni-cache last; floor, text, chat; c = 1 and 16; X_REQUESTS, default 12; jit_compiles) while cards
+#      2-3 run V on the two-GPU duplex config (V_SESSIONS, default 1,8). Twelfth session: V ran; the table
+#      died at its first start (a stage-config key vLLM-Omni refuses, since removed) and ran again without
+#      the built-in (docs/gpu.md, "Twelfth session")
+#   J  (never run) 4 x H100, issue 43: the floor's own TTFT spikes — the floor alone at c = 1 (J_REQUESTS,
+#      default 48, two rounds, off and omni-cache) on cards 0-1, py-spy on omni-cache's thinker over the same
+#      requests on cards 2-3
 #   Z  (never run) issue 47, item 3: the exactness fuzzer at size (benchmarks.fuzz_exactness --stage-config
 #      --engine-devices): off / built-in / omni-cache one card each (cards 0-2), full size on H200s, the
 #      profiling shape on H100s; Z_GROUPS (default 25, ~300 requests), streaming; card 3 is free
@@ -192,6 +197,22 @@ for step in "$@"; do
          --variants off,builtin,omni_cache --thinker-kv-mib 12288 --talker-kv-mib 4096 \
          --out "$OUT" --name X > "$OUT/X.log" 2>&1
        log "X: table rc=$?"; wait ;;
+    J) # 4 x H100, issue 43: the floor's ~1 s TTFT spikes (twelfth session: omni-cache's own, two of twelve at
+       # c = 1). Cards 0-1: the floor alone, 48 requests a round, two rounds rotated (off and omni-cache, each
+       # started twice), with the JIT report reading Triton's disk caches; cards 2-3: py-spy on omni-cache's
+       # thinker over the same floor requests (benchmarks.profile_stage): a ~1 s stall is ~200 samples of one stack
+       $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       (CUDA_VISIBLE_DEVICES=2,3 $PY -m benchmarks.profile_stage \
+          --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml \
+          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant omni_cache --workloads floor \
+          --requests "${J_REQUESTS:-48}" --out "$OUT/J-profile" > "$OUT/J-profile.log" 2>&1
+        log "J: profile rc=$?") &
+       CUDA_VISIBLE_DEVICES=0,1 $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor \
+         --requests "${J_REQUESTS:-48}" --repeats 2 --concurrency 1 --max-num-seqs 16 --alternation restart \
+         --variants off,omni_cache --thinker-kv-mib 12288 --talker-kv-mib 4096 \
+         --out "$OUT" --name J > "$OUT/J.log" 2>&1
+       log "J: table rc=$?"; wait ;;
     Z) # issue 47, item 3: the exactness fuzzer at size, its three engines (off, built-in, omni-cache) one card
        # each — full size on H200s, the profiling shape (Qwen3-Omni-30B-A3B's widths, 6 of 48 thinker layers)
        # on H100s — Z_GROUPS seeded groups (~12 requests each), streaming
