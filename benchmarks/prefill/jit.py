@@ -36,6 +36,12 @@ COMPILE_LINE = re.compile(r"(?:stage(?P<stage>\d+)\S*\s+pid=\d+\)\s+)?\w+\s+(?P<
                           r"compilation during inference: (?P<kernel>[A-Za-z_][\w]*)")
 #: a request is a spike when its TTFT is over this many times its variant's p50 for the workload
 SPIKE_FACTOR = 1.5
+#: a collection vLLM's GC debugger logs (``VLLM_GC_DEBUG=1``, ``vllm/utils/gc_utils.py``): ``(StageEngineCoreProc_
+#: stage0_replica0 pid=1) INFO 11-28 04:39:43 [gc_utils.py:81] GC took 412.410ms to complete. ... generation 2.``
+GC_LINE = re.compile(r"(?:stage(?P<stage>\d+)\S*\s+pid=\d+\)\s+)?\w+\s+(?P<t>\d\d-\d\d \d\d:\d\d:\d\d)\s.*"
+                     r"GC took (?P<ms>[\d.]+)ms to complete.*generation (?P<gen>\d)")
+#: collections at least this long (ms) are reported with the spikes they overlap
+GC_PAUSE_MS = 20.0
 
 
 def triton_cache_dirs() -> list[Path]:
@@ -67,18 +73,26 @@ def compile_events(log: Path, year: int) -> list[dict[str, Any]]:
     """The compiles logged in ``log``: ``{"t": unix seconds (host local time, 1 s resolution),
     "stage": stage id or None, "kernel": name}``, in log order. ``year``: the log's year (vLLM
     logs month-day only)."""
+    return _log_events(log, year, "compilation during inference", COMPILE_LINE,
+                       lambda m: {"kernel": m["kernel"]})
+
+
+def gc_pauses(log: Path, year: int) -> list[dict[str, Any]]:
+    """The collections of at least :data:`GC_PAUSE_MS` that vLLM's GC debugger logged in ``log``
+    (only with ``VLLM_GC_DEBUG=1``): ``{"t", "stage", "kernel": "GC gen <g> <ms> ms", "ms"}``."""
+    return [e for e in _log_events(log, year, "GC took", GC_LINE, lambda m: {
+        "kernel": f"GC gen {m['gen']} {float(m['ms']):.0f} ms", "ms": float(m["ms"])}) if e["ms"] >= GC_PAUSE_MS]
+
+
+def _log_events(log: Path, year: int, marker: str, pattern: re.Pattern, fields) -> list[dict[str, Any]]:
     out = []
     if not log.is_file():
         return out
     with log.open(errors="replace") as f:
         for line in f:
-            if "compilation during inference" not in line:
-                continue
-            m = COMPILE_LINE.search(line)
-            if not m:
-                continue
-            t = time.mktime(time.strptime(f"{year}-{m['t']}", "%Y-%m-%d %H:%M:%S"))
-            out.append({"t": t, "stage": int(m["stage"]) if m["stage"] else None, "kernel": m["kernel"]})
+            if marker in line and (m := pattern.search(line)):
+                t = time.mktime(time.strptime(f"{year}-{m['t']}", "%Y-%m-%d %H:%M:%S"))
+                out.append({"t": t, "stage": int(m["stage"]) if m["stage"] else None, **fields(m)})
     return out
 
 
@@ -106,6 +120,7 @@ def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[flo
         events += [e for e in cache_compiles(list(cache_dirs), t0) if any(a <= e["t"] <= b for a, b in spans)
                    and not any(x["kernel"] == e["kernel"] and -1 <= e["t"] - x["t"] <= 2 for x in events)]
         events.sort(key=lambda e: e["t"])
+        gcs = [e for e in gc_pauses(out / f"log_{v}.txt", time.localtime(t0).tm_year) if e["t"] >= int(t0)]
         by: dict[str, int] = {}
         for e in events:
             key = _where(e)
@@ -122,8 +137,10 @@ def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[flo
                 lo, hi = int(r["started_unix"]), r["started_unix"] + r["ttft_ms"] / 1000 + 1
                 during = [_where(e) for e in events if lo <= e["t"] <= hi]
                 spikes.append({"workload": w, "index": r.get("index"), "ttft_ms": r["ttft_ms"], "p50_ms": p50,
-                               "compiles_while_it_ran": during})
-        report[v] = {"compiles_after_warmup": len(events), "by_stage_and_kernel": by, "ttft_spikes": spikes}
+                               "compiles_while_it_ran": during,
+                               "gc_pauses_while_it_ran": [_where(e) for e in gcs if lo <= e["t"] <= hi]})
+        report[v] = {"compiles_after_warmup": len(events), "by_stage_and_kernel": by, "ttft_spikes": spikes,
+                     "gc_pauses_after_warmup": [_where(e) for e in gcs]}
     return report
 
 
@@ -139,9 +156,11 @@ def format_jit(report: dict[str, Any]) -> str:
              "cache: every compile, host-wide; a compile ≈ a latency spike):"]
     for v, r in report.items():
         kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(r["by_stage_and_kernel"].items())) or "none"
-        lines.append(f"  {v:12s} {r['compiles_after_warmup']:3d}  ({kinds})")
+        lines.append(f"  {v:12s} {r['compiles_after_warmup']:3d}  ({kinds})"
+                     + (f"; GC pauses ≥ {GC_PAUSE_MS:.0f} ms: {', '.join(r['gc_pauses_after_warmup'])}"
+                        if r.get("gc_pauses_after_warmup") else ""))
         for s in r["ttft_spikes"]:
-            why = ", ".join(s["compiles_while_it_ran"]) or "no compile while it ran"
+            why = ", ".join(s["compiles_while_it_ran"] + s.get("gc_pauses_while_it_ran", [])) or "no compile or GC"
             lines.append(f"    spike: {s['workload']} #{s['index']} TTFT {s['ttft_ms']:.0f} ms "
                          f"(p50 {s['p50_ms']:.0f}): {why}")
     return "\n".join(lines)

@@ -37,7 +37,7 @@ def test_compiles_after_warmup_are_counted_and_matched_with_spikes(tmp_path):
     assert spikes == {1: ["stage 0: fused_moe_kernel"], 3: []}  # p50 95 ms: 1,200 and 1,100 ms are spikes
     text = jit.format_jit(rep)
     assert "floor #1 TTFT 1200 ms (p50 95): stage 0: fused_moe_kernel" in text
-    assert "floor #3 TTFT 1100 ms (p50 95): no compile while it ran" in text
+    assert "floor #3 TTFT 1100 ms (p50 95): no compile or GC" in text
 
 
 def test_compiles_in_tritons_disk_cache_count_while_a_request_ran(tmp_path):
@@ -73,3 +73,23 @@ def test_triton_cache_dirs_follow_triton_cache_dir(tmp_path, monkeypatch):
     assert jit.triton_cache_dirs()[0] == tmp_path
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "missing"))
     assert tmp_path / "missing" not in jit.triton_cache_dirs()
+
+
+def test_gc_pauses_logged_by_vllms_gc_debugger_are_matched_with_spikes(tmp_path):
+    # VLLM_GC_DEBUG=1 (vllm/utils/gc_utils.py): one line per collection; short ones are not reported
+    t0 = float(int(time.time()) - 100)
+
+    def gc(t: float, ms: float, gen: int) -> str:
+        stamp = time.strftime("%m-%d %H:%M:%S", time.localtime(t))
+        return (f"(StageEngineCoreProc_stage0_replica0 pid=18876) INFO {stamp} [gc_utils.py:81] GC took {ms:.3f}ms "
+                f"to complete. Collected 76 objects (out of 871130) in GC generation {gen}.\n")
+
+    (tmp_path / "log_omni_cache.txt").write_text(gc(t0 - 30, 390.5, 2) + gc(t0 + 10, 412.4, 2) + gc(t0 + 11, 0.3, 0)
+                                                 + gc(t0 + 50, 35.0, 1))
+    rows = [{"index": i, "measure": True, "ttft_ms": ms, "started_unix": t0 + start}
+            for i, (start, ms) in enumerate([(2, 90), (9.5, 1200), (20, 95), (50, 85)])]
+    r = jit.jit_report(tmp_path, ["omni_cache"], {"omni_cache": [(t0 - 60, t0)]},
+                       {"floor": {"omni_cache": rows}})["omni_cache"]
+    assert r["gc_pauses_after_warmup"] == ["stage 0: GC gen 2 412 ms", "stage 0: GC gen 1 35 ms"]
+    assert [(s["index"], s["gc_pauses_while_it_ran"]) for s in r["ttft_spikes"]] == [(1, ["stage 0: GC gen 2 412 ms"])]
+    assert "floor #1 TTFT 1200 ms (p50 92): stage 0: GC gen 2 412 ms" in jit.format_jit({"omni_cache": r})
