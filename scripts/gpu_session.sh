@@ -207,8 +207,8 @@ for step in "$@"; do
           --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant omni_cache --workloads floor \
           --requests "${J_REQUESTS:-48}" --out "$OUT/J-profile" > "$OUT/J-profile.log" 2>&1
         log "J: profile rc=$?") &
-       # VLLM_GC_DEBUG=1: every collection logged with its time (CPU, bench model: ~85 lines a run, vLLM
-       # freezes the start-up heap), matched with the spikes by the JIT report
+       # VLLM_GC_DEBUG=1: every collection logged with its time (CPU, bench model: ~85 lines a pipeline, none over
+       # 1.4 ms while serving: vLLM freezes the start-up heap), matched with the spikes by the JIT report
        VLLM_GC_DEBUG=1 CUDA_VISIBLE_DEVICES=0,1 $PY -m benchmarks.prefill \
          --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor \
