@@ -14,7 +14,9 @@ A Triton kernel compiled for a new shape during inference costs ~1 s on a GPU (v
   written while it was timed are its compiles.
 
 :func:`jit_report` counts each variant's compiles after its warm-up and lists which TTFT spikes
-(over 1.5× the variant's p50, the at-size issue's definition) had a compile while they ran. The
+(over 1.5× the variant's p50, the at-size issue's definition) had a compile while they ran —
+and, where vLLM's GC debugger logged collections (``VLLM_GC_DEBUG=1``), which overlapped a
+collection of :data:`GC_PAUSE_MS` or more. The
 first pipeline started on a fresh host compiles what later variants find in Triton's disk cache;
 this report is how a spike of that kind is told from one of the variant's own.
 """
@@ -27,6 +29,7 @@ import re
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,7 @@ def triton_cache_dirs() -> list[Path]:
     return [d for d in dirs if d.is_dir()]
 
 
-def cache_compiles(dirs: list[Path], since: float) -> list[dict[str, Any]]:
+def cache_compiles(dirs: Sequence[Path], since: float) -> list[dict[str, Any]]:
     """The kernels compiled into the Triton caches ``dirs`` at or after ``since`` (unix s):
     ``{"t": the kernel metadata file's mtime (unix s), "stage": None, "kernel": name}``, by time.
     Triton keeps a compile as ``<hash>/<name>.json`` beside its binaries (``__grp__*`` files
@@ -97,7 +100,7 @@ def _log_events(log: Path, year: int, marker: str, pattern: re.Pattern, fields) 
 
 
 def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[float, float]]],
-               samples: dict[str, dict[str, list[dict]]], cache_dirs: list[Path] = ()) -> dict[str, Any]:
+               samples: dict[str, dict[str, list[dict]]], cache_dirs: Sequence[Path] = ()) -> dict[str, Any]:
     """Per variant: compiles logged after its first warm-up and outside every warm-up
     (``warmups``: the unix ``(start, end)`` of each of its pipeline's warm-ups — one per start,
     so restart alternation has one a round; the untimed re-warm request of each workload counts
@@ -117,10 +120,11 @@ def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[flo
                   if e["t"] >= int(t0) and not any(a <= e["t"] <= b for a, b in windows)]
         spans = [(r["started_unix"] - 1, r["started_unix"] + (r.get("e2e_ms") or r.get("ttft_ms") or 0) / 1000 + 1)
                  for per_variant in samples.values() for r in per_variant.get(v, []) if r.get("started_unix")]
-        events += [e for e in cache_compiles(list(cache_dirs), t0) if any(a <= e["t"] <= b for a, b in spans)
+        events += [e for e in cache_compiles(cache_dirs, t0) if any(a <= e["t"] <= b for a, b in spans)
                    and not any(x["kernel"] == e["kernel"] and -1 <= e["t"] - x["t"] <= 2 for x in events)]
         events.sort(key=lambda e: e["t"])
-        gcs = [e for e in gc_pauses(out / f"log_{v}.txt", time.localtime(t0).tm_year) if e["t"] >= int(t0)]
+        gcs = [e for e in gc_pauses(out / f"log_{v}.txt", time.localtime(t0).tm_year)
+               if e["t"] >= int(t0) and not any(a <= e["t"] <= b for a, b in windows)]
         by: dict[str, int] = {}
         for e in events:
             key = _where(e)
