@@ -11,6 +11,11 @@ splits the model-runner samples (omni-cache's work, model forward, ``compute_log
 With ``--concurrency c`` (> 1) each workload's requests run as one closed loop of c senders
 (as ``benchmarks.prefill``'s), recorded as one profile: where a stage's time goes under load.
 
+With ``--stalls`` py-spy also samples idle threads (``--idle --threads``: a thread blocked in a
+CUDA sync or a lock counts), and the result lists, for every request whose prefill took over
+:data:`STALL_FACTOR` x its workload's median, the heaviest stacks recorded while it ran
+(:func:`heaviest_stacks`): what a ~1 s stall was doing.
+
 Writes ``<out>/profile-<variant>-stage<N>[-c<c>].json`` and the raw stacks beside it.
 """
 
@@ -31,6 +36,37 @@ from benchmarks import lab
 #: the runner's cache methods (omni_cache/engine/runner.py); omni_cache/core counts whole
 CACHE_METHODS = {"new_step_starts", "save_outputs", "materialize", "_tags", "_ensure_cache",
                  "_restart_resumed_payloads", "_publish_metrics", "discard_step"}
+
+
+#: a request is a stall when its prefill exceeds this many times its workload's median (the
+#: at-size issue's spike: over 1.5 x the variant's p50 TTFT)
+STALL_FACTOR = 1.5
+
+
+def heaviest_stacks(raw: str, top: int = 8, depth: int = 8) -> list[dict]:
+    """The ``top`` stacks with the most samples in py-spy's raw output, each cut to its
+    innermost ``depth`` frames (thread frames kept first) — ``[{"samples": n, "stack": [...]}]``."""
+    by: collections.Counter = collections.Counter()
+    for line in raw.splitlines():
+        stack, _, n = line.rstrip().rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        head = [f for f in frames[:1] if f.startswith(("thread", "process"))]
+        by[tuple(head + frames[-depth:])] += int(n)
+    return [{"samples": n, "stack": list(k)} for k, n in by.most_common(top)]
+
+
+def stalls(prefill_ms: list, raws: list[str], factor: float = STALL_FACTOR) -> list[dict]:
+    """Requests whose prefill took over ``factor`` x the median of ``prefill_ms`` (ms, one per
+    request, ``None`` where unknown), with the heaviest stacks of their raw profile (``raws``,
+    one per request, same order)."""
+    known = [v for v in prefill_ms if v is not None]
+    med = lab.stat(known)
+    if not med:
+        return []
+    return [{"index": i, "prefill_ms": v, "median_ms": med, "stacks": heaviest_stacks(r)}
+            for i, (v, r) in enumerate(zip(prefill_ms, raws)) if v is not None and v > factor * med]
 
 
 def _func(frame: str) -> str:
@@ -92,6 +128,9 @@ def main() -> int:
                     help="omni-cache variants without the talker's prefix cache (default: as the stage config says, "
                          "as benchmarks.prefill)")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument("--stalls", action="store_true",
+                    help="py-spy --idle --threads (blocked threads sampled too), and the heaviest stacks of each "
+                         f"request whose prefill took over {STALL_FACTOR} x its workload's median")
     ap.add_argument("--out", default=str(lab.RESULTS), help="folder the profile files are written to")
     args = ap.parse_args()
     # PATH, this interpreter's bin, or a --target install's bin on sys.path (the offline bundle's
@@ -137,7 +176,8 @@ def main() -> int:
     def recorded(raw: Path, run):
         """``run()`` while py-spy records the stage's engine core into ``raw``."""
         rec = subprocess.Popen([spy, "record", "-p", str(target[0].pid), "-r", str(args.rate), "-f", "raw",
-                                "-o", str(raw), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                "-o", str(raw), "--nonblocking", *(["--idle", "--threads"] if args.stalls else [])],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         time.sleep(1.5)
         try:
             return run()
@@ -186,11 +226,15 @@ def main() -> int:
                                                                       thinker_cache_only=args.thinker_cache_only),
               "stage_config": str(args.stage_config), "rate_hz": args.rate, "workloads": {}}
     for wl, d in per.items():
-        raw = "\n".join(d.pop("raw"))
+        raws = d.pop("raw")
+        raw = "\n".join(raws)
         (out / f"profile-{tag}-{wl}.txt").write_text(raw)
         r = result["workloads"][wl] = {**d, "prefill_ms_median": lab.stat(d["prefill_ms"]),
                                        "talker_prefill_ms_median": lab.stat(d["talker_prefill_ms"]),
                                        **split_samples(raw)}
+        if args.stalls and c == 1:
+            r["stalls"] = stalls(d["prefill_ms"], raws)
+            print(f"{wl}: {len(r['stalls'])} stalls (prefill > {STALL_FACTOR} x median)")
         print(f"{wl}: prefill median {r['prefill_ms_median'] or float('nan'):.0f} ms; of stage {args.stage}'s "
               f"model-runner samples: omni-cache {100 * r['omni_cache_share']:.1f} %, model forward "
               f"{100 * r['model_forward_share']:.1f} %, compute_logits {100 * r['compute_logits_share']:.1f} %")

@@ -202,11 +202,16 @@ for step in "$@"; do
        # started twice), with the JIT report reading Triton's disk caches; cards 2-3: py-spy on omni-cache's
        # thinker over the same floor requests (benchmarks.profile_stage): a ~1 s stall is ~200 samples of one stack
        $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
-       (CUDA_VISIBLE_DEVICES=2,3 $PY -m benchmarks.profile_stage \
-          --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml \
-          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant omni_cache --workloads floor \
-          --requests "${J_REQUESTS:-48}" --out "$OUT/J-profile" > "$OUT/J-profile.log" 2>&1
-        log "J: profile rc=$?") &
+       # --stalls: py-spy --idle --threads (a thread blocked in a sync counts) and the heaviest stacks of each
+       # request over 1.5 x the median prefill; then cache off the same way, the control
+       (for v in omni_cache off; do
+          VLLM_GC_DEBUG=1 CUDA_VISIBLE_DEVICES=2,3 $PY -m benchmarks.profile_stage \
+            --stage-config stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml --stalls \
+            --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant $v --workloads floor \
+            --requests "${J_REQUESTS:-48}" --thinker-kv-mib 12288 --talker-kv-mib 4096 \
+            --out "$OUT/J-profile" > "$OUT/J-profile-$v.log" 2>&1
+          log "J: profile $v rc=$?"
+        done) &
        # VLLM_GC_DEBUG=1: every collection logged with its time (CPU, bench model: ~85 lines a pipeline, none over
        # 1.4 ms while serving: vLLM freezes the start-up heap), matched with the spikes by the JIT report
        VLLM_GC_DEBUG=1 CUDA_VISIBLE_DEVICES=0,1 $PY -m benchmarks.prefill \
