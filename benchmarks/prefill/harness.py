@@ -331,7 +331,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     load_samples = {w: {str(c): {v: [] for v in variants} for c in loads} for w in workloads}
     bar = tqdm(total=sum(map(len, [*round_specs.values(), *load_specs.values()])) * len(variants),
                desc="requests x variants", unit="req")
-    rewarm_specs = {s["workload"]: s for s in warmup_specs(workloads, opts)}
+    # before each workload's timed requests: its first warm-up request again, alone (not a chat turn)
+    rewarm_specs = {s["workload"]: dict(s, chat=None) for s in reversed(warmup_specs(workloads, opts))}
 
     def start(v: str) -> Variant:
         bar.set_postfix_str(f"starting {v}")

@@ -104,15 +104,26 @@ def _conversation(base: dict, r: int, opts: WorkloadOptions, doc: str, q, *, ses
              "chat": {"session": session, "turn": i}} for i in range(opts.requests)]
 
 
+#: untimed requests per workload at c = 1 (:func:`warmup_specs`)
+WARMUP_REQUESTS = 4
+
+
 def warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
-    """Untimed requests, per workload: at c = 1 one that puts its shared prefix in the cache (and
-    warms the engine: first-request costs such as lazy imports are not timed); at ``concurrency``
-    c > 1 one batch (round -2), so that a new batch size compiles and autotunes its kernels before
-    timing (on an H100 the first variant at c = 16 lost 1/2 to 3/4 of its throughput in that
-    batch: docs/benchmarks.md)."""
-    one = WorkloadOptions(**{**opts.__dict__, "requests": 1})
+    """Untimed requests, per workload: at c = 1 :data:`WARMUP_REQUESTS` of round -1 — the first
+    puts the workload's shared prefix in the cache (and warms the engine: first-request costs
+    such as lazy imports are not timed), the others prefill as the timed requests do, a prefix
+    hit's suffix for a variant with a cache. Why more than one (found on an H200, 2026-11-28,
+    docs/gpu.md "Thirteenth session"): a cache variant's first request with a hit prefills a
+    token count the one-request warm-up never met, and vLLM's fused-MoE Triton kernel compiled a
+    new specialization for it inside that request (~1 s of a 1,166 ms TTFT), which cache off,
+    whose warm-up prefilled the timed shape, never paid. At ``concurrency`` c > 1 one batch
+    (round -2), so that a new batch size compiles and autotunes its kernels before timing (on an
+    H100 the first variant at c = 16 lost 1/2 to 3/4 of its throughput in that batch:
+    docs/benchmarks.md)."""
     if concurrency == 1:
-        return [dict(specs(w, -1, one)[0], measure=False, index=-1, chat=None, max_tokens=None) for w in workloads]
+        few = WorkloadOptions(**{**opts.__dict__, "requests": WARMUP_REQUESTS})
+        return [dict(s, measure=False, index=-1, max_tokens=None) for w in workloads for s in specs(w, -1, few)]
+    one = WorkloadOptions(**{**opts.__dict__, "requests": 1})
     return [{**s, "measure": False} for w in workloads for s in specs(w, -2, one, concurrency=concurrency)]
 
 
