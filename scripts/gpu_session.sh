@@ -60,7 +60,7 @@
 #      2-3 run V on the two-GPU duplex config (V_SESSIONS, default 1,8). Twelfth session: V ran; the table
 #      died at its first start (a stage-config key vLLM-Omni refuses, since removed) and ran again without
 #      the built-in (docs/gpu.md, "Twelfth session")
-#   J  (never run) 4 x H100, issue 43: the floor's own TTFT spikes — the floor alone at c = 1 (J_REQUESTS,
+#   J  (started once, lost with its host: thirteenth session) 4 x H100, issue 43: the floor's own TTFT spikes — the floor alone at c = 1 (J_REQUESTS,
 #      default 48, two rounds, off and omni-cache) on cards 0-1, py-spy on omni-cache's thinker over the same
 #      requests on cards 2-3
 #   J1 one H200: J on the one-GPU full-size config, one card (profile omni-cache, the floor table, profile off)
