@@ -233,17 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shrink-budget", type=int, default=6, help="reruns spent shrinking a failing group (0: none)")
     ap.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
     ap.add_argument("--stage-config", type=Path, default=None,
-                    help="the config the engines derive from (default: the bundled CPU config; on a GPU host a "
-                         "GPU config)")
+                    help="the config the engines derive from (default: the bundled CPU config)")
     ap.add_argument("--engine-devices", default=None,
                     help="GPU host: each engine's cards, e.g. 'off=0;builtin=1;omni=2' (stage devices index into them)")
     ap.add_argument("--fail-on", default="a,b,c",
-                    help="the oracles whose violations make the exit code 1 (on CUDA 'a,b': cache off (c) holds "
-                         "only to its stated precision there, its token comparison not at all; docs/gpu.md)")
+                    help="oracles whose violations make the exit code 1 (on CUDA 'a,b': docs/gpu.md)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--rejudge", type=Path, default=None, metavar="DIR",
-                    help="re-apply oracle (b) to the concurrent requests of the finished run in DIR; "
-                         "rewrites its report")
+                    help="re-apply oracle (b) to the concurrent requests of the run in DIR; rewrites its report")
     args = ap.parse_args(argv)
     if args.rejudge is not None:
         report = json.loads((args.rejudge / "report.json").read_text())

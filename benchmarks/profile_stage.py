@@ -107,30 +107,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage-config", default=str(lab.BASE_CONFIG))
     ap.add_argument("--model", help="model directory (default: the stage config's embedded model of --model-size)")
-    ap.add_argument("--model-size", default="bench",
-                    help="embedded model size (bench, bench-voice for the Qwen3-Omni family)")
+    ap.add_argument("--model-size", default="bench", help="embedded model size (Qwen3-Omni: bench, bench-voice)")
     ap.add_argument("--stage", type=int, default=0, help="stage id to record (0 thinker, 1 talker, 2 code2wav)")
     ap.add_argument("--variant", default="omni_cache", help="a benchmark variant (omni_cache.driver.variants)")
     ap.add_argument("--workloads", default="miss", help="comma-separated prefill-benchmark workloads")
     ap.add_argument("--requests", type=int, default=8, help="timed requests per workload")
     ap.add_argument("--media-copies", type=int, default=1)
-    ap.add_argument("--thinker-kv-mib", type=int, default=None,
-                    help="default 256 on the CPU, the stage config's on a GPU host (as benchmarks.prefill)")
+    ap.add_argument("--thinker-kv-mib", type=int, default=None, help="default 256 on the CPU, a GPU host's config's")
     ap.add_argument("--talker-kv-mib", type=int, default=None,
-                    help="default 32, 256 for bench-voice (its talker holds ~9 KiB of KV a token); a GPU host: "
-                         "the stage config's")
+                    help="default 32 (bench-voice 256: ~9 KiB of KV a token) on the CPU, a GPU host's config's")
     ap.add_argument("--concurrency", type=int, default=1,
-                    help="c > 1: each workload's requests as one closed loop of c senders (benchmarks.prefill's "
-                         "--concurrency), recorded as one profile: where a stage's time goes under load")
-    ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="max_num_seqs of every stage (default: MemorySettings'; under load give >= --concurrency)")
-    ap.add_argument("--thinker-cache-only", action="store_true",
-                    help="omni-cache variants without the talker's prefix cache (default: as the stage config says, "
-                         "as benchmarks.prefill)")
+                    help="c > 1: each workload as one closed loop of c senders, one profile (as benchmarks.prefill)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="every stage's (default MemorySettings'; >= c)")
+    ap.add_argument("--thinker-cache-only", action="store_true", help="no talker prefix cache (as benchmarks.prefill)")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
-    ap.add_argument("--stalls", action="store_true",
-                    help="py-spy --idle --threads (blocked threads sampled too), and the heaviest stacks of each "
-                         f"request whose prefill took over {STALL_FACTOR} x its workload's median")
+    ap.add_argument("--stalls", action="store_true", help="py-spy --idle --threads, and the heaviest stacks of "
+                    f"each request whose prefill took over {STALL_FACTOR} x its workload's median")
     ap.add_argument("--out", default=str(lab.RESULTS), help="folder the profile files are written to")
     args = ap.parse_args()
     # PATH, this interpreter's bin, or a --target install's bin on sys.path (the offline bundle's

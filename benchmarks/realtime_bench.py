@@ -50,7 +50,6 @@ HITS_NOTE = ("N sessions at once: the server's /metrics deltas span every sessio
 METRICS = ("first_audio_s", "first_text_s", "thinker_prompt", "thinker_hit", "talker_prompt", "talker_hit")
 
 
-# -- inputs --------------------------------------------------------------------------------------
 def parse_sessions(text: str) -> list[int]:
     """``--sessions`` (:func:`benchmarks.lab.positive_int_list`)."""
     return lab.positive_int_list(text, "--sessions", "1,8")
@@ -126,7 +125,6 @@ def _clips(seconds: float, turn: int, rnd: int, n: int) -> list[bytes]:
     return [speech_clip(seconds, 0.9 + 1.7 * turn + 0.37 * rnd + 0.23 * session) for session in range(n)]
 
 
-# -- running ---------------------------------------------------------------------------------------
 def _pause(server, paused: bool) -> None:
     if server.proc is not None:
         lab.pause_tree(server.proc.pid, paused)
@@ -226,7 +224,6 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
     return cold
 
 
-# -- oracles, summary, bars ---------------------------------------------------------------------------
 def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, sessions: list[int],
              block_size: int) -> dict:
     """Oracles (a) on every N, (b) and (c) on N = 1 (module docstring); ``block_size``: the
@@ -362,7 +359,6 @@ def _hit_bars(out: Path, records: list[dict], session_ids: dict, rounds: int, bl
             "shared_blocks": shared_ratio}
 
 
-# -- plot --------------------------------------------------------------------------------------------
 def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str) -> None:
     """First audio and first text p50 per turn (s) per variant and window; one column per N."""
     with lab.figure(path, 2, len(sessions), figsize=(6.5 * len(sessions), 8), squeeze=False,
@@ -383,7 +379,6 @@ def _plot(summary: dict, turns: int, sessions: list[int], path: Path, title: str
         axes[0][0].legend(fontsize=7)
 
 
-# -- main --------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, validated before anything starts (``SystemExit`` 2 naming the flag or
     file at fault); adds ``stage_config_path`` and ``stage_config_raw``."""
@@ -400,8 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seconds", type=float, default=2.0, help="speech per turn (seconds)")
     add("--servers", choices=SERVER_MODES, default="together", help="together: three servers up, variants "
         "alternating turn by turn (idle ones paused); one-at-a-time: for a card that holds one")
-    add("--no-record", dest="record", action="store_false",
-        help="record no hand-offs or served hits (no oracles, no hit bars)")
+    add("--no-record", dest="record", action="store_false", help="record no hand-offs or hits (no oracles, hit bars)")
     add("--out", type=Path, default=None, help="default: benchmarks/results/realtime-<time>")
     add("--no-pause-idle", dest="pause_idle", action="store_false",
         help="--servers together: keep the servers not being timed running (default: SIGSTOP them)")

@@ -30,15 +30,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import lab  # noqa: E402
+from omni_cache import routing  # noqa: E402
 from omni_cache.core.block_hashes import chained_block_hashes  # noqa: E402
-from omni_cache.routing import (  # noqa: E402
-    LeastQueuePolicy,
-    PrefixAwarePolicy,
-    RandomPolicy,
-    RoundRobinPolicy,
-    RoutingConfig,
-    request_block_hashes,
-)
 
 OUT = REPO / "benchmarks" / "results" / "routing-sim"
 POLICIES = ("prefix", "prefix+events", "random", "round-robin", "least-queue")
@@ -101,7 +94,7 @@ def build_conversations(w: Workload) -> list[list[tuple[list[int], list[int]]]]:
             answer = gen.integers(0, vocab, rng.randint(*w.answer_tokens)).tolist()
             tail = (toks + answer)[len(hashes) * bs:]  # hashed on from the last known block
             full = (hashes + chained_block_hashes(tail, bs, parent=hashes[-1]) if hashes
-                    else request_block_hashes(tail, bs))
+                    else routing.request_block_hashes(tail, bs))
             turns.append((full[: len(toks) // bs], full))  # chained: the prompt's are a prefix
             toks += answer
             hashes = full
@@ -113,10 +106,10 @@ def simulate(w: Workload, policy_name: str, convs) -> dict:
     rng = random.Random(w.seed + 1)
     R, N = w.replicas, len(convs)
     if policy_name.startswith("prefix"):  # prefix, prefix+events
-        policy = PrefixAwarePolicy(RoutingConfig(load_margin=4, capacity_blocks=w.capacity_blocks))
+        policy = routing.PrefixAwarePolicy(routing.RoutingConfig(load_margin=4, capacity_blocks=w.capacity_blocks))
     else:
-        policy = {"random": lambda: RandomPolicy(w.seed), "round-robin": RoundRobinPolicy,
-                  "least-queue": lambda: LeastQueuePolicy(w.seed)}[policy_name]()
+        policy = {"random": lambda: routing.RandomPolicy(w.seed), "round-robin": routing.RoundRobinPolicy,
+                  "least-queue": lambda: routing.LeastQueuePolicy(w.seed)}[policy_name]()
     events_on = policy_name == "prefix+events"
     keys = [f"replica-{i}" for i in range(R)]
     kv = [_LRU(w.capacity_blocks) for _ in range(R)]

@@ -48,7 +48,6 @@ QUESTIONS = ("What do you see?", "Say hello.", "Count to three.", "What is the w
              "Describe a cat.", "Tell me a story.", "Name a colour.", "What time is it?")
 
 
-# ----------------------------------------------------------------------------- inputs
 def _wav_b64(samples: np.ndarray, rate: int = 16_000) -> str:
     buf = io.BytesIO()
     sf.write(buf, samples.astype(np.float32), rate, format="WAV")
@@ -97,7 +96,6 @@ def _media() -> dict[str, str]:
             "video": [video_clip(seed, seconds=1.0, size=64, fps=2) for seed in (1, 2)]}
 
 
-# ----------------------------------------------------------------------------- sampling
 def shm_entries(tag: str, baseline: set[str]) -> dict:
     """``/dev/shm`` entries created since ``baseline``: segments (count, bytes) and lock files,
     all of them and those whose name holds ``tag``."""
@@ -144,7 +142,6 @@ class Sampler(threading.Thread):
         self.join()
 
 
-# ----------------------------------------------------------------------------- requests
 async def _one(client, model: str, kind: str, k: int, tag: str, media: dict, max_tokens: int,
                realtime_url: str | None) -> dict:
     rid = f"{tag}-{k}-{kind.replace('+', '_')}"
@@ -226,7 +223,6 @@ async def _stream(base_url: str, model: str, kinds: list[str], concurrency: int,
     return out
 
 
-# ----------------------------------------------------------------------------- summary
 def _bars(samples: list[dict], drained: dict, records: list[dict], warmup: int, slack: int) -> dict:
     """The bars over the samples after ``warmup`` requests (``drained``: the sample after the
     drain). ``/dev/shm`` is *flat* when the median segment count of the last quarter of the

@@ -52,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     out = lab.results_dir(args.out, "voice-chat")
     model = lab.model_dir(args.size, args.model)
     mem = MemorySettings(thinker_kv_bytes=256 << 20, talker_kv_bytes=256 << 20)  # bench-voice talker: ~9 KiB a token
-    # three pipelines side by side: each stage's worker in its engine process (vLLM's CPU
-    # platform turns "uni" into "mp" unless engine multiprocessing is off) and fewer malloc
-    # arenas — as the prefill benchmark's harness runs them; the stage processes inherit these
+    # three pipelines side by side, as the prefill harness runs them (the stage processes inherit these): each
+    # stage's worker in its engine process (vLLM's CPU platform turns "uni" into "mp" otherwise), fewer malloc arenas
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["MALLOC_ARENA_MAX"] = str(mem.malloc_arena_max)
     pipes, metrics, records, t_start = {}, {}, [], time.perf_counter()

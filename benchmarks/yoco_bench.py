@@ -59,8 +59,7 @@ def combine_pairs(root: Path, name: str, tags: list[str]) -> int:
               "workloads": summ, "bar_checks": checks, "samples": samples}
     path = lab.write_result(out, result)
     png = S.plot(summ, out / "prefill.png", title=f"YOCO thinker prefill, paired runs ({name})")
-    print()
-    print(S.format_table(summ, checks))
+    print("\n" + S.format_table(summ, checks))
     print(f"wrote {path} and {png}")
     return 0
 

@@ -142,7 +142,7 @@ def add_attainable(workloads: dict[str, dict[str, dict[str, Any]]], reference: s
             sp, ttfp = s.get("speedup_vs_off"), _stat(s, "ttfp_ms", "median")
             s.update(floor_ms=f_ms, floor_prompt_tokens=f_tok, attainable_speedup=attainable,
                      fraction_of_attainable=sp / attainable if sp else None, floor_ttfp_ms=f_ttfp,
-                     ttfp_over_floor=_ratio(ttfp, f_ttfp))
+                     ttfp_over_floor=lab.ratio(ttfp, f_ttfp))
 
 
 def bar_target(h: float) -> float:
@@ -170,13 +170,13 @@ def ttfp_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str = "
     if workload == "floor" or s is None:
         return []
     if workload == "miss":
-        return [_at_most(f"miss TTFP: {variant} / off", _ratio(s, off), 1 + MISS_TOLERANCE)]
+        return [_at_most(f"miss TTFP: {variant} / off", lab.ratio(s, off), 1 + MISS_TOLERANCE)]
     out = []
     h = summ[variant].get("hit_ratio")
     if workload in TTFP_BAR_WORKLOADS and h is not None and h >= HIGH_HIT:
-        out.append(_check(f"TTFP speedup vs off ≥ {TTFP_SPEEDUP:g} (h={h:.3f})", _ratio(off, s), TTFP_SPEEDUP,
+        out.append(_check(f"TTFP speedup vs off ≥ {TTFP_SPEEDUP:g} (h={h:.3f})", lab.ratio(off, s), TTFP_SPEEDUP,
                           lambda x: x >= TTFP_SPEEDUP))
-    return [*out, _at_most(f"TTFP: {variant} / builtin", _ratio(s, bi), 1 + BUILTIN_TOLERANCE)]
+    return [*out, _at_most(f"TTFP: {variant} / builtin", lab.ratio(s, bi), 1 + BUILTIN_TOLERANCE)]
 
 
 def _prefill_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str) -> list[dict[str, Any]]:
@@ -188,21 +188,18 @@ def _prefill_checks(workload: str, summ: dict[str, dict[str, Any]], variant: str
         ci = (s or {}).get("speedup_paired_ci95")
         # paired per-request ratio variant / off: its 95 % interval says whether the run can
         # resolve the 2 % at all
-        return [{**_at_most(f"miss: {variant} / off", _ratio(med(s), med(off)), 1 + MISS_TOLERANCE),
+        return [{**_at_most(f"miss: {variant} / off", lab.ratio(med(s), med(off)), 1 + MISS_TOLERANCE),
                  "paired_ratio_ci95": [1 / ci[1], 1 / ci[0]] if ci else None}]
     h = s["hit_ratio"] if s else None
     sp = s.get("speedup_vs_off") if s else None
     target = bar_target(h) if h is not None else None
     return [{"check": f"speedup vs off ≥ target(h={h:.3f})" if h is not None else "speedup vs off",
              "value": sp, "target": target, "passed": None if sp is None or target is None else sp >= target},
-            _at_most(f"{variant} / builtin", _ratio(med(s), med(bi)), 1 + BUILTIN_TOLERANCE)]
+            _at_most(f"{variant} / builtin", lab.ratio(med(s), med(bi)), 1 + BUILTIN_TOLERANCE)]
 
 
 def _stat(s: dict | None, metric: str, key: str) -> float | None:
     return ((s or {}).get(metric) or {}).get(key)
-
-
-_ratio = lab.ratio
 
 
 def _check(name: str, value: float | None, target: float, ok) -> dict[str, Any]:
