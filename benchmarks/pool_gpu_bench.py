@@ -167,8 +167,7 @@ def bench_tier(timer: GpuTimer, tier: Tier, tokens: int, width: int, num_blocks:
     res = {"tier": tier.name, "tokens": tokens, "width": width, "keys": len(KEYS), "bytes": nbytes,
            **{k: float(np.median(v)) for k, v in m.items()},
            **{f"{k}_all": m[k] for k in ("write_host_ms", "write_host_ms_array_forms", "write_settle_host_ms",
-                                         "read_host_ms")},
-           "fused_writes": cache._writer is not None}
+                                         "read_host_ms")}, "fused_writes": cache._writer is not None}
     return {**res, **{f"{op}_GBps": nbytes / res[f"{op}_gpu_ms"] / 1e6 for op in ("write", "read")}}
 
 

@@ -98,8 +98,7 @@ def split_samples(raw: str) -> dict:
     share = (lambda x: x / step) if step else (lambda x: 0.0)
     return {"samples": total, "step_samples": step, "omni_cache_samples": cache,
             "omni_cache_share": share(cache), "model_forward_share": share(forward),
-            "compute_logits_share": share(logits),
-            "omni_cache_leaf_frames": dict(mine_leaves.most_common(10)),
+            "compute_logits_share": share(logits), "omni_cache_leaf_frames": dict(mine_leaves.most_common(10)),
             "leaf_frames": {k: round(share(v), 4) for k, v in leaves.most_common(25)}}
 
 

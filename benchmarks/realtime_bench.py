@@ -20,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import itertools
 import math
 import time
 from pathlib import Path
@@ -140,8 +141,7 @@ async def _turn(server, session, audio: bytes, metrics: bool) -> dict:
         return {"first_audio_s": None, "first_text_s": None, "done_s": None, "status": None, "text": "",
                 "audio_md5": None, "audio_ms": 0, **dict.fromkeys(METRICS[2:]), "error": f"{type(exc).__name__}: {exc}"}
     rec = {"first_audio_s": t.first_audio_s, "first_text_s": t.first_text_s, "done_s": t.done_s,
-           "status": t.status, "text": t.text, "audio_md5": hashlib.md5(t.audio).hexdigest(),
-           "audio_ms": t.audio_ms}
+           "status": t.status, "text": t.text, "audio_md5": hashlib.md5(t.audio).hexdigest(), "audio_ms": t.audio_ms}
     if metrics:
         after = await asyncio.to_thread(prefix_cache_counters, server.url)
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -238,36 +238,32 @@ def _oracles(out: Path, records: list[dict], session_ids: dict, rounds: int, ses
            "bc_note": "(b) and (c) compare two servers' answers: with N > 1 each server batches its sessions' "
                       "steps as they arrive (kernels not batch-invariant), so they run on N = 1 only"}
     by = {(r["variant"], r["window"], r["round"], r["n_sessions"], r["session"], r["turn"]): r for r in records}
-    for window in WINDOWS:
-        for rnd in range(rounds):
-            for n in sessions:
-                for i in range(n):
-                    for verdict in judge_session(out / "omni_cache", session_ids[("omni_cache", window, rnd, n, i)],
-                                                 block_size=block_size):
-                        res["a_verified_blocks"] += verdict.verified
-                        res["a_unverified_blocks"] += verdict.unverified
-                        res["a_violations"] += [f"{verdict.request_id}: {m}" for m in verdict.mismatches]
-                        if verdict.hit < verdict.expected_hit:
-                            res["hit_below_expected"].append(
-                                f"{verdict.request_id}: {verdict.hit} < {verdict.expected_hit}")
-            if 1 not in sessions:
+    for window, rnd in itertools.product(WINDOWS, range(rounds)):
+        for key in ((window, rnd, n, i) for n in sessions for i in range(n)):
+            for verdict in judge_session(out / "omni_cache", session_ids[("omni_cache", *key)], block_size=block_size):
+                res["a_verified_blocks"] += verdict.verified
+                res["a_unverified_blocks"] += verdict.unverified
+                res["a_violations"] += [f"{verdict.request_id}: {m}" for m in verdict.mismatches]
+                if verdict.hit < verdict.expected_hit:
+                    res["hit_below_expected"].append(f"{verdict.request_id}: {verdict.hit} < {verdict.expected_hit}")
+        if 1 not in sessions:
+            continue
+        ids = {v: session_requests(out / v, session_ids[(v, window, rnd, 1, 0)]) for v in VARIANTS}
+        for turn, rids in enumerate(zip(*(ids[v] for v in VARIANTS)), 1):
+            off, bi, on = (by[(v, window, rnd, 1, 0, turn)] for v in VARIANTS)
+            name = f"{window}/round {rnd + 1}/turn {turn}"
+            rec_off, rec_bi, rec_on = (handoffs(out / v, rid) for v, rid in zip(VARIANTS, rids))
+            res["c_compared"] += 1
+            if rec_on[0]["ids.prompt"].tolist() != rec_off[0]["ids.prompt"].tolist() or on["text"] != off["text"]:
+                res["c_violations"].append(f"{name}: tokens differ from cache off's")
+            if on["thinker_hit"] != bi["thinker_hit"]:
+                res["b_other_hit"] += 1
                 continue
-            ids = {v: session_requests(out / v, session_ids[(v, window, rnd, 1, 0)]) for v in VARIANTS}
-            for turn, rids in enumerate(zip(*(ids[v] for v in VARIANTS)), 1):
-                off, bi, on = (by[(v, window, rnd, 1, 0, turn)] for v in VARIANTS)
-                name = f"{window}/round {rnd + 1}/turn {turn}"
-                rec_off, rec_bi, rec_on = (handoffs(out / v, rid) for v, rid in zip(VARIANTS, rids))
-                res["c_compared"] += 1
-                if rec_on[0]["ids.prompt"].tolist() != rec_off[0]["ids.prompt"].tolist() or on["text"] != off["text"]:
-                    res["c_violations"].append(f"{name}: tokens differ from cache off's")
-                if on["thinker_hit"] != bi["thinker_hit"]:
-                    res["b_other_hit"] += 1
-                    continue
-                res["b_compared"] += 1
-                bad = oracles.handoff_mismatches(rec_on, rec_bi)
-                if on["text"] != bi["text"] or on["audio_md5"] != bi["audio_md5"]:
-                    bad.append("transcript or audio differs")
-                res["b_violations"] += [f"{name}: {m}" for m in bad]
+            res["b_compared"] += 1
+            bad = oracles.handoff_mismatches(rec_on, rec_bi)
+            if on["text"] != bi["text"] or on["audio_md5"] != bi["audio_md5"]:
+                bad.append("transcript or audio differs")
+            res["b_violations"] += [f"{name}: {m}" for m in bad]
     return res
 
 
@@ -458,8 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "and that turn's clip, no history, after the group's sessions closed"},
               "hits_note": HITS_NOTE, "errors": errors, "cold_first_turn": cold, "bars": bars,
               "oracles": {k: (len(x) if isinstance(x, list) and k.endswith(("violations", "expected")) else x)
-                          for k, x in oracle.items()},
-              "oracle_details": oracle, "summary": summary, "turns": records,
+                          for k, x in oracle.items()}, "oracle_details": oracle, "summary": summary, "turns": records,
               "sessions": {"/".join(map(str, k)): x for k, x in session_ids.items()}}
     shown = {"floor_bar": bars["floor_bar"], "pooled": bars["pooled_first_audio_p50_turns_ge_4_s"]}
     lab.write_result(out, result, show={**shown, "oracles": result["oracles"]}, also=[out / "realtime.png"])

@@ -56,8 +56,7 @@ def _run_variant(args, variant: str, cycle: int, model_dir: Path, out_dir: Path)
     tool = json.loads((out_dir / filename).read_text())
     hits = {f"vllm:prefix_cache_{k}_total": counters.get(f"{k}_0", 0.0) for k in ("hits", "queries")}
     return {"variant": variant, "cycle": cycle, "ready_s": srv.ready_s, "exit_code": srv.exit_code, "command": cmd,
-            "tool_result_file": filename, "stage0_prefix_cache": hits,
-            "headline": {k: tool.get(k) for k in HEADLINE},
+            "tool_result_file": filename, "stage0_prefix_cache": hits, "headline": {k: tool.get(k) for k in HEADLINE},
             "completed": tool.get("completed"), "failed": tool.get("failed", 0)}
 
 

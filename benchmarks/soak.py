@@ -90,8 +90,7 @@ def _media() -> dict[str, str]:
     audio, sr = load_audio(sample_path("speech.wav"))
     jpeg = open(sample_path("astronaut.jpg"), "rb").read()[:4000]
     return {"image": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(),
-            "speech": _wav_b64(np.asarray(audio)[:sr], sr),
-            "short_wav": _wav_b64(np.zeros(78)),
+            "speech": _wav_b64(np.asarray(audio)[:sr], sr), "short_wav": _wav_b64(np.zeros(78)),
             "truncated_jpeg": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode(),
             "video": [video_clip(seed, seconds=1.0, size=64, fps=2) for seed in (1, 2)]}
 

@@ -226,8 +226,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--chat-answer-tokens", type=int, default=48, help="thinker answer length per chat turn")
     add("--stage-config", default=str(lab.BASE_CONFIG), help="base stage config the variants are derived from")
     add("--alternation", default="auto", choices=["auto", "concurrent", "restart"])
-    add("--variant-devices", default=None, help="GPU host: CUDA_VISIBLE_DEVICES per variant, e.g. "
-        "'omni_cache=0;off=1;builtin=2'; auto alternation is then concurrent")
+    add("--variant-devices", help="GPU host: CUDA_VISIBLE_DEVICES per variant ('omni_cache=0;off=1'): concurrent")
     add("--mem-margin-gib", type=float, default=1.5, help="auto: memory to leave free with all pipelines up")
     add("--freeze-idle", action=argparse.BooleanOptionalAction, default=True,
         help="concurrent: SIGSTOP the pipelines not being timed (default on)")
@@ -241,8 +240,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="each stage's vLLM executor (default uni on the CPU, the stage config's on a GPU host)")
     add("--no-stream", action="store_true", help="synchronous Omni, async_chunk false (TTFP = the whole waveform); "
         "default AsyncOmni, async_chunk true (TTFP = the first audio packet)")
-    add("--thinker-cache-only", action="store_true", help="omni-cache variants without the talker's prefix cache "
-        "(default: as the stage config says)")
+    add("--thinker-cache-only", action="store_true", help="omni-cache variants without the talker's prefix cache")
     add("--out", default=str(lab.RESULTS), help="results root; a run dir is made in it")
     add("--name", help="run directory name (default: prefill-<timestamp>)")
 
@@ -423,8 +421,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm, "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
             "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in failed},
-            "jit_compiles": jit_report,
-            "aborted": aborted, "complete": final and not aborted}
+            "jit_compiles": jit_report, "aborted": aborted, "complete": final and not aborted}
         lab.write_result(out, result)
         what = f"{Path(model).name}, {alternation['mode']}, N={args.requests} R={args.repeats}"
         png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {what}")

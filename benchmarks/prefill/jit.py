@@ -23,6 +23,7 @@ this report is how a spike of that kind is told from one of the variant's own.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
@@ -76,8 +77,7 @@ def compile_events(log: Path, year: int) -> list[dict[str, Any]]:
     """The compiles logged in ``log``: ``{"t": unix seconds (host local time, 1 s resolution),
     "stage": stage id or None, "kernel": name}``, in log order. ``year``: the log's year (vLLM
     logs month-day only)."""
-    return _log_events(log, year, "compilation during inference", COMPILE_LINE,
-                       lambda m: {"kernel": m["kernel"]})
+    return _log_events(log, year, "compilation during inference", COMPILE_LINE, lambda m: {"kernel": m["kernel"]})
 
 
 def gc_pauses(log: Path, year: int) -> list[dict[str, Any]]:
@@ -125,10 +125,7 @@ def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[flo
         events.sort(key=lambda e: e["t"])
         gcs = [e for e in gc_pauses(out / f"log_{v}.txt", time.localtime(t0).tm_year)
                if e["t"] >= int(t0) and not any(a <= e["t"] <= b for a, b in windows)]
-        by: dict[str, int] = {}
-        for e in events:
-            key = _where(e)
-            by[key] = by.get(key, 0) + 1
+        by = dict(collections.Counter(map(_where, events)))
         spikes = []
         for w, per_variant in samples.items():
             rows = [r for r in per_variant.get(v, []) if r.get("measure", True) and r.get("ttft_ms") is not None]

@@ -433,8 +433,8 @@ def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, 
         hs = f"h={h:.3f}" if h is not None else "h=n/a"
         note = "" if applies else f" (applies at h ≥ {LOAD_CHAT_MIN_HIT})"
         out["chat"] = [
-            _check(f"c={LOAD_CHAT_C} TTFP p50: {variant} / floor ≤ {LOAD_FLOOR_FACTOR} ({hs}){note}",
-                   a / floor if a is not None and floor else None, LOAD_FLOOR_FACTOR, lambda x: x <= LOAD_FLOOR_FACTOR),
+            _at_most(f"c={LOAD_CHAT_C} TTFP p50: {variant} / floor", a / floor if a is not None and floor else None,
+                     LOAD_FLOOR_FACTOR, f" ({hs}){note}"),
             _at_most(f"c={LOAD_CHAT_C} TTFP p50: {variant} / builtin",
                      a / builtin if a is not None and builtin else None, 1 + LOAD_TOLERANCE, f" ({hs}){note}")]
     for w, by_c in load.items():

@@ -289,8 +289,7 @@ class _Request:
         ms = lambda t: 1000.0 * (t - self.t0) if t is not None else None  # noqa: E731
         out = {"workload": spec["workload"], "round": spec.get("round"), "index": spec["index"],
                "measure": spec.get("measure", True), "streaming": w.stream, "request_id": self.rid,
-               "started_unix": self.t_wall,
-               "num_prompt_tokens": len(prompt_ids), "num_cached_tokens": self.cached,
+               "started_unix": self.t_wall, "num_prompt_tokens": len(prompt_ids), "num_cached_tokens": self.cached,
                "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0, "computed_tokens": None,
                "num_output_tokens": len(gen_ids), "prefill_ms": None, "prefill_source": UNDER_LOAD,
                "ttft_ms": ms(self.ttft), "vllm_ttft_ms": s0.get("vllm_ttft_ms"), "ttfp_ms": ms(self.ttfp),

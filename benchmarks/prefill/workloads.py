@@ -81,8 +81,7 @@ def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) ->
             return _conversation(base, r, opts, doc, q, session=f"round{r}", opening=f"Conversation {r}.")
         convs = [_conversation(base, r, opts, doc, lambda rr, i, j=j: q(rr, 1000 * j + i),
                                session=f"round{r}-c{c}-conv{j}", opening=f"Conversation {r}.{j} (c{c}).",
-                               index0=j * opts.requests)
-                 for j in range(c)]
+                               index0=j * opts.requests) for j in range(c)]
         return [conv[t] for t in range(opts.requests) for conv in convs]
     if workload == "miss":
         tag = lambda r, i: f"{r}-{i}" if c == 1 else f"{r}-{i}-c{c}"  # noqa: E731
