@@ -63,7 +63,7 @@
 #   J  (started once, lost with its host: thirteenth session) 4 x H100, issue 43: the floor's own TTFT spikes — the floor alone at c = 1 (J_REQUESTS,
 #      default 48, two rounds, off and omni-cache) on cards 0-1, py-spy on omni-cache's thinker over the same
 #      requests on cards 2-3
-#   J1 one H200: J on the one-GPU full-size config, one card (profile omni-cache, the floor table, profile off)
+#   J1 one H200: the c = 1 floor and miss table (off, built-in, omni-cache), then py-spy --stalls on omni-cache
 #   Z  (never run) issue 47, item 3: the exactness fuzzer at size (benchmarks.fuzz_exactness --stage-config
 #      --engine-devices): off / built-in / omni-cache one card each (cards 0-2), full size on H200s, the
 #      profiling shape on H100s; Z_GROUPS (default 25, ~300 requests), streaming; card 3 is free
@@ -222,24 +222,23 @@ for step in "$@"; do
          --variants off,omni_cache --thinker-kv-mib 12288 --talker-kv-mib 4096 \
          --out "$OUT" --name J > "$OUT/J.log" 2>&1
        log "J: table rc=$?"; wait ;;
-    J1) # one H200 (half the device time of a 4-GPU hold), issue 43's spikes on the one-GPU full-size config:
-       # py-spy --stalls on omni-cache's thinker over J_REQUESTS floor requests, then the floor table at c = 1
-       # (off and omni-cache, two rounds rotated, VLLM_GC_DEBUG=1), then the same profile of cache off
+    J1) # one H200, issue 43 on the one-GPU full-size config. First the c = 1 table with all three variants, two
+       # rounds rotated, VLLM_GC_DEBUG=1: floor (its requests share their first block, the chat template and the
+       # question's opening: a 16-token hit for both caches, so the built-in isolates vLLM's own hit-prefill cost
+       # from omni-cache's) and miss
+       # (distinct from the first token: no hit at all). Then py-spy --stalls on omni-cache's thinker (floor).
+       # Thirteenth session: the old order (profile first) ran out of device time 25 requests in.
        $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
        jcfg=stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml
-       jprof() {
-         VLLM_GC_DEBUG=1 $PY -m benchmarks.profile_stage --stage-config $jcfg --stalls \
-           --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant $1 --workloads floor \
-           --requests "${J_REQUESTS:-48}" --out "$OUT/J-profile" > "$OUT/J-profile-$1.log" 2>&1
-         log "J1: profile $1 rc=$?"
-       }
-       jprof omni_cache
        VLLM_GC_DEBUG=1 $PY -m benchmarks.prefill --stage-config $jcfg \
-         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor \
-         --requests "${J_REQUESTS:-48}" --repeats 2 --concurrency 1 --max-num-seqs 16 --alternation restart \
-         --variants off,omni_cache --out "$OUT" --name J1 > "$OUT/J1.log" 2>&1
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities floor,miss \
+         --requests "${J_REQUESTS:-32}" --repeats 2 --concurrency 1 --max-num-seqs 16 --alternation restart \
+         --variants off,builtin,omni_cache --out "$OUT" --name J1 > "$OUT/J1.log" 2>&1
        log "J1: table rc=$?"
-       jprof off ;;
+       VLLM_GC_DEBUG=1 $PY -m benchmarks.profile_stage --stage-config $jcfg --stalls \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --variant omni_cache --workloads floor \
+         --requests "${J_REQUESTS:-32}" --out "$OUT/J-profile" > "$OUT/J-profile-omni_cache.log" 2>&1
+       log "J1: profile rc=$?" ;;
     Z) # issue 47, item 3: the exactness fuzzer at size, its three engines (off, built-in, omni-cache) one card
        # each — full size on H200s, the profiling shape (Qwen3-Omni-30B-A3B's widths, 6 of 48 thinker layers)
        # on H100s — Z_GROUPS seeded groups (~12 requests each), streaming
