@@ -53,7 +53,7 @@ def heaviest_stacks(raw: str, top: int = 8, depth: int = 8) -> list[dict]:
             continue
         frames = stack.split(";")
         head = [f for f in frames[:1] if f.startswith(("thread", "process"))]
-        by[tuple(head + frames[-depth:])] += int(n)
+        by[tuple(head + frames[len(head):][-depth:])] += int(n)
     return [{"samples": n, "stack": list(k)} for k, n in by.most_common(top)]
 
 

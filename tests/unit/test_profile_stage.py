@@ -9,6 +9,7 @@ SLOW = ("thread (0x1);main (e.py:1);execute_model (runner.py:2);save_outputs (om
 
 
 def test_heaviest_stacks_orders_by_samples_and_keeps_the_thread():
+    assert heaviest_stacks(FAST, depth=99)[0]["stack"][:2] == ["thread (0x1)", "main (e.py:1)"]  # thread once
     top = heaviest_stacks(SLOW, top=2, depth=2)
     assert [t["samples"] for t in top] == [190, 14]
     assert top[0]["stack"] == ["thread (0x1)", "save_outputs (omni_cache/engine/stage_manager.py:9)",
