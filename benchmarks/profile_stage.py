@@ -117,7 +117,8 @@ def main() -> int:
                     help="default 32 (bench-voice 256: ~9 KiB of KV a token) on the CPU, a GPU host's config's")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="c > 1: each workload as one closed loop of c senders, one profile (as benchmarks.prefill)")
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="every stage's (default MemorySettings'; >= c)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="every stage's (default 2 on the CPU, the stage config's on a GPU host; >= c)")
     ap.add_argument("--thinker-cache-only", action="store_true", help="no talker prefix cache (as benchmarks.prefill)")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--stalls", action="store_true", help="py-spy --idle --threads, and the heaviest stacks of "
@@ -154,7 +155,7 @@ def main() -> int:
     talker_mib = args.talker_kv_mib or (None if gpu_host else 256 if args.model_size == "bench-voice" else 32)
     cfg = variant_stage_config(Path(args.stage_config), work, args.variant, mem=MemorySettings(
         thinker_kv_bytes=thinker_mib and thinker_mib << 20, talker_kv_bytes=talker_mib and talker_mib << 20,
-        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})),
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {"max_num_seqs": None} if gpu_host else {})),
         talker_prefix_caching=talker_cache(args.stage_config, args.variant, thinker_cache_only=args.thinker_cache_only))
     family = "gemma4" if load_stage_config(args.stage_config).thinker_family == "gemma4" else "qwen3-omni"
     model = str(lab.model_dir(args.model_size, args.model, family=family))

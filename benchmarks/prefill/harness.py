@@ -234,8 +234,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     for stage in ("thinker", "talker", "code2wav"):
         add(f"--{stage}-kv-mib", type=int, default=None, help=f"{stage} KV cache, MiB (default: "
             f"{getattr(MemorySettings, stage + '_kv_bytes') // MiB} on the CPU, the stage config's on a GPU host)")
-    add("--max-num-seqs", type=int, default=MemorySettings.max_num_seqs,
-        help="max_num_seqs of every stage (under load give >= the largest --concurrency)")
+    add("--max-num-seqs", type=int, default=None,
+        help=f"max_num_seqs of every stage (default {MemorySettings.max_num_seqs} on the CPU, the stage config's on a "
+        "GPU host: vLLM's CUDA-graph capture range follows it; under load give >= the largest --concurrency)")
     add("--cpu-executor", default=None, choices=["uni", "mp"],
         help="each stage's vLLM executor (default uni on the CPU, the stage config's on a GPU host)")
     add("--no-stream", action="store_true", help="synchronous Omni, async_chunk false (TTFP = the whole waveform); "
@@ -259,13 +260,23 @@ def talker_cache(stage_config: str | Path, variant: str, *, thinker_cache_only: 
     return bool(talker and talker[0].get("enable_prefix_caching", raw.get("enable_prefix_caching")))
 
 
+def _base_max_num_seqs(stage_config) -> int:
+    """The smallest ``max_num_seqs`` of the stage config's stages (vLLM's default, 256, where a
+    stage sets none)."""
+    import yaml
+
+    raw = yaml.safe_load(Path(stage_config).read_text())
+    return min(int(st.get("max_num_seqs", 256)) for st in raw.get("stages", [{}]))
+
+
 def _memory_settings(args, gpu_host: bool) -> MemorySettings:
     """The variants' memory knobs: what the command gives, else the CPU defaults on the CPU and
-    the stage config's own (KV sizes, executor) on a GPU host."""
+    the stage config's own (KV sizes, max_num_seqs, executor) on a GPU host."""
     d = MemorySettings()
     kv = {f"{st}_kv_bytes": mib * MiB if (mib := getattr(args, f"{st}_kv_mib")) is not None
           else (None if gpu_host else getattr(d, f"{st}_kv_bytes")) for st in ("thinker", "talker", "code2wav")}
-    return MemorySettings(**kv, max_num_seqs=args.max_num_seqs,
+    seqs = args.max_num_seqs if args.max_num_seqs is not None else (None if gpu_host else d.max_num_seqs)
+    return MemorySettings(**kv, max_num_seqs=seqs,
                           cpu_executor=args.cpu_executor or (None if gpu_host else d.cpu_executor))
 
 
@@ -293,18 +304,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except ValueError as exc:  # omni_cache.driver.inputs.InputError included
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    load_note = None
-    if loads and max(loads) > args.max_num_seqs:
-        load_note = (f"--max-num-seqs {args.max_num_seqs} < concurrency {max(loads)}: each stage runs at most "
-                     f"{args.max_num_seqs} requests at once, the rest wait in vLLM's queue (their TTFP includes "
-                     f"the wait); pass --max-num-seqs >= {max(loads)} to have every request of the loop scheduled")
-        print(f"note: {load_note}", file=sys.stderr)
     model = str(lab.model_dir(args.size, args.model and Path(args.model).resolve(), child=True))
 
     out = lab.results_dir(Path(args.out) / (args.name or time.strftime("prefill-%Y%m%d-%H%M%S")), "prefill")
     gpus = gpu_inventory()
     stamp = lab.stamp("benchmarks.prefill", argv, gpus=gpus)
     mem = _memory_settings(args, gpu_host=bool(gpus))
+    load_note = None
+    if loads and max(loads) > (seqs := mem.max_num_seqs or _base_max_num_seqs(args.stage_config)):
+        load_note = (f"max_num_seqs {seqs} < concurrency {max(loads)}: each stage runs at most "
+                     f"{seqs} requests at once, the rest wait in vLLM's queue (their TTFP includes "
+                     f"the wait); pass --max-num-seqs >= {max(loads)} to have every request of the loop scheduled")
+        print(f"note: {load_note}", file=sys.stderr)
     cfgs = {v: variant_stage_config(
         Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
         talker_prefix_caching=talker_cache(args.stage_config, v, thinker_cache_only=args.thinker_cache_only))

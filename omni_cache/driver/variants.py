@@ -95,7 +95,10 @@ class MemorySettings:
     thinker_kv_bytes: int | None = 256 * MiB   # None: the base stage config's (GPU hosts)
     talker_kv_bytes: int | None = 32 * MiB
     code2wav_kv_bytes: int | None = 32 * MiB
-    max_num_seqs: int = 2                 # requests are sent one at a time
+    max_num_seqs: int | None = 2          # requests are sent one at a time; None: the base stage
+                                          # config's (GPU hosts: vLLM sizes the CUDA-graph capture range
+                                          # from it, min(2 x max_num_seqs, 512) tokens, so a smaller
+                                          # value runs prefills above it without graphs)
     cpu_executor: str | None = "uni"      # distributed_executor_backend of every stage: "uni" runs the
                                           # worker inside the stage's engine-core process (vLLM's CPU
                                           # default "mp" adds one ~0.9 GiB process per stage); needs
@@ -140,7 +143,8 @@ def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: Memory
     unchunked = {sid: max(int(by_id[sid].get("max_num_batched_tokens", 0)),
                           int(by_id[sid].get("max_model_len", 8192))) for sid in (0, 1)}
     stage_keys = {
-        sid: {**({"kv_cache_memory_bytes": int(kv)} if kv is not None else {}), "max_num_seqs": int(mem.max_num_seqs),
+        sid: {**({"kv_cache_memory_bytes": int(kv)} if kv is not None else {}),
+              **({"max_num_seqs": int(mem.max_num_seqs)} if mem.max_num_seqs is not None else {}),
               **({"distributed_executor_backend": mem.cpu_executor} if mem.cpu_executor else {}),
               **({"max_num_batched_tokens": unchunked[sid]} if sid in unchunked else {})}
         for sid, kv in ((0, mem.thinker_kv_bytes), (1, mem.talker_kv_bytes), (2, mem.code2wav_kv_bytes))}
