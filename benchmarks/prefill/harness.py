@@ -453,7 +453,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             variants = sorted(variants, key=lambda v: v != "omni_cache")
         # else --variants' order: under restart the first pipeline on a fresh GPU host compiles the Triton
         # kernels the later ones find in the disk cache (docs/benchmarks.md): put omni_cache where you mean to
-        live.append(start(variants[0]))
+        # --variant-devices: each pipeline on its own cards, so all start at once (a cold full-size pipeline on
+        # one H200 took ~15 min in the fourteenth GPU session: started one after another they fill a hold)
+        live += [start(v) for v in (variants if devices and mode != "restart" else variants[:1])]
         ready_and_warm(live[0])
         one = memory["samples"][-1]["total"]
         avail = psutil.virtual_memory().available
@@ -477,7 +479,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if mode == "concurrent":
             alternation["how"] = ("all variants up at once; each request sent to every variant in turn, "
                                   "order rotated by (round + request index)")
-            live += [start(v) for v in variants[1:]]
+            live += [start(v) for v in variants[len(live):]]
             for var in live[1:]:
                 ready_and_warm(var)
             bar.set_postfix_str(f"idle probe {args.idle_probe_s:.0f} s")
