@@ -64,9 +64,9 @@
 #      default 48, two rounds, off and omni-cache) on cards 0-1, py-spy on omni-cache's thinker over the same
 #      requests on cards 2-3
 #   J1 one H200: the c = 1 floor and miss table (off, built-in, omni-cache), then py-spy --stalls on omni-cache
-#   J4 (fourteenth session) J in the deploy's CUDA-graph coverage (max_num_seqs the stage config's 64): by card count,
-#      4: the three variants up at once on cards 0-2 (floor, miss, text; c = 1, 16), again rotated, py-spy on card 3;
-#      2: off / omni-cache at once, then swapped; 1: J1's table
+#   J4 (fourteenth session) the floor, miss and text in the deploy's CUDA-graph coverage (max_num_seqs the stage config's
+#      64), the shipped two-GPU layout, off / omni-cache: on 4 cards both up at once (pairs 0-1, 2-3), again swapped;
+#      on 2 cards one at a time, restarted every round
 #   Z  (never run) issue 47, item 3: the exactness fuzzer at size (benchmarks.fuzz_exactness --stage-config
 #      --engine-devices): off / built-in / omni-cache one card each (cards 0-2), full size on H200s, the
 #      profiling shape on H100s; Z_GROUPS (default 25, ~300 requests), streaming; card 3 is free
@@ -244,37 +244,25 @@ for step in "$@"; do
        log "J1: profile rc=$?" ;;
     J4) # fourteenth session, issue 43 in the deploy's graph coverage: no --max-num-seqs, so every stage keeps the
        # stage config's 64 and vLLM captures CUDA graphs up to 128 tokens (before: 16 -> 32 tokens, the profile 2 -> 4,
-       # and every floor prefill ran without graphs). By the host's card count: 4 cards — off / built-in /
-       # omni-cache up at once on cards 0-2 (floor, miss, text; c = 1 and 16; two rounds), then again with the cards
-       # rotated (a card's own speed cancels), while card 3 runs py-spy --stalls on omni-cache's then cache off's
-       # thinker (floor); 2 cards — off / omni-cache up at once, then swapped; 1 card — J1's table.
+       # and every floor prefill ran without graphs). The shipped two-GPU layout: the thinker alone on its card starts
+       # without waiting for the talker (on one card vLLM-Omni's phase locks serialize them: ~15 min cold in the
+       # fourteenth session, ~8 expected here). 4 cards: cache off and omni-cache up at once on cards 0-1 and 2-3 (floor,
+       # miss, text; c = 1 and 16; two rounds), then again with the pairs swapped (a card's own speed cancels);
+       # 2 cards: the two one after another, restarted every round (cache off first: it pays the cold compiles).
        $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
-       jcfg=stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml; jm="$HOME/.cache/omni-cache/models/qwen3-omni-full"
-       ncards=$(nvidia-smi -L | wc -l)
-       jtable() {  # name devices variants
+       jcfg=stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml; jm="$HOME/.cache/omni-cache/models/qwen3-omni-full"
+       jtable() {  # name alternation [variant devices]
          VLLM_GC_DEBUG=1 $PY -m benchmarks.prefill --stage-config $jcfg --model "$jm" --modalities "${J_WORKLOADS:-floor,miss,text}" \
-           --requests "${J_REQUESTS:-24}" --repeats 2 --concurrency "${J_CONC:-1,16}" --alternation concurrent \
-           --variant-devices "$2" --variants "$3" --out "$OUT" --name "$1" > "$OUT/$1.log" 2>&1
-         log "J4: table $1 ($2) rc=$?"
+           --requests "${J_REQUESTS:-24}" --repeats 2 --concurrency "${J_CONC:-1,16}" --alternation "$2" \
+           ${3:+--variant-devices "$3"} --variants "${J_VARIANTS:-off,omni_cache}" --thinker-kv-mib 12288 \
+           --out "$OUT" --name "$1" > "$OUT/$1.log" 2>&1
+         log "J4: table $1 ($2 ${3:-}) rc=$?"
        }
-       if [ "$ncards" -ge 4 ]; then
-         (for v in omni_cache off; do
-            VLLM_GC_DEBUG=1 CUDA_VISIBLE_DEVICES=3 $PY -m benchmarks.profile_stage --stage-config $jcfg --stalls \
-              --model "$jm" --variant $v --workloads floor --requests "${J_REQUESTS:-24}" --out "$OUT/J-profile" \
-              > "$OUT/J-profile-$v.log" 2>&1
-            log "J4: profile $v rc=$?"
-          done) &
-         jtable J4a "off=0;builtin=1;omni_cache=2" off,builtin,omni_cache
-         jtable J4b "off=1;builtin=2;omni_cache=0" off,builtin,omni_cache
-         wait
-       elif [ "$ncards" -ge 2 ]; then
-         jtable J4a "off=0;omni_cache=1" off,omni_cache
-         jtable J4b "off=1;omni_cache=0" off,omni_cache
+       if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+         jtable J4a concurrent "off=0,1;omni_cache=2,3"
+         jtable J4b concurrent "off=2,3;omni_cache=0,1"
        else
-         VLLM_GC_DEBUG=1 $PY -m benchmarks.prefill --stage-config $jcfg --model "$jm" --modalities floor,miss \
-           --requests "${J_REQUESTS:-32}" --repeats 2 --concurrency 1 --alternation restart \
-           --variants off,builtin,omni_cache --out "$OUT" --name J4a > "$OUT/J4a.log" 2>&1
-         log "J4: table J4a rc=$?"
+         CUDA_VISIBLE_DEVICES=0,1 jtable J4a restart
        fi ;;
     Z) # issue 47, item 3: the exactness fuzzer at size, its three engines (off, built-in, omni-cache) one card
        # each — full size on H200s, the profiling shape (Qwen3-Omni-30B-A3B's widths, 6 of 48 thinker layers)
