@@ -392,8 +392,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                     bar.update(len(rows))
         for k, c in enumerate(loads):
             for var in lab.rotate(group, r + k):
-                bar.set_postfix_str(f"round {r} {w} c={c} {var.name}")
                 with awake(var):
+                    bar.set_postfix_str(f"round {r} {w} c={c} {var.name}")
                     ans = var.run_concurrent(load_specs[(w, r, c)], c)
                     rows = [{**row, "variant": var.name} for row in ans.pop("results")]
                     load_samples[w][str(c)][var.name].append({**ans, "round": r, "results": rows})
