@@ -153,10 +153,11 @@ def main() -> int:
     gpu_host = bool(gpu_inventory())
     thinker_mib = args.thinker_kv_mib or (None if gpu_host else 256)
     talker_mib = args.talker_kv_mib or (None if gpu_host else 256 if args.model_size == "bench-voice" else 32)
+    talker = talker_cache(args.stage_config, args.variant, thinker_cache_only=args.thinker_cache_only)
     cfg = variant_stage_config(Path(args.stage_config), work, args.variant, mem=MemorySettings(
         thinker_kv_bytes=thinker_mib and thinker_mib << 20, talker_kv_bytes=talker_mib and talker_mib << 20,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {"max_num_seqs": None} if gpu_host else {})),
-        talker_prefix_caching=talker_cache(args.stage_config, args.variant, thinker_cache_only=args.thinker_cache_only))
+        talker_prefix_caching=talker)
     family = "gemma4" if load_stage_config(args.stage_config).thinker_family == "gemma4" else "qwen3-omni"
     model = str(lab.model_dir(args.model_size, args.model, family=family))
     opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
@@ -214,9 +215,8 @@ def main() -> int:
     finally:
         w.close()
     result = {**lab.stamp("benchmarks.profile_stage"), "variant": args.variant, "stage": args.stage,
-              "concurrency": c, "talker_prefix_caching": talker_cache(args.stage_config, args.variant,
-                                                                      thinker_cache_only=args.thinker_cache_only),
-              "stage_config": str(args.stage_config), "rate_hz": args.rate, "workloads": {}}
+              "concurrency": c, "talker_prefix_caching": talker, "stage_config": str(args.stage_config),
+              "rate_hz": args.rate, "workloads": {}}
     for wl, d in per.items():
         raws = d.pop("raw")
         raw = "\n".join(raws)

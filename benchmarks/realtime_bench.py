@@ -49,6 +49,9 @@ DEFAULT_STAGE_CONFIG = "qwen3_omni_cpu_duplex.yaml"
 HITS_NOTE = ("N sessions at once: the server's /metrics deltas span every session's turn, so per-turn "
              "prefix hits are recorded only with N = 1")
 METRICS = ("first_audio_s", "first_text_s", "thinker_prompt", "thinker_hit", "talker_prompt", "talker_hit")
+#: a turn's hit fields (:data:`METRICS` after the times) and the server's /metrics counters they are deltas of
+HIT_COUNTERS = {"thinker_prompt": "queries_0", "thinker_hit": "hits_0", "talker_prompt": "queries_1",
+                "talker_hit": "hits_1"}
 
 
 def parse_sessions(text: str) -> list[int]:
@@ -144,9 +147,7 @@ async def _turn(server, session, audio: bytes, metrics: bool) -> dict:
            "status": t.status, "text": t.text, "audio_md5": hashlib.md5(t.audio).hexdigest(), "audio_ms": t.audio_ms}
     if metrics:
         after = await asyncio.to_thread(prefix_cache_counters, server.url)
-        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        rec.update(thinker_prompt=d.get("queries_0"), thinker_hit=d.get("hits_0"),
-                   talker_prompt=d.get("queries_1"), talker_hit=d.get("hits_1"))
+        rec.update({k: after[c] - before.get(c, 0.0) if c in after else None for k, c in HIT_COUNTERS.items()})
     else:
         rec.update(dict.fromkeys(METRICS[2:]), hits_note=HITS_NOTE)
     if t.first_audio_s is None:
@@ -193,32 +194,29 @@ async def _run(servers: dict, active: tuple[str, ...], args, records: list[dict]
         print(f"cold first turn {v:>10}: first audio {lab.fmt(cold[v]['first_audio_s'], '.2f')} s, "
               f"first text {lab.fmt(cold[v]['first_text_s'], '.2f')} s", flush=True)
     k = 0
-    for rnd in range(args.rounds):
-        for n in args.sessions:
-            for window in WINDOWS:
-                live: dict[str, list] = {}
-                for v in active:
-                    only(v)
-                    live[v] = await open_sessions(v, rnd, n, window)
-                    session_ids.update({(v, window, rnd, n, i): s.session_id for i, s in enumerate(live[v])})
-                for turn in range(args.turns):
-                    audios = _clips(args.seconds, turn, rnd, n)
-                    for v in lab.rotate(active, k):
-                        only(v)
-                        add(await _turns(servers[v], live[v], audios), live[v], variant=v, window=window, round=rnd,
-                            n_sessions=n, turn=turn + 1)
-                    k += 1
-                for v, ss in live.items():
-                    only(v)
-                    await asyncio.gather(*(s.close() for s in ss))
-                if FLOOR_ON in active:  # the floor: each turn's utterance in fresh sessions, no history
-                    only(FLOOR_ON)
-                    for turn in range(args.turns):
-                        fresh = await open_sessions(FLOOR_ON, rnd, n, window)
-                        res = await _turns(servers[FLOOR_ON], fresh, _clips(args.seconds, turn, rnd, n))
-                        await asyncio.gather(*(s.close() for s in fresh))
-                        add(res, fresh, variant=FLOOR, window=window, round=rnd, n_sessions=n, turn=turn + 1,
-                            server=FLOOR_ON)
+    for rnd, n, window in itertools.product(range(args.rounds), args.sessions, WINDOWS):
+        group = {"window": window, "round": rnd, "n_sessions": n}
+        live: dict[str, list] = {}
+        for v in active:
+            only(v)
+            live[v] = await open_sessions(v, rnd, n, window)
+            session_ids.update({(v, window, rnd, n, i): s.session_id for i, s in enumerate(live[v])})
+        for turn in range(args.turns):
+            audios = _clips(args.seconds, turn, rnd, n)
+            for v in lab.rotate(active, k):
+                only(v)
+                add(await _turns(servers[v], live[v], audios), live[v], variant=v, **group, turn=turn + 1)
+            k += 1
+        for v, ss in live.items():
+            only(v)
+            await asyncio.gather(*(s.close() for s in ss))
+        if FLOOR_ON in active:  # the floor: each turn's utterance in fresh sessions, no history
+            only(FLOOR_ON)
+            for turn in range(args.turns):
+                fresh = await open_sessions(FLOOR_ON, rnd, n, window)
+                res = await _turns(servers[FLOOR_ON], fresh, _clips(args.seconds, turn, rnd, n))
+                await asyncio.gather(*(s.close() for s in fresh))
+                add(res, fresh, variant=FLOOR, **group, turn=turn + 1, server=FLOOR_ON)
     for v in active:
         _pause(servers[v], False)
     return cold
@@ -314,20 +312,18 @@ def latency_bars(records: list[dict], summary: dict, turns: int, sessions: list[
     out: dict = {k: {w: {} for w in WINDOWS} for k in (
         "floor_bar", "pooled_first_audio_p50_turns_ge_4_s", "first_audio_5x_lower_than_off_turns_ge_4_p50",
         "first_audio_le_builtin_every_turn_p50", "per_turn_ratios")}
-    for w in WINDOWS:
-        for n in sessions:
-            out["floor_bar"][w][n] = floor_bar(records, w, n)
-            pooled = {v: lab.stat(late_samples(records, v, w, n)) for v in (*VARIANTS, FLOOR)}
-            out["pooled_first_audio_p50_turns_ge_4_s"][w][n] = pooled
-            out["first_audio_5x_lower_than_off_turns_ge_4_p50"][w][n] = (
-                None if pooled["off"] is None or pooled["omni_cache"] is None
-                else pooled["off"] / pooled["omni_cache"] >= 5)
-            pairs = [(p50("omni_cache", w, n, t), p50("builtin", w, n, t)) for t in range(1, turns + 1)]
-            out["first_audio_le_builtin_every_turn_p50"][w][n] = (
-                None if any(a is None or b is None for a, b in pairs) else all(a <= b for a, b in pairs))
-            out["per_turn_ratios"][w][n] = {
-                t: {f"{v}_over_omni": lab.ratio(p50(v, w, n, t), p50("omni_cache", w, n, t))
-                    for v in ("off", "builtin", FLOOR)} for t in range(1, turns + 1)}
+    for w, n in itertools.product(WINDOWS, sessions):
+        out["floor_bar"][w][n] = floor_bar(records, w, n)
+        pooled = {v: lab.stat(late_samples(records, v, w, n)) for v in (*VARIANTS, FLOOR)}
+        out["pooled_first_audio_p50_turns_ge_4_s"][w][n] = pooled
+        out["first_audio_5x_lower_than_off_turns_ge_4_p50"][w][n] = (
+            None if pooled["off"] is None or pooled["omni_cache"] is None
+            else pooled["off"] / pooled["omni_cache"] >= 5)
+        pairs = [(p50("omni_cache", w, n, t), p50("builtin", w, n, t)) for t in range(1, turns + 1)]
+        out["first_audio_le_builtin_every_turn_p50"][w][n] = (
+            None if any(a is None or b is None for a, b in pairs) else all(a <= b for a, b in pairs))
+        out["per_turn_ratios"][w][n] = {t: {f"{v}_over_omni": lab.ratio(p50(v, w, n, t), p50("omni_cache", w, n, t))
+                                            for v in ("off", "builtin", FLOOR)} for t in range(1, turns + 1)}
     return out
 
 
@@ -426,14 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         ready_s[v] = srv.ready_s
         return srv
 
-    if args.servers == "together":
+    for group in [VARIANTS] if args.servers == "together" else [(v,) for v in VARIANTS]:
         with contextlib.ExitStack() as stack:
-            servers = {v: up(stack, v) for v in VARIANTS}  # one at a time: two cores
-            cold = asyncio.run(_run(servers, VARIANTS, args, records, session_ids))
-    else:
-        for v in VARIANTS:
-            with contextlib.ExitStack() as stack:
-                cold.update(asyncio.run(_run({v: up(stack, v)}, (v,), args, records, session_ids)))
+            servers = {v: up(stack, v) for v in group}  # started one at a time: two cores
+            cold.update(asyncio.run(_run(servers, group, args, records, session_ids)))
     summary = summarize(records, args.turns, args.sessions)
     bars = latency_bars(records, summary, args.turns, args.sessions)
     if args.record:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -253,20 +254,22 @@ def talker_cache(stage_config: str | Path, variant: str, *, thinker_cache_only: 
     placeholder ids: docs/talker-cache.md). Shared with ``benchmarks.profile_stage``."""
     if thinker_cache_only or "omni_cache" not in variant:
         return False
-    import yaml  # the YAML alone: load_stage_config imports vLLM, which this driver keeps out
-
-    raw = yaml.safe_load(Path(stage_config).read_text())
+    raw = _yaml(stage_config)
     talker = [st for st in raw.get("stages", []) if st.get("stage_id") == 1]
     return bool(talker and talker[0].get("enable_prefix_caching", raw.get("enable_prefix_caching")))
+
+
+def _yaml(stage_config) -> dict:
+    """The stage config's YAML alone (``load_stage_config`` imports vLLM, which this driver keeps out)."""
+    import yaml
+
+    return yaml.safe_load(Path(stage_config).read_text())
 
 
 def _base_max_num_seqs(stage_config) -> int:
     """The smallest ``max_num_seqs`` of the stage config's stages (vLLM's default, 256, where a
     stage sets none)."""
-    import yaml
-
-    raw = yaml.safe_load(Path(stage_config).read_text())
-    return min(int(st.get("max_num_seqs", 256)) for st in raw.get("stages", [{}]))
+    return min(int(st.get("max_num_seqs", 256)) for st in _yaml(stage_config).get("stages", [{}]))
 
 
 def _memory_settings(args, gpu_host: bool) -> MemorySettings:
@@ -366,13 +369,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         memory["samples"].append({"variant": var.name, "when": when, "t": time.time(), "total": total, "gpu": gpu,
                                   "processes": m})
 
-    def run_load(var: Variant, w: str, r: int, c: int) -> None:
-        bar.set_postfix_str(f"round {r} {w} c={c} {var.name}")
-        ans = var.run_concurrent(load_specs[(w, r, c)], c)
-        rows = [{**row, "variant": var.name} for row in ans.pop("results")]
-        load_samples[w][str(c)][var.name].append({**ans, "round": r, "results": rows})
-        bar.update(len(rows))
-
     def rewarm(var: Variant, w: str) -> None:
         """An untimed request of ``w`` before its timed ones: puts its shared prefix back (another
         workload may have evicted it) and takes the first request after a pipeline was frozen or
@@ -390,16 +386,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             for var in lab.rotate(group, r + i):
                 bar.set_postfix_str(f"round {r} {w} {var.name}")
                 with awake(var):
-                    record(var.name, var.run([spec]))
+                    rows = [{**row, "variant": var.name} for row in var.run([spec])]
+                    for row in rows:
+                        samples[row["workload"]][var.name].append(row)
+                    bar.update(len(rows))
         for k, c in enumerate(loads):
             for var in lab.rotate(group, r + k):
                 with awake(var):
-                    run_load(var, w, r, c)
-
-    def record(v: str, rows: list[dict]) -> None:
-        for row in rows:
-            samples[row["workload"]][v].append({**row, "variant": v})
-        bar.update(len(rows))
+                    bar.set_postfix_str(f"round {r} {w} c={c} {var.name}")
+                    ans = var.run_concurrent(load_specs[(w, r, c)], c)
+                    rows = [{**row, "variant": var.name} for row in ans.pop("results")]
+                    load_samples[w][str(c)][var.name].append({**ans, "round": r, "results": rows})
+                    bar.update(len(rows))
 
     def write_result(final: bool):
         """Summaries, bars, ``result.json`` and plots of what is measured so far (``complete``:
@@ -437,7 +435,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         what = f"{Path(model).name}, {alternation['mode']}, N={args.requests} R={args.repeats}"
         png = S.plot(summ, out / "prefill.png", title=f"thinker prefill, {what}")
         load_png = S.plot_load(load, out / "load.png", title=f"under load, {what}") if loads else None
-        return summ, checks, load, load_checks, mem_per_variant, png, load_png, jit_report
+        return result, png, load_png
 
     def checkpoint() -> None:
         try:
@@ -494,10 +492,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                 for var in live:
                     var.freeze()
             cpu0 = {var.name: var.cpu_s() for var in live}
-            for r in rounds:
-                for w in workloads:
-                    run_round(live, r, w)
-                    checkpoint()
+            for r, w in itertools.product(rounds, workloads):
+                run_round(live, r, w)
+                checkpoint()
             # idle pipelines must not steal CPU from the one being timed: CPU seconds each pipeline
             # used during the timed phase vs the wall time of its own requests
             cpu = alternation["cpu_during_timed_phase"] = {}
@@ -537,13 +534,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             var.close()
         bar.close()
 
-    summ, checks, load, load_checks, mem_per_variant, png, load_png, jit_report = write_result(final=True)
+    result, png, load_png = write_result(final=True)
     print()
     if alone:
-        print(S.format_table(summ, checks))
+        print(S.format_table(result["workloads"], result["bar_checks"]))
     if loads:
-        print("\n" + S.format_load_table(load, load_checks))
-    print("\n" + S.format_memory(mem_per_variant))
+        print("\n" + S.format_load_table(result["load"], result["load_bar_checks"]))
+    print("\n" + S.format_memory(result["memory_per_variant"]))
     print(f"\nalternation: {alternation['mode']} ({alternation.get('reason', 'requested')})")
     if "one_pipeline_pss_bytes" in alternation:
         print(f"one pipeline after warm-up: PSS {alternation['one_pipeline_pss_bytes'] / GiB:.2f} GiB, "
@@ -552,8 +549,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print("idle pipeline CPU (cores): " + ", ".join(
               f"{k} {v:.2f}" for k, v in alternation["idle_cpu_cores"].items())
               + ("; frozen while others are timed" if alternation.get("freeze_idle") else ""))
-    if jit_report is not None:
-        print("\n" + jit_log.format_jit(jit_report))
+    if result["jit_compiles"] is not None:
+        print("\n" + jit_log.format_jit(result["jit_compiles"]))
     print(f"wrote {out / 'result.json'} and {png}" + (f" and {load_png}" if load_png else ""))
     if aborted:
         print(f"INCOMPLETE RUN: {aborted}", file=sys.stderr)

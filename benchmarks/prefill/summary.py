@@ -392,15 +392,11 @@ def summarize_batches(batches: list[dict]) -> dict[str, Any]:
     "per_round"}`` (requests/s); ``hit_ratio``; ``n_errors``; ``wall_s`` per round."""
     rows = [r for b in batches for r in b.get("results", [])]
     ok = [r for r in rows if r.get("measure", True) and not r.get("error")]
-    s: dict[str, Any] = {"n": len(ok), "n_requests": len(rows), "n_errors": sum(1 for r in rows if r.get("error"))}
-    for m in LOAD_METRICS:
-        s[m] = describe([r.get(m) for r in ok])
-    s["hit_ratio"] = _hit_ratio(ok, None)
     tps = [b["throughput_rps"] for b in batches if b.get("throughput_rps") is not None]
-    s["throughput_rps"] = {"median": lab.stat(tps), "per_round": tps}
-    s["wall_s"] = [b.get("wall_s") for b in batches]
-    s["source"] = batches[0].get("source", "closed loop") if batches else None
-    return s
+    return {"n": len(ok), "n_requests": len(rows), "n_errors": sum(1 for r in rows if r.get("error")),
+            **{m: describe([r.get(m) for r in ok]) for m in LOAD_METRICS}, "hit_ratio": _hit_ratio(ok, None),
+            "throughput_rps": {"median": lab.stat(tps), "per_round": tps}, "wall_s": [b.get("wall_s") for b in batches],
+            "source": batches[0].get("source", "closed loop") if batches else None}
 
 
 def summarize_load(load_samples: dict[str, dict[str, dict[str, list[dict]]]],
@@ -431,12 +427,10 @@ def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, 
         floor = _stat(((load.get("floor") or {}).get(str(LOAD_CHAT_C)) or {}).get("off"), "ttfp_ms", "median")
         builtin = _stat(chat.get("builtin"), "ttfp_ms", "median")
         hs = f"h={h:.3f}" if h is not None else "h=n/a"
-        note = "" if applies else f" (applies at h ≥ {LOAD_CHAT_MIN_HIT})"
-        out["chat"] = [
-            _at_most(f"c={LOAD_CHAT_C} TTFP p50: {variant} / floor", a / floor if a is not None and floor else None,
-                     LOAD_FLOOR_FACTOR, f" ({hs}){note}"),
-            _at_most(f"c={LOAD_CHAT_C} TTFP p50: {variant} / builtin",
-                     a / builtin if a is not None and builtin else None, 1 + LOAD_TOLERANCE, f" ({hs}){note}")]
+        note = f" ({hs})" + ("" if applies else f" (applies at h ≥ {LOAD_CHAT_MIN_HIT})")
+        out["chat"] = [_at_most(f"c={LOAD_CHAT_C} TTFP p50: {variant} / {name}", _over(a, ref), target, note)
+                       for name, ref, target in (("floor", floor, LOAD_FLOOR_FACTOR),
+                                                 ("builtin", builtin, 1 + LOAD_TOLERANCE))]
     for w, by_c in load.items():
         at = by_c.get(str(LOAD_HIGH_C))
         if w == "floor" or at is None:
@@ -447,12 +441,15 @@ def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, 
             tp = None
         p95, p95_bi = _stat(s, "ttfp_ms", "p95"), _stat(at.get("builtin"), "ttfp_ms", "p95")
         out.setdefault(w, []).extend([
-            _check(f"c={LOAD_HIGH_C} throughput: {variant} / off ≥ {1 - LOAD_TOLERANCE:.2f}",
-                   tp / tp_off if tp is not None and tp_off else None, 1 - LOAD_TOLERANCE,
-                   lambda x: x >= 1 - LOAD_TOLERANCE),
-            _at_most(f"c={LOAD_HIGH_C} TTFP p95: {variant} / builtin", p95 / p95_bi if p95 is not None and p95_bi
-                     else None, 1 + LOAD_TOLERANCE)])
+            _check(f"c={LOAD_HIGH_C} throughput: {variant} / off ≥ {1 - LOAD_TOLERANCE:.2f}", _over(tp, tp_off),
+                   1 - LOAD_TOLERANCE, lambda x: x >= 1 - LOAD_TOLERANCE),
+            _at_most(f"c={LOAD_HIGH_C} TTFP p95: {variant} / builtin", _over(p95, p95_bi), 1 + LOAD_TOLERANCE)])
     return out
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None where ``a`` is None or ``b`` is None or zero (``a`` = 0 gives 0)."""
+    return a / b if a is not None and b else None
 
 
 def format_load_table(load: dict[str, Any], checks: dict[str, list[dict]]) -> str:

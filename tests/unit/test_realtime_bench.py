@@ -160,3 +160,132 @@ def test_a_broken_stage_config_is_named(tmp_path):
         "max_num_seqs: 8", "max_num_seqs: eight", 1))
     with pytest.raises(ValueError, match=r"--stage-config .*rt.yaml: .*max_num_seqs"):
         R.check_stage_config(bad, [1], "together")
+
+
+class _FakeSession:
+    """Stands in for :class:`omni_cache.driver.realtime.RealtimeSession`: turn k answers after 0.1·k s."""
+
+    opened: list = []
+
+    def __init__(self, url, instructions="", ping_interval=None, extra_body=None):
+        self.url, self.session_id, self.k = url, f"{url}#{len(self.opened)}", 0
+        self.opened.append(self)
+
+    async def open(self):
+        pass
+
+    async def close(self):
+        pass
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        pass
+
+    async def turn(self, audio):
+        from types import SimpleNamespace as NS
+
+        self.k += 1
+        return NS(first_audio_s=0.1 * self.k, first_text_s=0.05, done_s=1.0, status="completed", text=f"t{self.k}",
+                  audio=audio, audio_ms=100)
+
+
+def _fake_engine(monkeypatch):
+    """No server: sessions, /metrics counters (each call +10 queries, +4 hits per stage) and clips faked."""
+    calls = {"n": 0}
+
+    def counters(url):
+        calls["n"] += 1
+        return {"queries_0": 10.0 * calls["n"], "hits_0": 4.0 * calls["n"], "queries_1": 2.0 * calls["n"]}
+
+    _FakeSession.opened = []
+    monkeypatch.setattr(R, "RealtimeSession", _FakeSession)
+    monkeypatch.setattr(R, "prefix_cache_counters", counters)
+    monkeypatch.setattr(R, "speech_clip", lambda seconds, offset_s=0.0: b"x" * int(10 * seconds + 100 * offset_s))
+
+
+def test_a_turn_records_times_hits_and_errors(monkeypatch):
+    """``_turn``: the /metrics deltas as the turn's hits (alone on the server), None with N > 1; a
+    failed turn or one without audio is recorded with its error."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    _fake_engine(monkeypatch)
+    srv, s = NS(url="http://x"), _FakeSession("ws://x")
+    alone = asyncio.run(R._turn(srv, s, b"a", True))
+    assert alone["first_audio_s"] == pytest.approx(0.1) and alone["audio_md5"] and "error" not in alone
+    assert (alone["thinker_prompt"], alone["thinker_hit"], alone["talker_prompt"]) == (10.0, 4.0, 2.0)
+    assert alone["talker_hit"] is None  # a counter the server does not report
+    batched = asyncio.run(R._turn(srv, s, b"a", False))
+    assert all(batched[k] is None for k in R.HIT_COUNTERS) and batched["hits_note"] == R.HITS_NOTE
+
+    async def boom(audio):
+        raise RuntimeError("socket closed")
+
+    s.turn = boom
+    failed = asyncio.run(R._turn(srv, s, b"a", True))
+    assert failed["error"] == "RuntimeError: socket closed" and failed["first_audio_s"] is None
+    s.turn = lambda audio: asyncio.sleep(0, NS(first_audio_s=None, first_text_s=0.1, done_s=1.0, status="failed",
+                                                text="", audio=b"", audio_ms=0))
+    assert asyncio.run(R._turn(srv, s, b"a", True))["error"] == "no audio delta (status failed)"
+
+
+def test_run_covers_every_round_n_window_turn_and_the_floor(monkeypatch):
+    """``_run``: a cold turn per server, then per round × N × window every session's turns on each
+    variant and the floor's fresh sessions on cache off, each record naming where it ran."""
+    import asyncio
+    from argparse import Namespace
+    from types import SimpleNamespace as NS
+
+    _fake_engine(monkeypatch)
+    servers = {v: NS(proc=None, url=f"http://{v}", realtime_url=f"ws://{v}") for v in R.VARIANTS}
+    args = Namespace(rounds=2, sessions=[1, 2], turns=3, seconds=0.5, pause_idle=True)
+    records, ids = [], {}
+    cold = asyncio.run(R._run(servers, R.VARIANTS, args, records, ids))
+    assert set(cold) == set(R.VARIANTS) and all(c["first_audio_s"] == pytest.approx(0.1) for c in cold.values())
+    assert len(records) == 2 * (1 + 2) * len(R.WINDOWS) * 3 * (len(R.VARIANTS) + 1)
+    assert list(records[0])[:7] == ["variant", "window", "round", "n_sessions", "turn", "session", "session_id"]
+    first = [r["variant"] for r in records if (r["round"], r["n_sessions"], r["window"]) == (0, 1, "stock")]
+    assert first == [*(v for t in range(3) for v in R.lab.rotate(R.VARIANTS, t)), R.FLOOR, R.FLOOR, R.FLOOR]
+    floor = [r for r in records if r["variant"] == R.FLOOR]
+    assert floor and all(r["server"] == R.FLOOR_ON and r["first_audio_s"] == pytest.approx(0.1) for r in floor)
+    on = [r for r in records if r["variant"] == "omni_cache" and r["window"] == "stock" and r["round"] == 1
+          and r["n_sessions"] == 2 and r["session"] == 1]
+    assert [r["turn"] for r in on] == [1, 2, 3] and [r["text"] for r in on] == ["t1", "t2", "t3"]
+    assert len(ids) == len(R.VARIANTS) * 2 * len(R.WINDOWS) * (1 + 2)
+    assert ids[("builtin", "omni_cache", 1, 2, 1)].startswith("ws://builtin#")
+    only_off = []
+    asyncio.run(R._run({"builtin": servers["builtin"]}, ("builtin",), args, only_off, {}))
+    assert {r["variant"] for r in only_off} == {"builtin"}  # no floor without cache off's server
+
+
+def test_main_starts_the_servers_together_or_one_at_a_time(tmp_path, monkeypatch):
+    """``main`` (``--no-record``): with ``--servers together`` all three servers are up at once, with
+    ``one-at-a-time`` each alone; either way every variant's cold turn and turns are recorded."""
+    import contextlib
+    import json
+    from types import SimpleNamespace as NS
+
+    _fake_engine(monkeypatch)
+    up, most = set(), {}
+
+    @contextlib.contextmanager
+    def start(kind, model, cfg, *, log=None, env=None, label=""):
+        up.add(label)
+        most[mode] = max(most.get(mode, 0), len(up))
+        yield NS(proc=None, url=f"http://{label}", realtime_url=f"ws://{label}", ready_s=1.0)
+        up.discard(label)
+
+    monkeypatch.setattr(R.lab, "start", start)
+    monkeypatch.setattr(R, "_config", lambda out, v, base, record: out / f"{v}.yaml")
+    (tmp_path / "config.json").write_text("{}")
+    for mode in R.SERVER_MODES:
+        out = tmp_path / mode
+        assert R.main(["--servers", mode, "--no-record", "--turns", "2", "--rounds", "1", "--model", str(tmp_path),
+                       "--out", str(out)]) == 0
+        res = json.loads((out / "result.json").read_text())
+        assert set(res["cold_first_turn"]) == set(R.VARIANTS) and set(res["server_ready_s"]) == set(R.VARIANTS)
+        assert {r["variant"] for r in res["turns"]} == {*R.VARIANTS, R.FLOOR} and not res["errors"]
+        assert (out / "realtime.png").exists()
+    assert most == {"together": 3, "one-at-a-time": 1}
