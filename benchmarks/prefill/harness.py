@@ -272,6 +272,19 @@ def _base_max_num_seqs(stage_config) -> int:
     return min(int(st.get("max_num_seqs", 256)) for st in _yaml(stage_config).get("stages", [{}]))
 
 
+def capture_note(seqs: int | None, base: int) -> str | None:
+    """A note when ``--max-num-seqs`` (``seqs``) shrinks vLLM's CUDA-graph capture range below the
+    stage config's (``base``): ``min(2 × max_num_seqs, 512)`` tokens where a config sets no capture
+    size (vLLM's ``VllmConfig``); a prefill over it runs without graphs. None when it does not."""
+    def reach(n: int) -> int:
+        return min(2 * n, 512)
+
+    if seqs is None or reach(seqs) >= reach(base):
+        return None
+    return (f"--max-num-seqs {seqs} shrinks vLLM's CUDA-graph capture range to {reach(seqs)} tokens (the stage "
+            f"config's {base}: {reach(base)}); prefills over it run without graphs, unlike the deploy")
+
+
 def _memory_settings(args, gpu_host: bool) -> MemorySettings:
     """The variants' memory knobs: what the command gives, else the CPU defaults on the CPU and
     the stage config's own (KV sizes, max_num_seqs, executor) on a GPU host."""
@@ -319,6 +332,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                      f"{seqs} requests at once, the rest wait in vLLM's queue (their TTFP includes "
                      f"the wait); pass --max-num-seqs >= {max(loads)} to have every request of the loop scheduled")
         print(f"note: {load_note}", file=sys.stderr)
+    if graph_note := (gpus and capture_note(mem.max_num_seqs, _base_max_num_seqs(args.stage_config))):
+        print(f"note: {graph_note}", file=sys.stderr)
     cfgs = {v: variant_stage_config(
         Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,
         talker_prefix_caching=talker_cache(args.stage_config, v, thinker_cache_only=args.thinker_cache_only))
@@ -427,7 +442,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "alternation": alternation, "memory": memory, "memory_per_variant": mem_per_variant,
             "pipeline_start_s": starts, "metric_definitions": METRIC_DEFINITIONS, "workloads": summ,
             "bar_checks": checks, "samples": samples, "concurrency": conc, "load": load, "load_bar_checks": load_checks,
-            "load_note": load_note, "load_samples": load_samples, "warmup_samples": warm, "omni_cache_metrics": metrics,
+            "load_note": load_note, "graph_note": graph_note or None, "load_samples": load_samples,
+            "warmup_samples": warm, "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
             "variant_failures": {v: lab.failure_excerpt(out / f"log_{v}.txt") for v in failed},
             "jit_compiles": jit_report, "aborted": aborted, "complete": final and not aborted}

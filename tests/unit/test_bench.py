@@ -814,6 +814,14 @@ def test_max_num_seqs_is_the_stage_configs_on_a_gpu_host(tmp_path):
     assert given.max_num_seqs == 16
 
 
+def test_capture_note_when_max_num_seqs_shrinks_the_graph_range():
+    from benchmarks.prefill.harness import capture_note
+
+    assert "capture range to 32 tokens" in capture_note(16, 64) and "128" in capture_note(16, 64)
+    assert capture_note(None, 64) is None and capture_note(64, 64) is None
+    assert capture_note(256, 512) is None  # both at vLLM's 512-token ceiling
+
+
 def test_variant_devices_parse_and_refuse():
     from benchmarks.prefill.harness import parse_variant_devices
 
