@@ -66,7 +66,9 @@
 #   J1 one H200: the c = 1 floor and miss table (off, built-in, omni-cache), then py-spy --stalls on omni-cache
 #   J4 (fourteenth session) the floor, miss and text in the deploy's CUDA-graph coverage (max_num_seqs the stage config's
 #      64), the shipped two-GPU layout, off / omni-cache: on 4 cards both up at once (pairs 0-1, 2-3), again swapped;
-#      on 2 cards one at a time, restarted every round
+#      on 2 cards one at a time, restarted every round. J_REPEATS (default 2) rounds, J_NAME (2 cards; default J4a)
+#      the table's name: a hold too short for two rounds runs J_REPEATS=1 twice, the second with
+#      J_VARIANTS=omni_cache,off (the other start order) under another J_NAME
 #   Z  (never run) issue 47, item 3: the exactness fuzzer at size (benchmarks.fuzz_exactness --stage-config
 #      --engine-devices): off / built-in / omni-cache one card each (cards 0-2), full size on H200s, the
 #      profiling shape on H100s; Z_GROUPS (default 25, ~300 requests), streaming; card 3 is free
@@ -253,7 +255,7 @@ for step in "$@"; do
        jcfg=stage_configs/qwen3_omni_30b_a3b_2xh100_dummy.yaml; jm="$HOME/.cache/omni-cache/models/qwen3-omni-full"
        jtable() {  # name alternation [variant devices]
          VLLM_GC_DEBUG=1 $PY -m benchmarks.prefill --stage-config $jcfg --model "$jm" --modalities "${J_WORKLOADS:-floor,miss,text}" \
-           --requests "${J_REQUESTS:-24}" --repeats 2 --concurrency "${J_CONC:-1,16}" --alternation "$2" \
+           --requests "${J_REQUESTS:-24}" --repeats "${J_REPEATS:-2}" --concurrency "${J_CONC:-1,16}" --alternation "$2" \
            ${3:+--variant-devices "$3"} --variants "${J_VARIANTS:-off,omni_cache}" --thinker-kv-mib 12288 \
            --out "$OUT" --name "$1" > "$OUT/$1.log" 2>&1
          log "J4: table $1 ($2 ${3:-}) rc=$?"
@@ -262,7 +264,7 @@ for step in "$@"; do
          jtable J4a concurrent "off=0,1;omni_cache=2,3"
          jtable J4b concurrent "off=2,3;omni_cache=0,1"
        else
-         CUDA_VISIBLE_DEVICES=0,1 jtable J4a restart
+         CUDA_VISIBLE_DEVICES=0,1 jtable "${J_NAME:-J4a}" restart
        fi ;;
     Z) # issue 47, item 3: the exactness fuzzer at size, its three engines (off, built-in, omni-cache) one card
        # each — full size on H200s, the profiling shape (Qwen3-Omni-30B-A3B's widths, 6 of 48 thinker layers)
