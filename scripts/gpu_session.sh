@@ -69,6 +69,10 @@
 #      on 2 cards one at a time, restarted every round. J_REPEATS (default 2) rounds, J_NAME (2 cards; default J4a)
 #      the table's name: a hold too short for two rounds runs J_REPEATS=1 twice, the second with
 #      J_VARIANTS=omni_cache,off (the other start order) under another J_NAME
+#   O  (fifteenth session) one card, issue 43's zero-overhead bar where a step is shortest: the bench-size embedded
+#      model on the one-GPU config in production mode (qwen3_omni_gpu1.yaml: CUDA graphs up to 128 tokens),
+#      off / built-in / omni-cache up at once (floor, miss, text; c = 1 and 16; O_REQUESTS, default 24; 3 rounds),
+#      then the main job on that config (omni-cache run --repeat 3)
 #   Z  (never run) issue 47, item 3: the exactness fuzzer at size (benchmarks.fuzz_exactness --stage-config
 #      --engine-devices): off / built-in / omni-cache one card each (cards 0-2), full size on H200s, the
 #      profiling shape on H100s; Z_GROUPS (default 25, ~300 requests), streaming; card 3 is free
@@ -266,6 +270,13 @@ for step in "$@"; do
        else
          CUDA_VISIBLE_DEVICES=0,1 jtable "${J_NAME:-J4a}" restart
        fi ;;
+    O) $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_gpu1.yaml --size bench \
+         --modalities floor,miss,text --requests "${O_REQUESTS:-24}" --repeats 3 --concurrency 1,16 \
+         --alternation concurrent --variants off,builtin,omni_cache --out "$OUT" --name O > "$OUT/O.log" 2>&1
+       log "O: table rc=$?"
+       $PY -m omni_cache.cli run --stage-config stage_configs/qwen3_omni_gpu1.yaml --out "$OUT/O-run" --repeat 3 \
+         > "$OUT/O-run.log" 2>&1
+       log "O: main job rc=$?" ;;
     Z) # issue 47, item 3: the exactness fuzzer at size, its three engines (off, built-in, omni-cache) one card
        # each — full size on H200s, the profiling shape (Qwen3-Omni-30B-A3B's widths, 6 of 48 thinker layers)
        # on H100s — Z_GROUPS seeded groups (~12 requests each), streaming
