@@ -73,7 +73,7 @@
 #      model on the one-GPU config in production mode (qwen3_omni_gpu1.yaml: CUDA graphs up to 128 tokens),
 #      off / built-in / omni-cache up at once (floor, miss, text; c = 1 and 16; O_REQUESTS, default 24; 3 rounds),
 #      then the main job on that config (omni-cache run --repeat 3)
-#   Z  (never run) issue 47, item 3: the exactness fuzzer at size (benchmarks.fuzz_exactness --stage-config
+#   Z  (never run) issue 47, item 3: the exactness fuzzer at size (tests.lanes.fuzz_exactness --stage-config
 #      --engine-devices): off / built-in / omni-cache one card each (cards 0-2), full size on H200s, the
 #      profiling shape on H100s; Z_GROUPS (default 25, ~300 requests), streaming; card 3 is free
 #   L  the whole GPU lane on a 4-GPU host: four tests.lanes.gpu_check processes, one per card
@@ -289,7 +289,7 @@ for step in "$@"; do
          zcfg=stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml; zmodel=qwen3-omni-full-l6
        fi
        log "Z: ${mib} MiB a card: $zcfg"
-       $PY -m benchmarks.fuzz_exactness --modes streaming --groups "${Z_GROUPS:-25}" --stage-config "$zcfg" --fail-on a,b \
+       $PY -m tests.lanes.fuzz_exactness --modes streaming --groups "${Z_GROUPS:-25}" --stage-config "$zcfg" --fail-on a,b \
          --model "$HOME/.cache/omni-cache/models/$zmodel" --engine-devices "${Z_DEVICES:-off=0;builtin=1;omni=2}" \
          --out "$OUT/Z" > "$OUT/Z.log" 2>&1 ;;
     R) $PY -m omni_cache.cli make-model --family gemma4 >> "$OUT/models.log" 2>&1

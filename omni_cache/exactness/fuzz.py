@@ -524,8 +524,8 @@ def _smaller(k: Knobs) -> list[Knobs]:
 
 
 def repro_command(seed: int, knobs: Knobs, cache: str, streaming: bool) -> str:
-    """The command that runs one case again (``benchmarks/fuzz_exactness.py``)."""
-    return (f"python -m benchmarks.fuzz_exactness --seed {seed} --groups 1 --cache {cache} "
+    """The command that runs one case again (``tests/lanes/fuzz_exactness.py``)."""
+    return (f"python -m tests.lanes.fuzz_exactness --seed {seed} --groups 1 --cache {cache} "
             f"--modes {'streaming' if streaming else 'non-streaming'} --turns {knobs.turns} "
             f"--variants {knobs.variants} --system-words {knobs.system_words}"
             + ("" if knobs.media else " --no-media") + ("" if knobs.concurrent else " --no-concurrent"))

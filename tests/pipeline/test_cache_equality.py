@@ -128,7 +128,7 @@ def test_fixed_workload_equals_its_cache_off_references_bitwise(runs):
     reference's bitwise — a regression test of these prompts, not a general claim: after a hit
     vLLM computes the suffix over cached KV, which can differ from a whole-prompt prefill in
     the last bits on other prompts (docs/architecture.md, "Integrity"; the generative search
-    is ``test_exactness_fuzz.py`` / ``benchmarks/fuzz_exactness.py``).
+    is ``test_exactness_fuzz.py`` / ``tests/lanes/fuzz_exactness.py``).
     On CUDA (``CACHE_OFF_BITWISE`` False, tests/device.py) cache off is held
     to oracle (c)'s stated precision instead: tokens equal, prompt rows within
     ``TOLERANCE_ULPS`` row-scale ulps (embedding rows bitwise), audio bitwise only where the

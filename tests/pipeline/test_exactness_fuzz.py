@@ -24,7 +24,7 @@ alone; within its batch's timing bounds for one sent together).
 Three groups: the thinker's cache alone with a turn's requests in flight together, the same
 one request at a time (so (b) holds every chunk and the audio), thinker + talker.
 
-Any number of cases, both streaming modes: ``benchmarks/fuzz_exactness.py``.
+Any number of cases, both streaming modes: ``tests/lanes/fuzz_exactness.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The exactness fuzzer's GPU options (``benchmarks.fuzz_exactness``): each engine derived from a
+"""The exactness fuzzer's GPU options (``tests.lanes.fuzz_exactness``): each engine derived from a
 GPU stage config and placed on its own cards (issue 47, item 3: the fuzzer at size)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from benchmarks.fuzz_exactness import exit_code, main, parse_engine_devices, place_on_cards
+from tests.lanes.fuzz_exactness import exit_code, main, parse_engine_devices, place_on_cards
 from omni_cache.driver.stage_config import bundled_stage_config
 from omni_cache.exactness import fuzz
 

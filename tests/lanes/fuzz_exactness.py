@@ -8,14 +8,14 @@ violating oracle (a) or (b) is shrunk and printed as a command that runs it agai
 ``report.json`` (counts, mismatches with seeds and repro commands, row differences against cache
 off, foreign-row distances) and ``ulps.png`` into ``--out``.
 
-    .venv/bin/python -m benchmarks.fuzz_exactness --groups 70 --modes streaming,non-streaming
+    .venv/bin/python -m tests.lanes.fuzz_exactness --groups 70 --modes streaming,non-streaming
 
 On a GPU host (issue 47, item 3: the fuzzer at size): ``--stage-config`` names the GPU config the
 three engines derive from (the recording variant of each, as on the CPU) and ``--engine-devices``
 gives each engine its own cards (``off=0;builtin=1;omni=2``: each stage's ``devices`` index into
 that engine's list), with ``OMNI_CACHE_CUDA_PLATFORM=1``:
 
-    OMNI_CACHE_CUDA_PLATFORM=1 python -m benchmarks.fuzz_exactness --modes streaming --groups 25 --fail-on a,b \\
+    OMNI_CACHE_CUDA_PLATFORM=1 python -m tests.lanes.fuzz_exactness --modes streaming --groups 25 --fail-on a,b \\
       --stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml \\
       --model ~/.cache/omni-cache/models/qwen3-omni-full-l6 --engine-devices "off=0;builtin=1;omni=2"
 """
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     knobs = Knobs(turns=args.turns, variants=args.variants, system_words=args.system_words,
                   media=not args.no_media, concurrent=not args.no_concurrent)
     out = lab.results_dir(args.out, "fuzz")
-    report = {**lab.stamp("benchmarks.fuzz_exactness", argv), "knobs": knobs.as_dict(), "modes": modes,
+    report = {**lab.stamp("tests.lanes.fuzz_exactness", argv), "knobs": knobs.as_dict(), "modes": modes,
               "groups": [], "mismatches": [], "env": {k: os.environ.get(k) for k in ("VLLM_CPU_ATTN_SPLIT_KV",)},
               "stage_config": str(args.stage_config) if args.stage_config else None,
               "engine_devices": args.engine_devices or None}
