@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.lanes.fuzz_exactness import exit_code, main, parse_engine_devices, place_on_cards
 from omni_cache.driver.stage_config import bundled_stage_config
 from omni_cache.exactness import fuzz
+from tests.lanes.fuzz_exactness import exit_code, main, parse_engine_devices, place_on_cards
 
 
 def test_engine_devices_parse_and_refuse_with_the_flags_name():
