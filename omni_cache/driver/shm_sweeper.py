@@ -8,7 +8,7 @@ a segment, when it reads it; the sender unlinks its own only when the request is
 its terminal chunk went out (``OmniChunkTransferAdapter.cleanup_sender``). A chunk that was
 sent but is never read stays until the server exits (Python's ``resource_tracker`` then
 unlinks the segment, warning of "leaked shared_memory objects"; the lock file stays for good).
-Measured on the CPU server (issue 45, ``benchmarks/soak.py``): a streamed request the client
+Measured on the CPU server (issue 45, ``tests/lanes/soak.py``): a streamed request the client
 closes after its first chunk left ``<id>_0_6`` — the thinker had sent everything, then the
 abort reached the talker before it read the rest. The text-only case (a terminal marker to a
 stage the request never reaches) is not created in the first place by omni-cache's schedulers

@@ -29,7 +29,7 @@ moved is an error at start-up (:func:`check_save_async`), not a silent leak.
 Not covered here: a stage that is *not* omni-cache's scheduler (vLLM-Omni's stock pipelines:
 the same leak, upstream in the places named above), and chunks a receiving stage stops reading
 (a request aborted after its sender finished): ``omni-cache serve`` unlinks those when the
-request ends (``omni_cache/driver/shm_sweeper.py``); ``benchmarks/soak.py`` measures what is left
+request ends (``omni_cache/driver/shm_sweeper.py``); ``tests/lanes/soak.py`` measures what is left
 (docs/serving.md, "Shared memory and the soak").
 """
 

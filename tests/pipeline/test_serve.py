@@ -29,7 +29,7 @@ streaming path in ``test_streaming_equality.py``). Checked:
   2 s 224×224 clip with speech) and without it: each reply is bitwise equal to its cache-off
   reference; two same-size clips with other pixels (same token ids) share hits only up to the
   last whole block before the clip, the same clip again hits through it;
-- a 100-request slice of the soak (``benchmarks/soak.py``: text only, text + audio, photo, video and
+- a 100-request slice of the soak (``tests/lanes/soak.py``: text only, text + audio, photo, video and
   speech in, bad media, streams closed after the first chunk), after everything else: no request
   lost, ``/dev/shm`` flat and drained, nothing of it left in ``/dev/shm`` after exit (issue 45);
 - the server stops cleanly (exit code 0, port closed).
@@ -495,7 +495,7 @@ def _video_chat(server: OmniServer, clip: str, audio_in_video: bool, reference: 
 def video_chats(server_on):
     """Clip A with its audio track, clip B (other pixels, same size) with it, clip A again,
     clip A without it; then each as a cache-off reference."""
-    from benchmarks.soak import video_clip
+    from tests.lanes.soak import video_clip
 
     a, b = video_clip(1), video_clip(2)
     cases = {"a": (a, True), "b": (b, True), "a again": (a, True), "a, no audio": (a, False)}
@@ -565,11 +565,11 @@ def test_streamed_two_turn_chat_hit_and_equal_to_cache_off(streamed_on, chat_off
 
 @pytest.fixture(scope="module")
 def soak_slice(server_on, chat_off):
-    """100 requests of the soak's mixed stream (``benchmarks/soak.py``: text only, text + audio
+    """100 requests of the soak's mixed stream (``tests/lanes/soak.py``: text only, text + audio
     streamed and not, photo, video and speech in, bad media, streams the client closes after the first
     chunk), 4 at a time, after every other request of this module; ``/dev/shm`` and the process
     tree sampled every second."""
-    from benchmarks.soak import drive
+    from tests.lanes.soak import drive
 
     return drive(server_on, requests=100, concurrency=4, warmup=20, max_tokens=8, sample_s=1.0, drain_s=8.0,
                  shm_slack=8, report_every=50)
@@ -601,7 +601,7 @@ def test_server_stopped_cleanly(server_on, stopped):
 def test_no_shared_memory_left_after_exit(soak_slice, stopped):
     """Nothing of the soak slice's requests (segments or the connector's lock files) stays in
     ``/dev/shm`` after the server exited (issue 45: an empty lock file per leaked segment did)."""
-    from benchmarks.soak import after_exit
+    from tests.lanes.soak import after_exit
 
     left = after_exit(soak_slice["tag"], soak_slice["baseline"])
     assert left["pass"], left

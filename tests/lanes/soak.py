@@ -9,8 +9,8 @@ One server gets ``--requests`` requests, ``--concurrency`` at a time, drawn (see
 stopped (timed) and what is left listed. Bars (:func:`_bars`, :func:`after_exit`):
 docs/serving.md, "Shared memory and the soak". Writes ``result.json`` and ``soak.png``.
 
-    .venv/bin/python -m benchmarks.soak --requests 2000            # the issue's bar
-    .venv/bin/python -m benchmarks.soak --requests 120 --warmup 20 # a short run
+    .venv/bin/python -m tests.lanes.soak --requests 2000            # the issue's bar
+    .venv/bin/python -m tests.lanes.soak --requests 120 --warmup 20 # a short run
     (the CI slice, 100 requests on the serve test's server: tests/pipeline/test_serve.py, :func:`drive`)
 """
 
@@ -343,7 +343,7 @@ def run(args, argv: list[str] | None = None) -> dict:
         stop = _stop_timed(srv)
     time.sleep(1.0)
     bars = {**d["bars"], "shm_empty_after_exit": after_exit(tag, baseline)}
-    result = {"benchmark": "soak", **lab.stamp("benchmarks.soak", argv),
+    result = {"benchmark": "soak", **lab.stamp("tests.lanes.soak", argv),
               "model": str(model_dir), "stage_config": str(args.stage_config), "args": lab.jsonable(args),
               "ready_s": round(srv.ready_s, 1), "stream_wall_s": round(d["wall_s"], 1),
               "requests_per_s": round(len(d["records"]) / d["wall_s"], 3), "counts": d["counts"],
