@@ -186,6 +186,9 @@ def read_metrics(out_dir, prefix: str, until=None, timeout: float = 20.0) -> dic
     deadline = time.monotonic() + timeout
     while True:
         files = list((Path(out_dir) / "metrics").glob(f"{prefix}-*.json"))
+        if not files and time.monotonic() <= deadline:  # an engine's first write is a timer thread's
+            time.sleep(0.2)
+            continue
         assert len(files) == 1, (prefix, files)
         counters = json.loads(files[0].read_text())
         if until is None or until(counters) or time.monotonic() > deadline:

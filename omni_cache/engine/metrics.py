@@ -3,7 +3,8 @@
 Engine processes publish their counters as ``<dir>/<name>-<pid>.json`` (``metrics``: the
 stage manager's cache counters; ``scheduler``: the capped scheduler's; ``yoco``: the KV-shared
 thinker's forward counters). Benchmarks and tests read them. Each file is written atomically
-(temporary file + rename), at most once per :attr:`MetricsFile.min_interval_s` unless forced.
+(temporary file + rename), at most once per :attr:`MetricsFile.min_interval_s` unless forced;
+the engine step's writes are deferred to a timer thread (:meth:`MetricsFile.publish`).
 Counters are best-effort: a write that fails is logged once and never raised into the engine —
 the sixth GPU session's full-size engine death was two threads of one thinker (vLLM-Omni's
 background output builder and the step) renaming the same temporary file (docs/gpu.md).
@@ -43,38 +44,76 @@ class MetricsFile:
         self._last = float("-inf")
         self._lock = threading.Lock()
         self._warned = False
+        self._timer: threading.Timer | None = None  # the pending deferred write
 
     def path(self) -> Path | None:
         """The file this process writes, or None when ``OMNI_CACHE_METRICS_DIR`` is unset."""
         out = settings.METRICS_DIR.get()
         return Path(out) / f"{self.name}-{os.getpid()}.json" if out else None
 
-    def publish(self, counters: Mapping | Callable[[], Mapping], *, force: bool = False) -> bool:
+    def publish(self, counters: Mapping | Callable[[], Mapping], *, force: bool = False,
+                defer: bool = False) -> bool:
         """Write ``counters`` (a mapping, or a callable returning one, evaluated only when the
-        file is written). Returns whether it wrote. Thread-safe: a process's threads (the
-        engine step, vLLM-Omni's background output builder, the save thread) may all publish;
-        each write goes through its own temporary file under one lock. Never raises on a failed
-        write (``OSError``: logged once per file, returns False)."""
+        file is written). Returns whether it wrote on this call. Thread-safe: a process's
+        threads (the engine step, vLLM-Omni's background output builder, the save thread) may
+        all publish; each write goes through its own temporary file under one lock. Never raises
+        on a failed write (``OSError``: logged once per file, returns False).
+
+        ``force``: write now (a pending deferred write is dropped: this one is newer).
+        ``defer``: never write on the calling thread — a timer thread writes once the interval
+        allows (at once if it already does), evaluating ``counters`` then; one pending write at a
+        time. For the engine step: a write costs ~0.26 ms of a GPU step's host time (docs/gpu.md,
+        "Fourteenth session"), which the step that served a hit used to pay so that a reader
+        polling the file saw the hit at once; deferred, it still appears within
+        :attr:`min_interval_s`."""
         path = self.path()
         if path is None:
             return False
         with self._lock:
             now = time.monotonic()
-            if not force and now - self._last < self.min_interval_s:
+            if force:
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+            elif defer:
+                if self._timer is None:
+                    self._timer = threading.Timer(max(0.0, self._last + self.min_interval_s - now),
+                                                  self._deferred, (counters,))
+                    self._timer.daemon = True
+                    self._timer.start()
+                return False
+            elif now - self._last < self.min_interval_s:
                 return False
             self._last = now
-            data = counters() if callable(counters) else counters
-            tmp = path.with_name(f".{path.stem}-{threading.get_ident()}.tmp")
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(json.dumps(dict(data)))
-                tmp.replace(path)
-            except OSError as e:
-                if not self._warned:
-                    self._warned = True
-                    logger.warning("omni-cache: counters not written to %s (%s); the cache goes on", path, e)
-                return False
-            return True
+            return self._write(path, counters)
+
+    def _deferred(self, counters: Mapping | Callable[[], Mapping]) -> None:
+        """The timer thread's write (:meth:`publish` with ``defer``); best-effort like every write."""
+        with self._lock:
+            if self._timer is None:  # cancelled by a forced write that took the lock first
+                return
+            self._timer = None
+            if (path := self.path()) is not None:
+                self._last = time.monotonic()
+                try:
+                    self._write(path, counters)
+                except Exception as e:  # noqa: BLE001 - a counter never takes the engine down
+                    logger.warning("omni-cache: deferred counters for %s failed (%s)", path, e)
+
+    def _write(self, path: Path, counters: Mapping | Callable[[], Mapping]) -> bool:
+        """One atomic write (own temporary file, then rename); the caller holds the lock."""
+        data = counters() if callable(counters) else counters
+        tmp = path.with_name(f".{path.stem}-{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(dict(data)))
+            tmp.replace(path)
+        except OSError as e:
+            if not self._warned:
+                self._warned = True
+                logger.warning("omni-cache: counters not written to %s (%s); the cache goes on", path, e)
+            return False
+        return True
 
 
 class HitAudit:

@@ -185,7 +185,7 @@ class OmniCacheStageManager:
     that step on).
     """
 
-    #: seconds between two metrics-file writes, besides every step that read a hit and shutdown
+    #: seconds between two metrics-file writes (a timer thread's, never the step's), besides shutdown
     PUBLISH_INTERVAL_S = 0.5
 
     def __init__(self, runner, block_size: int, num_blocks: int, group_id: int = 0):
@@ -198,7 +198,6 @@ class OmniCacheStageManager:
         self._scheduled: dict[str, int] = {}
         self._steps: dict[int, _SavedStep] = {}
         self._step_ids = itertools.count()
-        self._read_this_step = False  # a hit was read: publish the metrics at materialize
         self._metrics_file = MetricsFile("metrics", self.PUBLISH_INTERVAL_S)
         self._hit_audit = HitAudit()
         self._block_audit = BlockDigestAudit(block_size)  # audits: each filled block's writer digest
@@ -493,7 +492,6 @@ class OmniCacheStageManager:
                 owner = self.cache.ledger.owner
                 self._hit_audit.log(rid, hit, [owner[b] for b in view.block_ids[:hit // self.block_size]])
             view.hit_tokens = 0
-            self._read_this_step = True
         return prefixes
 
     # ---- 6. merge --------------------------------------------------------------------------
@@ -607,8 +605,7 @@ class OmniCacheStageManager:
             }
         if self.cache is not None:
             self.cache.metrics.seconds_materialize += time.perf_counter() - t0
-        self._publish_metrics(force=self._read_this_step)
-        self._read_this_step = False
+        self._publish_metrics()
         return HandOff(hidden_states=hidden or None, mm_outputs=mm)
 
     def cached_blocks(self, step_id: int) -> frozenset[int] | None:
@@ -630,17 +627,19 @@ class OmniCacheStageManager:
     # ---- metrics / lifecycle --------------------------------------------------------------
     def _publish_metrics(self, force: bool = False) -> None:
         """With ``OMNI_CACHE_METRICS_DIR`` set, write the counters to ``metrics-<pid>.json``:
-        on a step that served a hit and at shutdown, else at most every
-        :attr:`PUBLISH_INTERVAL_S` seconds. Besides the counters: the pool's size in bytes
-        (``pool_bytes``), its tier (``pool_tier``) and its bytes of pinned host memory
-        (``pool_pinned_bytes``)."""
+        at shutdown (``force``), else from a timer thread at most every
+        :attr:`PUBLISH_INTERVAL_S` seconds after a step (a hit shows in the file within that;
+        :meth:`omni_cache.engine.metrics.MetricsFile.publish`, ``defer``). Besides the counters:
+        the pool's size in bytes (``pool_bytes``), its tier (``pool_tier``) and its bytes of
+        pinned host memory (``pool_pinned_bytes``). ``seconds_publish`` counts the calling
+        thread's time only (the step's: scheduling a deferred write, or the forced one)."""
         if self.cache is not None:
             t0 = time.perf_counter()
-            if self._metrics_file.publish(
-                    lambda: {**self.cache.metrics.as_dict(), "last_save_seconds": self.step_seconds,
-                             "pool_bytes": self.cache.nbytes, "pool_tier": self.cache.tier.value,
-                             "pool_pinned_bytes": self.cache.pinned_nbytes}, force=force):
-                self.cache.metrics.seconds_publish += time.perf_counter() - t0
+            self._metrics_file.publish(
+                lambda: {**self.cache.metrics.as_dict(), "last_save_seconds": self.step_seconds,
+                         "pool_bytes": self.cache.nbytes, "pool_tier": self.cache.tier.value,
+                         "pool_pinned_bytes": self.cache.pinned_nbytes}, force=force, defer=not force)
+            self.cache.metrics.seconds_publish += time.perf_counter() - t0
 
     def shutdown(self) -> None:
         """Final metrics (log line and file); called from the model runner's ``shutdown``."""
