@@ -137,7 +137,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker inside the engine core
     import psutil
 
-    from benchmarks.prefill.harness import gpu_inventory, talker_cache
+    from benchmarks.prefill.harness import base_max_num_seqs, capture_note, gpu_inventory, talker_cache
     from benchmarks.prefill.worker import VariantWorker
     from benchmarks.prefill.workloads import WorkloadOptions, specs, warmup_specs
     from omni_cache.driver.stage_config import load_stage_config
@@ -151,6 +151,8 @@ def main() -> int:
     tag = f"{args.variant}-stage{args.stage}" + (f"-c{c}" if c > 1 else "")
     work = out / f"profile-{tag}.d"
     gpu_host = bool(gpu_inventory())
+    if graph_note := gpu_host and capture_note(args.max_num_seqs, base_max_num_seqs(args.stage_config)):
+        print(f"note: {graph_note}", flush=True)
     thinker_mib = args.thinker_kv_mib or (None if gpu_host else 256)
     talker_mib = args.talker_kv_mib or (None if gpu_host else 256 if args.model_size == "bench-voice" else 32)
     talker = talker_cache(args.stage_config, args.variant, thinker_cache_only=args.thinker_cache_only)
@@ -216,7 +218,7 @@ def main() -> int:
         w.close()
     result = {**lab.stamp("benchmarks.profile_stage"), "variant": args.variant, "stage": args.stage,
               "concurrency": c, "talker_prefix_caching": talker, "stage_config": str(args.stage_config),
-              "rate_hz": args.rate, "workloads": {}}
+              "rate_hz": args.rate, **({"graph_note": graph_note} if graph_note else {}), "workloads": {}}
     for wl, d in per.items():
         raws = d.pop("raw")
         raw = "\n".join(raws)

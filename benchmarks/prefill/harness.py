@@ -266,7 +266,7 @@ def _yaml(stage_config) -> dict:
     return yaml.safe_load(Path(stage_config).read_text())
 
 
-def _base_max_num_seqs(stage_config) -> int:
+def base_max_num_seqs(stage_config) -> int:
     """The smallest ``max_num_seqs`` of the stage config's stages (vLLM's default, 256, where a
     stage sets none)."""
     return min(int(st.get("max_num_seqs", 256)) for st in _yaml(stage_config).get("stages", [{}]))
@@ -327,12 +327,12 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     stamp = lab.stamp("benchmarks.prefill", argv, gpus=gpus)
     mem = _memory_settings(args, gpu_host=bool(gpus))
     load_note = None
-    if loads and max(loads) > (seqs := mem.max_num_seqs or _base_max_num_seqs(args.stage_config)):
+    if loads and max(loads) > (seqs := mem.max_num_seqs or base_max_num_seqs(args.stage_config)):
         load_note = (f"max_num_seqs {seqs} < concurrency {max(loads)}: each stage runs at most "
                      f"{seqs} requests at once, the rest wait in vLLM's queue (their TTFP includes "
                      f"the wait); pass --max-num-seqs >= {max(loads)} to have every request of the loop scheduled")
         print(f"note: {load_note}", file=sys.stderr)
-    if graph_note := (gpus and capture_note(mem.max_num_seqs, _base_max_num_seqs(args.stage_config))):
+    if graph_note := (gpus and capture_note(mem.max_num_seqs, base_max_num_seqs(args.stage_config))):
         print(f"note: {graph_note}", file=sys.stderr)
     cfgs = {v: variant_stage_config(
         Path(args.stage_config), out, v, mem=mem, async_chunk=not args.no_stream,

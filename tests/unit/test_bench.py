@@ -800,7 +800,7 @@ def test_max_num_seqs_is_the_stage_configs_on_a_gpu_host(tmp_path):
     ran every prefill over 4 tokens without graphs at full size (docs/gpu.md, "Fourteenth session")."""
     from types import SimpleNamespace as NS
 
-    from benchmarks.prefill.harness import _base_max_num_seqs, _memory_settings
+    from benchmarks.prefill.harness import _memory_settings, base_max_num_seqs
 
     full = Path(__file__).resolve().parents[2] / "stage_configs" / "qwen3_omni_30b_a3b_h200_dummy.yaml"
     args = NS(thinker_kv_mib=None, talker_kv_mib=None, code2wav_kv_mib=None, max_num_seqs=None, cpu_executor=None)
@@ -809,7 +809,7 @@ def test_max_num_seqs_is_the_stage_configs_on_a_gpu_host(tmp_path):
         cfg = variant_stage_config(full, tmp_path / host, "omni_cache", mem=_memory_settings(args, gpu_host=gpu))
         seqs[host] = [st["max_num_seqs"] for st in yaml.safe_load(cfg.read_text())["stages"]]
     assert seqs == {"gpu": [64, 64, 64], "cpu": [2, 2, 2]}
-    assert _base_max_num_seqs(full) == 64
+    assert base_max_num_seqs(full) == 64
     given = _memory_settings(NS(**{**vars(args), "max_num_seqs": 16}), gpu_host=True)
     assert given.max_num_seqs == 16
 
