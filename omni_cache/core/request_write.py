@@ -249,7 +249,7 @@ def table_entries(block_ids: BlockIds, index: slice | np.ndarray) -> np.ndarray:
 def _hash_pairs(block_hashes: BlockHashes, table_blocks: int, req_id: str) -> list[tuple[int, int]]:
     """``[(block index, block hash)]`` of a write's few ``block_hashes``, checked: indices in
     ``[0, table_blocks)``, hashes unsigned 64-bit ints."""
-    if isinstance(block_hashes, Mapping):
+    if type(block_hashes) is dict or isinstance(block_hashes, Mapping):  # a dict: no ABC check per request
         pairs = list(block_hashes.items())
     else:
         first, hashes = block_hashes

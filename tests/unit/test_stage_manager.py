@@ -126,6 +126,25 @@ def test_chunked_prefill_decode_and_a_hit_hand_off_what_a_recompute_gives():
     assert m["hits_served"] == 1 and m["hit_tokens"] == 8 and m["hits_refused"] == 0
 
 
+def test_a_batch_of_many_requests_hands_each_its_own_rows():
+    """A step of four requests — two prefill chunks of different lengths and two decodes — hands
+    each request the rows of its own span (the batch's rows are split once per key when a step
+    has more than two requests; a slice per request below that)."""
+    eng = FakeEngine()
+    prompts = {r: list(range(10 * i, 10 * i + 5)) for i, r in enumerate("ABCD")}
+    for r, p in prompts.items():
+        eng.add(r, p)
+    eng.step(new=[("A", [0, 1], 0, 5), ("B", [2, 3], 0, 5)])
+    eng.sample("A", 90)
+    eng.sample("B", 91)
+    got = eng.step(new=[("C", [4, 5], 0, 5), ("D", [6, 7], 0, 3)],
+                   cached=[("A", None, 5, 1), ("B", None, 5, 1)])
+    assert_rows(got["C"], expected(prompts["C"], 0, 5))
+    assert_rows(got["D"], expected(prompts["D"], 0, 3))
+    assert_rows(got["A"], expected(prompts["A"] + [90], 5, 6))
+    assert_rows(got["B"], expected(prompts["B"] + [91], 5, 6))
+
+
 def _decode_then_turn2(eng: FakeEngine):
     """Turn 1 decodes two tokens that complete its block 1; turn 2 repeats them and hits it."""
     a = list(range(6))
