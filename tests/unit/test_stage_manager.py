@@ -128,8 +128,9 @@ def test_chunked_prefill_decode_and_a_hit_hand_off_what_a_recompute_gives():
 
 def test_a_batch_of_many_requests_hands_each_its_own_rows():
     """A step of four requests — two prefill chunks of different lengths and two decodes — hands
-    each request the rows of its own span (the batch's rows are split once per key when a step
-    has more than two requests; a slice per request below that)."""
+    each request the rows of its own span — oracle: the rows the fake forward computed for that
+    request's positions (the writer's rows), bitwise (the batch's rows are split once per key
+    when a step has more than two requests; a slice per request below that)."""
     eng = FakeEngine()
     prompts = {r: list(range(10 * i, 10 * i + 5)) for i, r in enumerate("ABCD")}
     for r, p in prompts.items():
