@@ -451,7 +451,7 @@ class OmniCacheStageManager:
         self._cached_this_step = []
         keep_fresh = keep_fresh or bool(plan.truncated)
         # a batch's fresh rows: one split per key, not a slice per request and key (a decode
-        # step of 16 requests: -8 % of its host time, benchmarks.step_overhead); a slice is
+        # step of 16 requests: -3.5 % of its host time, benchmarks.step_overhead); a slice is
         # cheaper for one or two requests
         split = keep_fresh and len(plan.req_ids) > 2
         if split:
