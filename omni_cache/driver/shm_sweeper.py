@@ -23,10 +23,16 @@ appends a random suffix to the client's ``X-Request-Id``). A segment is unlinked
 ``multiprocessing.shared_memory`` so the resource tracker that the stage processes share with
 this process forgets it too. Nothing of vLLM / vLLM-Omni is edited or patched.
 
+The same sweeper is installed on :class:`~omni_cache.driver.streaming.StreamingPipeline`'s
+``AsyncOmni`` (``omni-cache run``, the streaming tests, the benchmarks' streaming pipelines;
+since 2026-11-28): there every streamed request had left an empty lock file per chunk sent
+(~40 a request) in ``/dev/shm`` for good.
+
 Not covered: realtime sessions (``DuplexOmni``'s session path does not go through
-``generate`` per turn), and requests of engines this module is not installed on (plain
-``vllm-omni serve``, vLLM-Omni's own ``Omni`` / ``AsyncOmni`` users): there the upstream
-behaviour above stands.
+``generate`` per turn), the synchronous :class:`~omni_cache.driver.pipeline.OmniPipeline`
+(vLLM-Omni's ``Omni``: no per-request ``generate`` stream to wrap), and requests of engines
+this module is not installed on (plain ``vllm-omni serve``, vLLM-Omni's own ``Omni`` /
+``AsyncOmni`` users): there the upstream behaviour above stands.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -98,6 +99,12 @@ class StreamingPipeline:
         self.hooks = install_engine_hooks(self.omni, self.stage_config)
         #: omni-cache's thinker router (``OMNI_CACHE_ROUTING: prefix``, > 1 thinker replica), else None
         self.router = self.hooks.router
+        from omni_cache.driver.shm_sweeper import install_shm_sweeper
+
+        #: unlinks each ended request's shared-memory hand-offs and their lock files
+        #: (:mod:`omni_cache.driver.shm_sweeper`), as ``omni-cache serve`` does: vLLM-Omni's
+        #: connector leaves an empty lock file in ``/dev/shm`` for every chunk it ever sent
+        self.shm_sweeper = install_shm_sweeper(self.omni)
 
     async def _start(self, stage_init_timeout: int, engine_args: dict[str, Any]):
         from vllm_omni.entrypoints.async_omni import AsyncOmni
@@ -194,6 +201,9 @@ class StreamingPipeline:
         omni, self.omni = getattr(self, "omni", None), None
         if omni is not None:
             omni.shutdown()
+        sweeper = getattr(self, "shm_sweeper", None)
+        if sweeper is not None:  # the stages are gone: every ended request's entries can go now
+            sweeper.sweep_due(now=math.inf)
         loop = getattr(self, "_loop", None)
         if loop is None or loop.is_closed():
             return

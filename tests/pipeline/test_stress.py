@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
+import re
 import sys
 from collections import Counter
 
@@ -72,6 +74,10 @@ PREFIXES = [
     "Answer briefly and precisely, as a museum guide would, without speculation please. " * 4,
     "Translate your impressions into a short poem with vivid images and clear rhythm. " * 4,
 ]
+
+
+#: where vLLM-Omni's SharedMemoryConnector puts a chunk's segment and its lock file
+SHM = "/dev/shm"
 
 
 def _workload():
@@ -192,11 +198,13 @@ def read_audit(tmp_path_factory):
 @pytest.fixture(scope="session")
 def stress(read_audit, stress_omni, stream_off):
     read_audit()  # on in stress_omni (started after it), off for the engines of later modules
+    shm_baseline = set(os.listdir(SHM))  # /dev/shm before the stress requests
     runs = {"omni_cache": (stress_omni.dir, *stress_omni.pipe.run_async(_drive(stress_omni.pipe.omni)))}
     # the cache-off engine answers with the stress engine's thinker budget (max_tokens 48)
     sps = stream_off.pipe.default_sampling_params()
     sps[0].max_tokens = stress_omni.pipe.default_sampling_params()[0].max_tokens
     runs["off"] = (stream_off.dir, *stream_off.pipe.run_async(_drive(stream_off.pipe.omni, sps)))
+    runs["shm_baseline"] = shm_baseline
     return runs
 
 
@@ -431,3 +439,23 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
           f"{oracle_a['per_category']}; "
           f"preempted and resumed: {resumed}, served a hit again: {resumed_hit}; "
           f"hit tokens {sum(r[1] for r in on.values())}; scheduler {sched}")
+
+
+def test_stress_leaves_nothing_in_dev_shm(stress, stress_omni, stream_off):
+    """Nothing of the stress requests — finished, aborted, or aborted at their first packet —
+    stays in ``/dev/shm``: the pipelines' sweeper (:class:`~omni_cache.driver.shm_sweeper.ShmSweeper`,
+    as ``omni-cache serve``'s) unlinks each ended request's segments and lock files. vLLM-Omni's
+    connector removes a segment when its reader reads it but not its lock file: before, every
+    request of this test left an empty lock file per chunk it handed over (~46 a request, ~1,500
+    per run on this machine's ``/dev/shm``). Oracle: ``/dev/shm``'s entries named after these
+    requests now against before them, once the sweepers' due sweeps ran."""
+    engines = (stress_omni, stream_off)
+    for e in engines:
+        e.pipe.shm_sweeper.sweep_due(now=math.inf)
+    ids = [w[0] for w in _workload()] + ["alive"]
+    # vLLM-Omni's internal id: the request id plus "-<8 hex>"; a chunk's name adds "_<stage>_<chunk>"
+    ours = re.compile(r"^(?:shm_)?(?:" + "|".join(map(re.escape, ids)) + r")-[0-9a-f]{8}_\d+_\d+")
+    left = sorted(n for n in set(os.listdir(SHM)) - stress["shm_baseline"] if ours.match(n))
+    assert not left, (len(left), left[:5])
+    # not vacuous: the requests did hand chunks over through /dev/shm, and the sweepers removed them
+    assert sum(e.pipe.shm_sweeper.swept_lockfiles for e in engines) > 0
