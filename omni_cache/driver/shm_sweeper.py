@@ -25,8 +25,9 @@ this process forgets it too. Nothing of vLLM / vLLM-Omni is edited or patched.
 
 The same sweeper is installed on :class:`~omni_cache.driver.streaming.StreamingPipeline`'s
 ``AsyncOmni`` (``omni-cache run``, the streaming tests, the benchmarks' streaming pipelines;
-since 2026-11-28): there every streamed request had left an empty lock file per chunk sent
-(~40 a request) in ``/dev/shm`` for good.
+since 2026-11-28): there the stress test's requests, completed ones included, had left their
+stage-0 chunks unread — ~46 segments a request until the engine exited and their empty lock
+files for good (the streaming tests' requests left none; why those chunks go unread was not found).
 
 Not covered: realtime sessions (``DuplexOmni``'s session path does not go through
 ``generate`` per turn), the synchronous :class:`~omni_cache.driver.pipeline.OmniPipeline`

@@ -102,8 +102,8 @@ class StreamingPipeline:
         from omni_cache.driver.shm_sweeper import install_shm_sweeper
 
         #: unlinks each ended request's shared-memory hand-offs and their lock files
-        #: (:mod:`omni_cache.driver.shm_sweeper`), as ``omni-cache serve`` does: vLLM-Omni's
-        #: connector leaves an empty lock file in ``/dev/shm`` for every chunk it ever sent
+        #: (:mod:`omni_cache.driver.shm_sweeper`), as ``omni-cache serve`` does: a chunk no stage
+        #: reads stays in ``/dev/shm`` (its segment until exit, its empty lock file for good)
         self.shm_sweeper = install_shm_sweeper(self.omni)
 
     async def _start(self, stage_init_timeout: int, engine_args: dict[str, Any]):

@@ -444,11 +444,12 @@ def test_stress_no_mismatched_rows_and_engine_alive(stress):
 def test_stress_leaves_nothing_in_dev_shm(stress, stress_omni, stream_off):
     """Nothing of the stress requests — finished, aborted, or aborted at their first packet —
     stays in ``/dev/shm``: the pipelines' sweeper (:class:`~omni_cache.driver.shm_sweeper.ShmSweeper`,
-    as ``omni-cache serve``'s) unlinks each ended request's segments and lock files. vLLM-Omni's
-    connector removes a segment when its reader reads it but not its lock file: before, every
-    request of this test left an empty lock file per chunk it handed over (~46 a request, ~1,500
-    per run on this machine's ``/dev/shm``). Oracle: ``/dev/shm``'s entries named after these
-    requests now against before them, once the sweepers' due sweeps ran."""
+    as ``omni-cache serve``'s) unlinks each ended request's segments and lock files. A chunk
+    vLLM-Omni's connector hands over and no stage reads stays: its segment until the engine
+    exits, its empty lock file for good. Before, every request of this test, completed ones
+    included, left its stage-0 chunks so (~46 a request, ~1,500 lock files per run on this
+    machine's ``/dev/shm``). Oracle: ``/dev/shm``'s entries named after these requests now
+    against before them, once the sweepers' due sweeps ran."""
     engines = (stress_omni, stream_off)
     for e in engines:
         e.pipe.shm_sweeper.sweep_due(now=math.inf)
