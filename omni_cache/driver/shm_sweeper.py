@@ -158,8 +158,9 @@ class ShmSweeper:
         """Sweep the requests whose time has come; returns their ids."""
         now = time.monotonic() if now is None else now
         ready = []
-        while self.due and self.due[0][0] <= now:
-            ready.append(self.due.popleft()[1])
+        with self._lock:  # the daemon thread and a pipeline's close() may both sweep
+            while self.due and self.due[0][0] <= now:
+                ready.append(self.due.popleft()[1])
         if ready:
             segments, locks = sweep_requests(sorted(set(ready)), self.shm_dir)
             self.swept_segments += segments
