@@ -93,6 +93,8 @@ class StreamingPipeline:
             self.omni = self._loop.run_until_complete(self._start(stage_init_timeout, dict(engine_args or {})))
         self.start_s = time.perf_counter() - t0
         self._seq = 0
+        #: request ids sent and not yet finished (aborted first when the pipeline closes)
+        self._in_flight: set[str] = set()
         from omni_cache.driver.engine_hooks import install_engine_hooks
 
         #: omni-cache's hooks on the engine (thinker router, talker identity)
@@ -156,10 +158,21 @@ class StreamingPipeline:
                    sampling_params_list: Sequence | None = None) -> StreamedResult:
         res = StreamedResult(request_id=request_id)
         t0 = time.perf_counter()
-        audio = np.zeros(0, dtype=np.float32)
         prompt = request.to_engine_prompt() if isinstance(request, OmniRequest) else request
         kw = {} if sampling_params_list is None else {"sampling_params_list": list(sampling_params_list)}
         delta = _thinker_outputs_are_deltas(sampling_params_list)
+        self._in_flight.add(request_id)
+        try:
+            await self._stream(request_id, prompt, kw, delta, t0, res, on_audio)
+        finally:
+            self._in_flight.discard(request_id)
+        res.wall_s = time.perf_counter() - t0
+        res.talker_num_cached_tokens, res.talker_num_prompt_tokens = self.hooks.talker_hit(request_id)
+        return res
+
+    async def _stream(self, request_id: str, prompt: Any, kw: dict, delta: bool, t0: float,
+                      res: StreamedResult, on_audio) -> None:
+        audio = np.zeros(0, dtype=np.float32)
         async for o in self.omni.generate(prompt, request_id=request_id, **kw):
             now = time.perf_counter() - t0
             if o.error:
@@ -188,10 +201,7 @@ class StreamingPipeline:
                     res.ttfp_s = now
                 if on_audio is not None:
                     on_audio(packet, res.sample_rate)
-        res.wall_s = time.perf_counter() - t0
         res.audio = audio if audio.shape[0] else None
-        res.talker_num_cached_tokens, res.talker_num_prompt_tokens = self.hooks.talker_hit(request_id)
-        return res
 
     def close(self) -> None:
         """Stop all stage processes, then let the engine's background tasks on this pipeline's
@@ -200,6 +210,7 @@ class StreamingPipeline:
         destroy the pending task, and asyncio logs "Task was destroyed but it is pending!")."""
         omni, self.omni = getattr(self, "omni", None), None
         if omni is not None:
+            self._abort_in_flight(omni)
             omni.shutdown()
         sweeper = getattr(self, "shm_sweeper", None)
         if sweeper is not None:  # the stages are gone: every ended request's entries can go now
@@ -214,6 +225,23 @@ class StreamingPipeline:
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+    def _abort_in_flight(self, omni: Any, timeout_s: float = 5.0) -> None:
+        """Abort the requests still running (a stop during a request: SIGTERM, Ctrl-C) before
+        the stages are stopped. vLLM-Omni stops the stages one after another, each within
+        vLLM's 5 s grace (``vllm.v1.utils.shutdown``); a talker and code2wav still working on
+        the request take the CPU from the stage being torn down — on a busy 2-core host the
+        thinker then overran its grace and was force-killed (CI, 2026-11-28). Aborted, the
+        later stages are idle by their next step. Errors and a ``timeout_s`` (seconds)
+        overrun are logged, never raised: the stop goes on."""
+        loop = getattr(self, "_loop", None)
+        ids = sorted(getattr(self, "_in_flight", ()))
+        if not ids or loop is None or loop.is_closed() or loop.is_running():
+            return
+        try:
+            loop.run_until_complete(asyncio.wait_for(omni.abort(ids), timeout_s))
+        except Exception as exc:  # noqa: BLE001 - a stop must go on
+            logger.warning("aborting %d running request(s) before the stop failed: %r", len(ids), exc)
 
     def __enter__(self) -> StreamingPipeline:
         return self

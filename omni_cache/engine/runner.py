@@ -133,9 +133,17 @@ class OmniCacheRunnerMixin:
             cache.settle()
 
     def shutdown(self) -> None:
+        """Stop the stage manager, then vLLM's runner teardown — with the heap frozen first in
+        a stage's own process, which ends right after
+        (:func:`omni_cache.engine.plugin.freeze_gc_for_process_teardown`: vLLM's full
+        ``gc.collect()`` there took the thinker stage past vLLM's 5 s stop grace on a busy
+        CPU)."""
+        from omni_cache.engine.plugin import freeze_gc_for_process_teardown
+
         mgr = getattr(self, "omni_prefix_cache", None)
         if isinstance(mgr, OmniCacheStageManager):
             mgr.shutdown()
+        freeze_gc_for_process_teardown()
         parent = getattr(super(), "shutdown", None)
         if parent is not None:
             parent()

@@ -43,6 +43,17 @@ class _CPURunnerFixups:
         self._idle_backoff.before_step(scheduler_output.total_num_scheduled_tokens)
         return super().execute_model(scheduler_output, *args, **kwargs)
 
+    def shutdown(self) -> None:
+        """vLLM's runner teardown with the heap frozen first in a stage's own process
+        (:func:`omni_cache.engine.plugin.freeze_gc_for_process_teardown`): every CPU stage,
+        whatever its cache, so a stop on a busy CPU stays within vLLM's 5 s grace."""
+        from omni_cache.engine.plugin import freeze_gc_for_process_teardown
+
+        freeze_gc_for_process_teardown()
+        parent = getattr(super(), "shutdown", None)
+        if parent is not None:
+            parent()
+
 
 class CPUARModelRunner(_CPURunnerFixups, GPUARModelRunner, CPUModelRunner):
     """vLLM-Omni's AR runner (thinker / talker) on vLLM's CPU runner."""
