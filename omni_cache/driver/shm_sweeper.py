@@ -26,8 +26,11 @@ this process forgets it too. Nothing of vLLM / vLLM-Omni is edited or patched.
 The same sweeper is installed on :class:`~omni_cache.driver.streaming.StreamingPipeline`'s
 ``AsyncOmni`` (``omni-cache run``, the streaming tests, the benchmarks' streaming pipelines;
 since 2026-11-28): there the stress test's requests, completed ones included, had left their
-stage-0 chunks unread — ~46 segments a request until the engine exited and their empty lock
-files for good (the streaming tests' requests left none; why those chunks go unread was not found).
+stage-0 chunks unread — segments until the engine exited and their empty lock files for good
+(the streaming tests' requests left none). Not omni-cache's doing: the same seeded stress
+workload (32 requests, a quarter aborted, then one more) left 715 unread segments on the
+cache-off engine and 716 on omni-cache's (counted by each engine's sweeper, 2026-11-28); which
+of vLLM-Omni's paths leaves them was not traced further.
 
 Not covered: realtime sessions (``DuplexOmni``'s session path does not go through
 ``generate`` per turn), the synchronous :class:`~omni_cache.driver.pipeline.OmniPipeline`
