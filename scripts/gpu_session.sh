@@ -7,6 +7,7 @@
 # Steps:
 #   A  bench prefill, profiling shape (6 of 48 thinker layers, full widths) on one card, production
 #      mode, off / built-in / omni-cache up at once: floor, text, chat; c = 1 and 16
+#   A4 (eighteenth session) A in the deploy's graph coverage (--max-num-seqs 64), off / omni-cache, floor, miss, text
 #   B  the same workloads, off / omni-cache with the hand-off from vLLM-Omni's own snapshot
 #      (OMNI_CACHE_HANDOFF_STAGING=snapshot, opt-in), to measure it against A (default: host)
 #   C  the GPU lane's equality-compiled group (Qwen3-Omni thinker on CUDA graphs)
@@ -94,7 +95,7 @@ if [ ! -f /tmp/site/.omni_cache_installed ]; then
   touch /tmp/site/.omni_cache_installed
 fi
 log "models"
-case " $* " in *" A "*|*" B "*) $PY -m omni_cache.cli make-model --size full --thinker-layers 6 > "$OUT/models.log" 2>&1 ;; esac
+case " $* " in *" A "*|*" B "*|*" A4 "*) $PY -m omni_cache.cli make-model --size full --thinker-layers 6 > "$OUT/models.log" 2>&1 ;; esac
 $PY -m omni_cache.cli make-model >> "$OUT/models.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 L6=(--stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml
@@ -136,6 +137,15 @@ for step in "$@"; do
   log "step $step start"
   case "$step" in
     A) $PY -m benchmarks.prefill "${L6[@]}" --repeats 2 --name A > "$OUT/A.log" 2>&1 ;;
+    A4) # eighteenth session, issue 43's 2 % no-hit bar on one card: the profiling shape (full widths, 6 of 48
+       # thinker layers) in the deploy's graph coverage (--max-num-seqs 64: graphs up to 128 tokens; step A ran 16 -> 32,
+       # so the floor's ~100-token prefills ran without graphs), cache off and omni-cache up at once (the one not being
+       # timed frozen): floor and miss (no hit), text (a 97 % hit); c = 1 and 16; A4_REQUESTS (default 24), 3 rounds
+       $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l6" --modalities "${A4_WORKLOADS:-floor,miss,text}" \
+         --requests "${A4_REQUESTS:-24}" --concurrency 1,16 --max-num-seqs 64 --alternation concurrent \
+         --variants "${A4_VARIANTS:-off,omni_cache}" --repeats "${A4_REPEATS:-3}" --out "$OUT" --name A4 > "$OUT/A4.log" 2>&1
+       log "A4: table rc=$?" ;;
     B) OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m benchmarks.prefill "${L6[@]}" --repeats 1 --variants off,omni_cache \
          --name B > "$OUT/B.log" 2>&1 ;;
     C) $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 --timeout 900 --out "$OUT/C" \
