@@ -8,6 +8,7 @@
 #   A  bench prefill, profiling shape (6 of 48 thinker layers, full widths) on one card, production
 #      mode, off / built-in / omni-cache up at once: floor, text, chat; c = 1 and 16
 #   A4 (eighteenth session) A in the deploy's graph coverage (--max-num-seqs 64), off / omni-cache, floor, miss, text
+#   ES (eighteenth session) the lane's equality and streaming groups at once on one card (a short hold)
 #   B  the same workloads, off / omni-cache with the hand-off from vLLM-Omni's own snapshot
 #      (OMNI_CACHE_HANDOFF_STAGING=snapshot, opt-in), to measure it against A (default: host)
 #   C  the GPU lane's equality-compiled group (Qwen3-Omni thinker on CUDA graphs)
@@ -158,6 +159,14 @@ for step in "$@"; do
        OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 \
          --timeout 1100 --out "$OUT/S" --commit "$COMMIT" > "$OUT/S.log" 2>&1 &
        wait ;;
+    ES) # eighteenth session, a short hold: the lane's equality and streaming groups at once on one card
+       # (omni_cache/engine and driver/streaming.py changed since their last GPU run), each capped at ES_TIMEOUT
+       for g in equality streaming; do
+         $PY -m tests.lanes.gpu_check --groups $g --jobs 1 --timeout "${ES_TIMEOUT:-480}" --out "$OUT/ES-$g" \
+           --commit "$COMMIT" > "$OUT/ES-$g.log" 2>&1 &
+       done
+       wait
+       log "ES: equality + streaming done" ;;
     U) $PY -m tests.lanes.gpu_check --groups unit --jobs 1 --timeout 900 --out "$OUT/U" \
          --commit "$COMMIT" > "$OUT/U.log" 2>&1 ;;
     F) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
