@@ -232,9 +232,13 @@ class OmniPipeline:
         return [copy.deepcopy(sp) for sp in self.omni.resolve_sampling_params_list(None)]
 
     def close(self) -> None:
-        """Stop all stage processes."""
+        """Stop all stage processes (in vLLM-Omni's distributed mode too:
+        :func:`omni_cache.driver.distributed_stop.release_membership_watcher`)."""
         omni, self.omni = getattr(self, "omni", None), None
         if omni is not None:
+            from omni_cache.driver.distributed_stop import release_membership_watcher
+
+            release_membership_watcher(omni)
             omni.close() if hasattr(omni, "close") else omni.shutdown()
 
     def __enter__(self) -> OmniPipeline:

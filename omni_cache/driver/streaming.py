@@ -211,6 +211,9 @@ class StreamingPipeline:
         omni, self.omni = getattr(self, "omni", None), None
         if omni is not None:
             self._abort_in_flight(omni)
+            from omni_cache.driver.distributed_stop import release_membership_watcher
+
+            release_membership_watcher(omni)  # distributed mode: else the stages stay up
             omni.shutdown()
         sweeper = getattr(self, "shm_sweeper", None)
         if sweeper is not None:  # the stages are gone: every ended request's entries can go now

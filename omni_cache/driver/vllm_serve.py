@@ -11,7 +11,7 @@ Why not the plain ``vllm-omni serve`` command: vLLM-Omni 0.30 resolves the deplo
 ``vllm_omni.general_plugins`` entry points, so ``pipeline: qwen3_omni_moe_omni_cache`` fails
 there with ``KeyError: "Pipeline 'qwen3_omni_moe_omni_cache' from deploy config is not
 registered to OMNI_PIPELINES"``. Registering the variants first is all this module adds; the
-stage processes load the entry point themselves. Nothing of vLLM / vLLM-Omni is patched.
+stage processes load the entry point themselves. No vLLM / vLLM-Omni file is edited.
 
 With ``OMNI_CACHE_ROUTING: prefix`` on the thinker of the ``--deploy-config`` (and more than
 one thinker replica), the server's engine gets omni-cache's prefix-aware router
@@ -27,7 +27,9 @@ engine with omni-cache's start-up settings (``OMNI_CACHE_PARALLEL_STAGE_INIT``).
 
 :func:`sweep_request_segments` wraps the same function to give the engine omni-cache's
 shared-memory sweeper (:mod:`omni_cache.driver.shm_sweeper`: hand-offs a stage never read are
-unlinked when their request ends).
+unlinked when their request ends). :func:`stop_distributed_stages` wraps it once more so a
+server in vLLM-Omni's distributed mode stops its stages when it stops
+(:mod:`omni_cache.driver.distributed_stop`).
 
 Stage processes are started with ``spawn`` and re-import ``__main__``: the server only starts
 under the ``if __name__ == "__main__"`` guard below.
@@ -88,10 +90,13 @@ def hook_the_servers_engine(argv: Sequence[str]) -> bool:
     return True
 
 
-def _on_engine_built(marker: str, install) -> None:
+def _on_engine_built(marker: str, install, before_stop=None) -> None:
     """Wrap vLLM-Omni's ``api_server.build_async_omni`` so ``install(engine_client)`` runs on
-    the engine client it builds, before the server uses it; ``marker`` (an attribute set on the
-    wrapper) keeps a second call from wrapping twice."""
+    the engine client it builds, before the server uses it, and ``before_stop(engine_client)``
+    (if given; in a worker thread) when the server is done with it, before vLLM-Omni shuts it
+    down; ``marker`` (an attribute set on the wrapper) keeps a second call from wrapping twice."""
+    import asyncio
+
     from vllm_omni.entrypoints.openai import api_server
 
     original = api_server.build_async_omni
@@ -102,7 +107,11 @@ def _on_engine_built(marker: str, install) -> None:
     async def build_async_omni(*args, **kwargs):
         async with original(*args, **kwargs) as engine_client:
             install(engine_client)
-            yield engine_client
+            try:
+                yield engine_client
+            finally:
+                if before_stop is not None:
+                    await asyncio.to_thread(before_stop, engine_client)
 
     setattr(build_async_omni, marker, True)
     api_server.build_async_omni = build_async_omni
@@ -157,6 +166,18 @@ def sweep_request_segments() -> bool:
     return True
 
 
+def stop_distributed_stages() -> bool:
+    """In vLLM-Omni's distributed mode (``--stage-id``), let the server's engine stop its
+    stages when the server stops (:func:`omni_cache.driver.distributed_stop.release_membership_watcher`,
+    through the same ``api_server.build_async_omni`` wrapper; it does nothing on an engine
+    without distributed mode). Returns True once installed."""
+    from omni_cache.driver.distributed_stop import release_membership_watcher
+
+    _on_engine_built("_omni_cache_distributed_stop", lambda engine_client: None,
+                     before_stop=release_membership_watcher)
+    return True
+
+
 def run_vllm_omni_serve(argv: list[str]) -> None:
     """Run vLLM-Omni's ``serve`` subcommand with ``argv`` (everything after ``vllm serve``;
     ``--omni`` is added when missing) in this process. Blocks until the server stops.
@@ -176,6 +197,7 @@ def run_vllm_omni_serve(argv: list[str]) -> None:
     hook_the_servers_engine(args)
     pass_start_kwargs()
     sweep_request_segments()
+    stop_distributed_stages()
     os.environ.setdefault("VLLM_LOGGING_COLOR", "0")  # vLLM-Omni forces colour unless told
 
     from vllm_omni.entrypoints.cli.main import main

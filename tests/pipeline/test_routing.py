@@ -27,15 +27,18 @@ local, vLLM-Omni's coordinator and membership controller up, ``--omni-lb-policy 
 for every pool): omni-cache's ``PrefixRoutingBalancer`` replaces the thinker pool's balancer,
 fed the hub's replica list and heartbeat queue lengths. Phase 1 again: routed turns all
 hit and stay on one replica (the balancer chose each one); uninstalling restores vLLM-Omni's
-own round-robin balancer.
+own round-robin balancer; closing it stops every stage process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import time
 from collections import defaultdict
 
+import psutil
 import pytest
 import torch
 
@@ -171,7 +174,32 @@ def dist_run(tmp_path_factory, tiny_model_dir):
         out["decisions"] = len(router.decisions) - n0
         router.uninstall(engine)
         out["balancer_after_uninstall"] = type(pool._lb).__name__
+        out["stages"] = _stage_processes()
+        t0 = time.monotonic()
+    out["close_s"] = time.monotonic() - t0
+    time.sleep(1.0)  # vLLM's process manager has joined them; a zombie counts as stopped
+    out["stages_left"] = [p for p in out["stages"] if _running(p)]
+    for p in out["stages_left"]:  # leave nothing to later modules, whatever the outcome
+        with contextlib.suppress(psutil.Error):
+            p.kill()
     return out
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _stage_processes() -> list:
+    """This process's descendants that are vLLM-Omni stage engine cores or their workers."""
+    procs = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if p.name().startswith("VLLM::"):
+                procs.append(p)
+    return procs
 
 
 def _hits(results) -> list[bool]:
@@ -239,3 +267,14 @@ def test_distributed_mode_routes_through_omni_caches_balancer(dist_run):
         assert len({run["routed_replicas"][(c, t)] for t in range(TURNS)}) == 1, (c, run["routed_replicas"])
     for p in (run["dir"] / "metrics").glob("metrics-*.json"):
         assert json.loads(p.read_text())["hits_refused"] == 0, p
+
+
+def test_closing_a_distributed_pipeline_stops_its_stages(dist_run):
+    """Closing the distributed-mode pipeline stops every stage process, well within vLLM-Omni's
+    30 s orchestrator join (``omni_cache.driver.distributed_stop``). Without the release of
+    the membership watcher the orchestrator never ends on its shutdown request: the close
+    waited those 30 s and the stage processes (stage 0's two replicas, the talker, code2wav)
+    stayed up until the interpreter exited."""
+    assert len(dist_run["stages"]) >= 4, dist_run["stages"]  # stage 0 x2, stage 1, stage 2
+    assert not dist_run["stages_left"], dist_run["stages_left"]
+    assert dist_run["close_s"] < 25, dist_run["close_s"]

@@ -51,3 +51,22 @@ def test_stopped_child_exit_status_stays_with_its_multiprocessing_handle(tmp_pat
     # parent exits) was spared: no 10 s grace spent waiting for it, and it still runs
     assert res["tracker_running"], res
     assert res["stop_s"] < 5, res
+
+
+def test_a_force_kill_of_a_process_seen_gone_earlier_is_stale_not_an_overrun():
+    """The stop checks' reading of vLLM's force-kill lines (tests/pipeline/proctree.py): a
+    process seen exited 4 s before the line is vLLM's stale ``is_alive()``; one seen gone only
+    after the line (killed by it), or never, overran the grace."""
+    from types import SimpleNamespace
+
+    from tests.pipeline.proctree import overran_grace
+
+    line = ("WARNING 11-29 01:34:31 [utils.py:657] [shutdown] Process manager: force killing remaining "
+            "process StageEngineCoreProc_stage0_replica0 pid {}\n")
+    w = SimpleNamespace(lines=["interrupted; stopping ...\n", line.format(11), line.format(12), line.format(13)],
+                        line_at=[100.1, 105.5, 105.5, 105.5], gone_at={11: 101.0, 12: 105.7})
+    overran, stale = overran_grace(w, signalled_at=100.0)
+    assert [s.split(":")[0] for s in stale] == ["StageEngineCoreProc_stage0_replica0 pid 11"]
+    assert [s.split(":")[0] for s in overran] == ["StageEngineCoreProc_stage0_replica0 pid 12",
+                                                   "StageEngineCoreProc_stage0_replica0 pid 13"]
+    assert "seen gone 1.0 s after it" in stale[0] and "seen gone never" in overran[1]

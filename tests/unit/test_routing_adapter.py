@@ -6,6 +6,7 @@ the deploy-YAML validation of the routing settings."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -344,3 +345,40 @@ def test_uninstall_gives_routing_back_to_vllm_omni():
     router.install(engine)
     engine.add_request("a2", conv[2])
     assert pool.get_bound_replica_id("a2") == first  # it kept what it learned
+
+
+@pytest.mark.parametrize("stop", ["normal", "error"])
+def test_serve_releases_it_when_the_server_is_done_with_the_engine(monkeypatch, stop):
+    """``omni-cache serve``: the wrapper of vLLM-Omni's ``build_async_omni`` runs the release
+    on the engine client after the server is done with it and before vLLM-Omni's own exit
+    (its shutdown), also when the server ends with an error."""
+    from vllm_omni.entrypoints.openai import api_server
+
+    from omni_cache.driver import distributed_stop
+    from omni_cache.driver.vllm_serve import stop_distributed_stages
+
+    events = []
+
+    @contextlib.asynccontextmanager
+    async def stand_in(args, **kwargs):
+        client = SimpleNamespace(engine="engine")
+        yield client
+        events.append("vllm-omni shutdown")
+
+    monkeypatch.setattr(api_server, "build_async_omni", stand_in)
+    monkeypatch.setattr(distributed_stop, "release_membership_watcher",
+                        lambda client: events.append(("released", client.engine)))
+    assert stop_distributed_stages()
+
+    async def worker():
+        async with api_server.build_async_omni(None):
+            events.append("serving")
+            if stop == "error":
+                raise RuntimeError("server failed")
+
+    if stop == "error":
+        with pytest.raises(RuntimeError):
+            asyncio.run(worker())
+    else:
+        asyncio.run(worker())
+    assert events[:2] == ["serving", ("released", "engine")]
