@@ -19,11 +19,15 @@ the shutdown request is sent: the watcher leaves its loop within its poll interv
 ``finally`` stops the stages as on an in-process pipeline. It touches vLLM-Omni internals (the
 janus request queue's loop, the watcher task's name and coroutine frame); each is checked and
 a miss is logged and returns False (the close then goes on as vLLM-Omni's own would).
+:func:`release_before_shutdown` does it for callers that shut an engine down themselves (vLLM's
+API-server launcher in ``omni-cache serve``). Measured with ``scripts/distributed_serve_stop.sh``
+(this 2-core CPU host): the distributed ``serve`` head stops in 8.6 s instead of 33.1 s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -90,3 +94,27 @@ def release_membership_watcher(omni: Any, timeout_s: float = 5.0) -> bool:
                        "MembershipController.start); the engine's shutdown may wait 30 s and leave "
                        "the stage processes running", WATCHER_TASK_NAME)
     return released > 0
+
+
+def release_before_shutdown(omni: Any) -> bool:
+    """Make ``omni.shutdown`` release the membership watcher first
+    (:func:`release_membership_watcher`), for callers that shut the engine down themselves —
+    vLLM's API-server launcher calls ``engine_client.shutdown(timeout=...)`` on SIGTERM / Ctrl-C.
+    The wrapper is set on this instance only; a second call does nothing.
+
+    Returns:
+        True when the wrapper was set now.
+    """
+    shutdown = omni.shutdown
+    if getattr(shutdown, "_omni_cache_releases_watcher", False):
+        return False
+
+    @functools.wraps(shutdown)
+    def shutdown_releasing_watcher(*args, **kwargs):
+        release_membership_watcher(omni)
+        return shutdown(*args, **kwargs)
+
+    shutdown_releasing_watcher._omni_cache_releases_watcher = True
+    omni.shutdown = shutdown_releasing_watcher
+    return True
+

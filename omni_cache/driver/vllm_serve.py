@@ -90,13 +90,10 @@ def hook_the_servers_engine(argv: Sequence[str]) -> bool:
     return True
 
 
-def _on_engine_built(marker: str, install, before_stop=None) -> None:
+def _on_engine_built(marker: str, install) -> None:
     """Wrap vLLM-Omni's ``api_server.build_async_omni`` so ``install(engine_client)`` runs on
-    the engine client it builds, before the server uses it, and ``before_stop(engine_client)``
-    (if given; in a worker thread) when the server is done with it, before vLLM-Omni shuts it
-    down; ``marker`` (an attribute set on the wrapper) keeps a second call from wrapping twice."""
-    import asyncio
-
+    the engine client it builds, before the server uses it; ``marker`` (an attribute set on the
+    wrapper) keeps a second call from wrapping twice."""
     from vllm_omni.entrypoints.openai import api_server
 
     original = api_server.build_async_omni
@@ -107,11 +104,7 @@ def _on_engine_built(marker: str, install, before_stop=None) -> None:
     async def build_async_omni(*args, **kwargs):
         async with original(*args, **kwargs) as engine_client:
             install(engine_client)
-            try:
-                yield engine_client
-            finally:
-                if before_stop is not None:
-                    await asyncio.to_thread(before_stop, engine_client)
+            yield engine_client
 
     setattr(build_async_omni, marker, True)
     api_server.build_async_omni = build_async_omni
@@ -168,13 +161,14 @@ def sweep_request_segments() -> bool:
 
 def stop_distributed_stages() -> bool:
     """In vLLM-Omni's distributed mode (``--stage-id``), let the server's engine stop its
-    stages when the server stops (:func:`omni_cache.driver.distributed_stop.release_membership_watcher`,
-    through the same ``api_server.build_async_omni`` wrapper; it does nothing on an engine
-    without distributed mode). Returns True once installed."""
-    from omni_cache.driver.distributed_stop import release_membership_watcher
+    stages when the server stops: through the same ``api_server.build_async_omni`` wrapper, the
+    engine client's ``shutdown`` (which vLLM's launcher calls on SIGTERM / Ctrl-C) first
+    releases the orchestrator's membership watcher
+    (:func:`omni_cache.driver.distributed_stop.release_before_shutdown`; nothing happens on an
+    engine without distributed mode). Returns True once installed."""
+    from omni_cache.driver.distributed_stop import release_before_shutdown
 
-    _on_engine_built("_omni_cache_distributed_stop", lambda engine_client: None,
-                     before_stop=release_membership_watcher)
+    _on_engine_built("_omni_cache_distributed_stop", release_before_shutdown)
     return True
 
 

@@ -347,11 +347,11 @@ def test_uninstall_gives_routing_back_to_vllm_omni():
     assert pool.get_bound_replica_id("a2") == first  # it kept what it learned
 
 
-@pytest.mark.parametrize("stop", ["normal", "error"])
-def test_serve_releases_it_when_the_server_is_done_with_the_engine(monkeypatch, stop):
-    """``omni-cache serve``: the wrapper of vLLM-Omni's ``build_async_omni`` runs the release
-    on the engine client after the server is done with it and before vLLM-Omni's own exit
-    (its shutdown), also when the server ends with an error."""
+def test_serve_releases_the_watcher_when_vllm_shuts_the_engine_down(monkeypatch):
+    """``omni-cache serve``: on the engine client that vLLM-Omni's ``build_async_omni`` yields,
+    ``shutdown`` — what vLLM's launcher calls on SIGTERM / Ctrl-C — first releases the
+    distributed-mode membership watcher (``omni_cache.driver.distributed_stop``), then shuts
+    down as before, with its arguments; a second wrap does nothing."""
     from vllm_omni.entrypoints.openai import api_server
 
     from omni_cache.driver import distributed_stop
@@ -359,26 +359,23 @@ def test_serve_releases_it_when_the_server_is_done_with_the_engine(monkeypatch, 
 
     events = []
 
+    class Client:
+        def shutdown(self, timeout=None):
+            events.append(("shutdown", timeout))
+
     @contextlib.asynccontextmanager
     async def stand_in(args, **kwargs):
-        client = SimpleNamespace(engine="engine")
-        yield client
-        events.append("vllm-omni shutdown")
+        yield Client()
 
     monkeypatch.setattr(api_server, "build_async_omni", stand_in)
     monkeypatch.setattr(distributed_stop, "release_membership_watcher",
-                        lambda client: events.append(("released", client.engine)))
+                        lambda omni: events.append(("released", type(omni).__name__)))
     assert stop_distributed_stages()
 
-    async def worker():
-        async with api_server.build_async_omni(None):
-            events.append("serving")
-            if stop == "error":
-                raise RuntimeError("server failed")
+    async def server():  # what vLLM's launcher does on a stop signal
+        async with api_server.build_async_omni(None) as client:
+            assert distributed_stop.release_before_shutdown(client) is False  # already wrapped
+            client.shutdown(timeout=0)
 
-    if stop == "error":
-        with pytest.raises(RuntimeError):
-            asyncio.run(worker())
-    else:
-        asyncio.run(worker())
-    assert events[:2] == ["serving", ("released", "engine")]
+    asyncio.run(server())
+    assert events == [("released", "Client"), ("shutdown", 0)]
