@@ -117,4 +117,3 @@ def release_before_shutdown(omni: Any) -> bool:
     shutdown_releasing_watcher._omni_cache_releases_watcher = True
     omni.shutdown = shutdown_releasing_watcher
     return True
-
