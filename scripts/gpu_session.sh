@@ -8,7 +8,8 @@
 #   A  bench prefill, profiling shape (6 of 48 thinker layers, full widths) on one card, production
 #      mode, off / built-in / omni-cache up at once: floor, text, chat; c = 1 and 16
 #   A4 (eighteenth session) A in the deploy's graph coverage (--max-num-seqs 64), off / omni-cache, floor, miss, text
-#   ES (eighteenth session) the lane's equality and streaming groups at once on one card (a short hold)
+#   ES (eighteenth session) the lane's equality and streaming groups at once on one card (a short hold);
+#      ES_GROUPS picks the groups (e.g. "streaming" alone), ES_TIMEOUT caps each
 #   B  the same workloads, off / omni-cache with the hand-off from vLLM-Omni's own snapshot
 #      (OMNI_CACHE_HANDOFF_STAGING=snapshot, opt-in), to measure it against A (default: host)
 #   C  the GPU lane's equality-compiled group (Qwen3-Omni thinker on CUDA graphs)
@@ -161,7 +162,7 @@ for step in "$@"; do
        wait ;;
     ES) # eighteenth session, a short hold: the lane's equality and streaming groups at once on one card
        # (omni_cache/engine and driver/streaming.py changed since their last GPU run), each capped at ES_TIMEOUT
-       for g in equality streaming; do
+       for g in ${ES_GROUPS:-equality streaming}; do
          $PY -m tests.lanes.gpu_check --groups $g --jobs 1 --timeout "${ES_TIMEOUT:-480}" --out "$OUT/ES-$g" \
            --commit "$COMMIT" > "$OUT/ES-$g.log" 2>&1 &
        done
