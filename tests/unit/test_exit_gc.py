@@ -64,12 +64,15 @@ if __name__ == "__main__":
 def test_a_stage_process_freezes_its_heap_before_the_runner_teardown(tmp_path):
     """vLLM's runner teardown collects the whole heap (``_cleanup_profiling_kv_cache``); in a
     stage's own process (a multiprocessing child) the heap is frozen first, in a main process
-    (in-process engines) it is not."""
+    (in-process engines) it is not. The child's heap is frozen by the call (its permanent
+    generation grows by thousands of objects); what was frozen before it is not asserted: on the
+    GPU host (Python 3.12.3, the offline bundle) the child started with 375 frozen objects, here
+    (3.11) with none (docs/gpu.md, "Twentieth session")."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True).stdout
     froze, before, after = eval(out.strip().splitlines()[-1])  # noqa: S307 (our own child's tuple)
-    assert froze is True and before == 0 and after > 1000, out
+    assert froze is True and after - before > 1000, out
 
 
 def test_the_cpu_runners_freeze_before_vllms_teardown():
