@@ -152,14 +152,25 @@ def versions() -> dict:
     return out
 
 
+def settings_in_effect(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``OMNI_CACHE_*`` settings set in ``environ`` (default: this process's environment,
+    which the pipelines it starts inherit), as set; the talker keys' secret is never recorded."""
+    from omni_cache import settings
+
+    env = os.environ if environ is None else environ
+    return {name: env[name] for name in sorted(settings.SETTINGS)
+            if name in env and name != settings.TALKER_KEYS_SECRET.name}
+
+
 def stamp(module: str, argv: Sequence[str] | None = None, *, gpus: list[dict] | None = None) -> dict:
     """What every result records of its run: ``command`` (``python -m <module> <argv>``;
     default argv: this process's), ``date``, ``git`` (:func:`git`), ``machine``
-    (:func:`machine`) and ``versions`` (:func:`versions`)."""
+    (:func:`machine`), ``versions`` (:func:`versions`) and ``settings``
+    (:func:`settings_in_effect`: e.g. ``OMNI_CACHE_JIT_WARMUP=0`` on a GPU host)."""
     args = list(sys.argv[1:] if argv is None else argv)
     return {"command": " ".join([Path(sys.executable).name, "-m", module, *args]),
             "date": dt.datetime.now().isoformat(timespec="seconds"), "git": git(), "machine": machine(gpus),
-            "versions": versions()}
+            "versions": versions(), "settings": settings_in_effect()}
 
 
 def write_result(out: Path, result: dict, name: str = "result.json", *, show: Any = None,

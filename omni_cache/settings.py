@@ -158,6 +158,13 @@ PARALLEL_STAGE_INIT = Setting(
     "admission control checks up front that their memory shares fit the card) instead of one "
     "after another; for a card dedicated to this pipeline (docs/gpu.md, \"Start-up\")",
     choices=("0", "1"))
+JIT_WARMUP = Setting(
+    "OMNI_CACHE_JIT_WARMUP", Kind.CHOICE, None, ReadBy.EVERY, False,
+    "CUDA platform (`OMNI_CACHE_CUDA_PLATFORM=1`): `0` skips vLLM's JIT kernel warm-up at a "
+    "stage's start (`kernel_config.enable_jit_warmup`, which a stage config may not set: ~110 s "
+    "per stage on a cold host, one stage at a time on a shared card); the kernels then compile "
+    "at their first use, in the first requests; unset or `1`: vLLM's default (on); docs/gpu.md, "
+    "\"Start-up\"", choices=("0", "1"))
 ROUTING = Setting(
     "OMNI_CACHE_ROUTING", Kind.CHOICE, "vllm_omni", ReadBy.ORCHESTRATOR, True,
     "thinker (stage 0) replicas: `prefix` routes a request to the replica holding its longest "
@@ -204,7 +211,7 @@ VENV = Setting(
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, HIT_AUDIT, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
     FUSED, HANDOFF_STAGING, CPU_PLATFORM, CPU_ATTENTION, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, PARALLEL_STAGE_INIT,
-    ROUTING,
+    JIT_WARMUP, ROUTING,
     ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, REALTIME_WINDOW, REALTIME_PINNED_TURNS, REALTIME_KEEP_ON_SLIDE,
     TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}
 

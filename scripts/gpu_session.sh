@@ -88,6 +88,10 @@ TREE="$(pwd)"
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:$TREE" OMNI_CACHE_CUDA_PLATFORM=1 OMNI_CACHE_PARALLEL_STAGE_INIT=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+# (twentieth session) vLLM's JIT kernel warm-up off unless the caller sets it: ~110 s per stage, the
+# three stages one after another on a shared card, ~5.5 of a cold one-card start's ~10 min; the
+# kernels compile in the harness's warm-up requests instead (results record it under "settings")
+export OMNI_CACHE_JIT_WARMUP="${OMNI_CACHE_JIT_WARMUP:-0}"
 PY=python3
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/session.log"; }
 if [ ! -f /tmp/site/.omni_cache_installed ]; then

@@ -42,13 +42,52 @@ def cuda_omni_platform_plugin() -> str | None:
     return None
 
 
+def apply_jit_warmup_setting(vllm_config) -> bool:
+    """Turn vLLM's JIT kernel warm-up off in ``vllm_config`` when ``OMNI_CACHE_JIT_WARMUP=0``.
+
+    vLLM 0.30 runs it in every stage's start (``kernel_warmup``: 113 Triton compile keys of its
+    input-prep kernels, 110–114 s per stage on a cold H200, and on one card the stages take
+    their turn under vLLM-Omni's exclusive phase lock; docs/gpu.md, "Eighteenth session"). A deploy
+    YAML cannot set ``kernel_config`` (vLLM-Omni refuses engine fields it does not own), so the
+    platform sets it. Skipped, those kernels compile at their first use instead.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig`` (its ``kernel_config.enable_jit_warmup``, a bool).
+
+    Returns:
+        True when it turned the warm-up off.
+
+    Raises:
+        SettingError: ``OMNI_CACHE_JIT_WARMUP`` is not 0 / 1.
+        RuntimeError: the setting is 0 and this vLLM has no ``kernel_config.enable_jit_warmup``.
+    """
+    if settings.JIT_WARMUP.get() != "0":
+        return False
+    kernel_config = getattr(vllm_config, "kernel_config", None)
+    if kernel_config is None or not hasattr(kernel_config, "enable_jit_warmup"):
+        raise RuntimeError(f"{settings.JIT_WARMUP.name}=0: this vLLM's config has no "
+                           "kernel_config.enable_jit_warmup (omni_cache/engine/platform_cuda.py)")
+    kernel_config.enable_jit_warmup = False
+    return True
+
+
+class JitWarmupSetting:
+    """Platform mixin: vLLM's ``check_and_update_config``, then :func:`apply_jit_warmup_setting`."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        super().check_and_update_config(vllm_config)
+        apply_jit_warmup_setting(vllm_config)
+
+
 def __getattr__(name: str):
     # Import vLLM-Omni's CUDA platform only when the class is asked for (activation).
     if name == "OmniCacheCudaOmniPlatform":
         from vllm_omni.platforms.cuda.platform import CudaOmniPlatform
 
-        class OmniCacheCudaOmniPlatform(CudaOmniPlatform):
-            """vLLM-Omni's CUDA platform with omni-cache's AR worker."""
+        class OmniCacheCudaOmniPlatform(JitWarmupSetting, CudaOmniPlatform):
+            """vLLM-Omni's CUDA platform with omni-cache's AR worker (and
+            ``OMNI_CACHE_JIT_WARMUP``: :class:`JitWarmupSetting`)."""
 
             @classmethod
             def get_omni_ar_worker_cls(cls) -> str:

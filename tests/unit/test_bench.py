@@ -877,3 +877,12 @@ def test_step_overhead_smoke(tmp_path):
     r = step_overhead.main(["--batch", "1,3", "--steps", "5", "--rounds", "1", "--out", str(tmp_path)])
     assert set(r["batches"]) == {"1", "3"} and all(v["us_per_step_median"] > 0 for v in r["batches"].values())
     assert (tmp_path / "result.json").exists()
+
+
+def test_results_record_the_settings_in_effect_but_never_the_secret():
+    from benchmarks import lab
+
+    env = {"OMNI_CACHE_JIT_WARMUP": "0", "OMNI_CACHE_CUDA_PLATFORM": "1", "OMNI_CACHE_TALKER_KEYS_SECRET": "s3cret",
+           "OMNI_CACHE_NOT_A_SETTING": "x", "PATH": "/bin"}
+    assert lab.settings_in_effect(env) == {"OMNI_CACHE_CUDA_PLATFORM": "1", "OMNI_CACHE_JIT_WARMUP": "0"}
+    assert "settings" in lab.stamp("benchmarks.prefill", [])
