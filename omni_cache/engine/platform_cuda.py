@@ -6,7 +6,9 @@ here), so on GPUs the way in is the platform: :class:`OmniCacheCudaOmniPlatform`
 ``CudaOmniPlatform`` with ``get_omni_ar_worker_cls`` pointing at
 :class:`omni_cache.engine.workers_gpu.OmniCacheGPUARWorker`. That worker picks the runner
 per stage exactly like the CPU worker (``OMNI_CACHE_PREFIX_CACHE_BACKEND``), so ``builtin``
-stays selectable.
+stays selectable. ``get_omni_generation_worker_cls`` (code2wav) points at vLLM-Omni's generation
+worker with one change: both workers apply ``OMNI_CACHE_JIT_WARMUP``
+(:func:`apply_jit_warmup_setting`).
 
 Activation (entry point ``omni_cache_cuda`` of ``vllm_omni.platform_plugins``): only with
 ``OMNI_CACHE_CUDA_PLATFORM=1`` and a CUDA device — an out-of-tree platform wins over the
@@ -49,7 +51,11 @@ def apply_jit_warmup_setting(vllm_config) -> bool:
     input-prep kernels, 110–114 s per stage on a cold H200, and on one card the stages take
     their turn under vLLM-Omni's exclusive phase lock; docs/gpu.md, "Eighteenth session"). A deploy
     YAML cannot set ``kernel_config`` (vLLM-Omni refuses engine fields it does not own), so the
-    platform sets it. Skipped, those kernels compile at their first use instead.
+    workers apply it (:mod:`omni_cache.engine.workers_gpu`, in ``init_device``: vLLM's
+    ``kernel_warmup`` reads the worker's config later, in ``compile_or_warm_up_model``). The
+    platform's own ``check_and_update_config`` would not do: vLLM builds ``VllmConfig`` with its
+    own ``current_platform`` (vLLM's CUDA platform, not vLLM-Omni's). Skipped, those kernels
+    compile at their first use instead.
 
     Args:
         vllm_config: vLLM's ``VllmConfig`` (its ``kernel_config.enable_jit_warmup``, a bool).
@@ -71,27 +77,22 @@ def apply_jit_warmup_setting(vllm_config) -> bool:
     return True
 
 
-class JitWarmupSetting:
-    """Platform mixin: vLLM's ``check_and_update_config``, then :func:`apply_jit_warmup_setting`."""
-
-    @classmethod
-    def check_and_update_config(cls, vllm_config) -> None:
-        super().check_and_update_config(vllm_config)
-        apply_jit_warmup_setting(vllm_config)
-
-
 def __getattr__(name: str):
     # Import vLLM-Omni's CUDA platform only when the class is asked for (activation).
     if name == "OmniCacheCudaOmniPlatform":
         from vllm_omni.platforms.cuda.platform import CudaOmniPlatform
 
-        class OmniCacheCudaOmniPlatform(JitWarmupSetting, CudaOmniPlatform):
-            """vLLM-Omni's CUDA platform with omni-cache's AR worker (and
-            ``OMNI_CACHE_JIT_WARMUP``: :class:`JitWarmupSetting`)."""
+        class OmniCacheCudaOmniPlatform(CudaOmniPlatform):
+            """vLLM-Omni's CUDA platform with omni-cache's AR worker, and a generation worker
+            (code2wav) that only applies ``OMNI_CACHE_JIT_WARMUP``."""
 
             @classmethod
             def get_omni_ar_worker_cls(cls) -> str:
                 return "omni_cache.engine.workers_gpu.OmniCacheGPUARWorker"
+
+            @classmethod
+            def get_omni_generation_worker_cls(cls) -> str:
+                return "omni_cache.engine.workers_gpu.OmniCacheGPUGenerationWorker"
 
         globals()[name] = OmniCacheCudaOmniPlatform
         return OmniCacheCudaOmniPlatform

@@ -881,8 +881,9 @@ def test_step_overhead_smoke(tmp_path):
 
 def test_results_record_the_settings_in_effect_but_never_the_secret():
     from benchmarks import lab
+    from omni_cache.settings import PREFIX as settings_prefix
 
     env = {"OMNI_CACHE_JIT_WARMUP": "0", "OMNI_CACHE_CUDA_PLATFORM": "1", "OMNI_CACHE_TALKER_KEYS_SECRET": "s3cret",
-           "OMNI_CACHE_NOT_A_SETTING": "x", "PATH": "/bin"}
+           settings_prefix + "UNKNOWN": "x", "PATH": "/bin"}  # not a setting: not recorded
     assert lab.settings_in_effect(env) == {"OMNI_CACHE_CUDA_PLATFORM": "1", "OMNI_CACHE_JIT_WARMUP": "0"}
     assert "settings" in lab.stamp("benchmarks.prefill", [])

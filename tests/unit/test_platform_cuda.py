@@ -1,7 +1,8 @@
-"""The CUDA platform's ``OMNI_CACHE_JIT_WARMUP`` (omni_cache/engine/platform_cuda.py): vLLM's
-config check runs first, then the setting turns vLLM's JIT kernel warm-up off; unset, vLLM's
-default stays. The class itself imports only where vLLM's CUDA build is (the GPU lane's unit
-group): there its method order is checked too."""
+"""``OMNI_CACHE_JIT_WARMUP`` on the CUDA platform (omni_cache/engine/platform_cuda.py,
+workers_gpu.py): with ``0`` both of omni-cache's GPU workers (AR: thinker, talker; generation:
+code2wav) turn vLLM's JIT kernel warm-up off in their config before vLLM-Omni's
+``init_device``; unset, vLLM's default stays. The platform class itself imports only where
+vLLM's CUDA build is (the GPU lane's unit group): there its worker classes are checked too."""
 
 from __future__ import annotations
 
@@ -10,19 +11,7 @@ import types
 import pytest
 
 from omni_cache import settings
-from omni_cache.engine import platform_cuda
-
-
-class _VllmPlatform:
-    """Stands in for vLLM's platform: records that its own check ran, and in which state."""
-
-    @classmethod
-    def check_and_update_config(cls, vllm_config) -> None:
-        vllm_config.checked_with_warmup = vllm_config.kernel_config.enable_jit_warmup
-
-
-class _Platform(platform_cuda.JitWarmupSetting, _VllmPlatform):
-    pass
+from omni_cache.engine import platform_cuda, workers_gpu
 
 
 def _config():
@@ -30,15 +19,21 @@ def _config():
 
 
 @pytest.mark.parametrize("value, expected", [(None, True), ("1", True), ("0", False)])
-def test_the_setting_turns_vllms_jit_warmup_off_after_vllms_own_check(monkeypatch, value, expected):
+@pytest.mark.parametrize("worker_cls, parent", [
+    (workers_gpu.OmniCacheGPUARWorker, workers_gpu.GPUARWorker),
+    (workers_gpu.OmniCacheGPUGenerationWorker, workers_gpu.GPUGenerationWorker)])
+def test_the_workers_apply_it_before_vllm_omnis_init_device(monkeypatch, value, expected, worker_cls, parent):
     if value is None:
         monkeypatch.delenv(settings.JIT_WARMUP.name, raising=False)
     else:
         monkeypatch.setenv(settings.JIT_WARMUP.name, value)
-    cfg = _config()
-    _Platform.check_and_update_config(cfg)
-    assert cfg.checked_with_warmup is True  # vLLM's check saw its own default first
-    assert cfg.kernel_config.enable_jit_warmup is expected
+    seen = []
+    monkeypatch.setattr(parent, "init_device",
+                        lambda self: seen.append(self.vllm_config.kernel_config.enable_jit_warmup))
+    worker = object.__new__(worker_cls)  # no engine: only the method under test runs
+    worker.vllm_config = _config()
+    worker.init_device()
+    assert seen == [expected]  # vLLM-Omni's init_device (and vLLM's kernel_warmup after it) sees it
 
 
 def test_a_bad_value_or_a_moved_field_is_a_clear_error(monkeypatch):
@@ -50,12 +45,11 @@ def test_a_bad_value_or_a_moved_field_is_a_clear_error(monkeypatch):
         platform_cuda.apply_jit_warmup_setting(types.SimpleNamespace(kernel_config=types.SimpleNamespace()))
 
 
-def test_the_cuda_platform_applies_it():
-    """Where vLLM's CUDA platform imports: omni-cache's platform runs the mixin before it."""
+def test_the_cuda_platform_gives_both_workers():
+    """Where vLLM's CUDA platform imports: omni-cache's platform names both workers."""
     try:
         cls = platform_cuda.OmniCacheCudaOmniPlatform
     except ImportError as e:  # a CPU build of vLLM (no vllm._C_stable_libtorch)
         pytest.skip(f"vLLM's CUDA platform does not import here: {e}")
-    mro = cls.__mro__
-    assert mro.index(platform_cuda.JitWarmupSetting) < next(
-        i for i, c in enumerate(mro) if c.__name__ == "CudaOmniPlatform")
+    assert cls.get_omni_ar_worker_cls() == "omni_cache.engine.workers_gpu.OmniCacheGPUARWorker"
+    assert cls.get_omni_generation_worker_cls() == "omni_cache.engine.workers_gpu.OmniCacheGPUGenerationWorker"
