@@ -6,9 +6,9 @@ here), so on GPUs the way in is the platform: :class:`OmniCacheCudaOmniPlatform`
 ``CudaOmniPlatform`` with ``get_omni_ar_worker_cls`` pointing at
 :class:`omni_cache.engine.workers_gpu.OmniCacheGPUARWorker`. That worker picks the runner
 per stage exactly like the CPU worker (``OMNI_CACHE_PREFIX_CACHE_BACKEND``), so ``builtin``
-stays selectable. ``get_omni_generation_worker_cls`` (code2wav) points at vLLM-Omni's generation
-worker with one change: both workers apply ``OMNI_CACHE_JIT_WARMUP``
-(:func:`apply_jit_warmup_setting`).
+stays selectable. With ``OMNI_CACHE_JIT_WARMUP=0``, ``get_omni_generation_worker_cls`` (code2wav)
+points at vLLM-Omni's generation worker with that one change (:func:`apply_jit_warmup_setting`;
+the AR worker applies it too); unset, code2wav keeps vLLM-Omni's own worker.
 
 Activation (entry point ``omni_cache_cuda`` of ``vllm_omni.platform_plugins``): only with
 ``OMNI_CACHE_CUDA_PLATFORM=1`` and a CUDA device — an out-of-tree platform wins over the
@@ -83,8 +83,8 @@ def __getattr__(name: str):
         from vllm_omni.platforms.cuda.platform import CudaOmniPlatform
 
         class OmniCacheCudaOmniPlatform(CudaOmniPlatform):
-            """vLLM-Omni's CUDA platform with omni-cache's AR worker, and a generation worker
-            (code2wav) that only applies ``OMNI_CACHE_JIT_WARMUP``."""
+            """vLLM-Omni's CUDA platform with omni-cache's AR worker; with
+            ``OMNI_CACHE_JIT_WARMUP=0``, a generation worker (code2wav) that only applies it."""
 
             @classmethod
             def get_omni_ar_worker_cls(cls) -> str:
@@ -92,7 +92,10 @@ def __getattr__(name: str):
 
             @classmethod
             def get_omni_generation_worker_cls(cls) -> str:
-                return "omni_cache.engine.workers_gpu.OmniCacheGPUGenerationWorker"
+                # vLLM-Omni's own worker unless the setting asks for a change
+                if settings.JIT_WARMUP.get() == "0":
+                    return "omni_cache.engine.workers_gpu.OmniCacheGPUGenerationWorker"
+                return super().get_omni_generation_worker_cls()
 
         globals()[name] = OmniCacheCudaOmniPlatform
         return OmniCacheCudaOmniPlatform

@@ -45,11 +45,15 @@ def test_a_bad_value_or_a_moved_field_is_a_clear_error(monkeypatch):
         platform_cuda.apply_jit_warmup_setting(types.SimpleNamespace(kernel_config=types.SimpleNamespace()))
 
 
-def test_the_cuda_platform_gives_both_workers():
-    """Where vLLM's CUDA platform imports: omni-cache's platform names both workers."""
+def test_the_cuda_platform_names_the_workers(monkeypatch):
+    """Where vLLM's CUDA platform imports: omni-cache's AR worker always; code2wav's generation
+    worker is omni-cache's only with the setting at 0 (vLLM-Omni's own otherwise)."""
     try:
         cls = platform_cuda.OmniCacheCudaOmniPlatform
     except ImportError as e:  # a CPU build of vLLM (no vllm._C_stable_libtorch)
         pytest.skip(f"vLLM's CUDA platform does not import here: {e}")
     assert cls.get_omni_ar_worker_cls() == "omni_cache.engine.workers_gpu.OmniCacheGPUARWorker"
+    monkeypatch.delenv(settings.JIT_WARMUP.name, raising=False)
+    assert cls.get_omni_generation_worker_cls() == "vllm_omni.worker.gpu_generation_worker.GPUGenerationWorker"
+    monkeypatch.setenv(settings.JIT_WARMUP.name, "0")
     assert cls.get_omni_generation_worker_cls() == "omni_cache.engine.workers_gpu.OmniCacheGPUGenerationWorker"
