@@ -84,6 +84,7 @@
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
 set -u
 STAGE="$1"; OUT="$2"; COMMIT="$3"; shift 3
+echo $$ > /tmp/gpujob.pid  # scripts/gpu_launch.sh watches this process
 TREE="$(pwd)"
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:$TREE" OMNI_CACHE_CUDA_PLATFORM=1 OMNI_CACHE_PARALLEL_STAGE_INIT=1
