@@ -430,6 +430,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                     metrics.append({"variant": v, "file": p.name, **json.loads(p.read_text())})
         load = S.summarize_load(load_samples, samples if alone else None)
         load_checks = S.load_checks(load) if "omni_cache" in variants else {}
+        overhead = S.overhead_checks(load, samples) if {"omni_cache", "off"} <= set(variants) else {}
         mem_per_variant = S.memory_per_variant(memory["samples"], metrics, variants)
         jit_report = jit_log.jit_report(out, variants, warmups, samples, jit_log.triton_cache_dirs()) if gpus else None
         failed = [v for v in variants if any(r.get("error") for w in workloads for r in samples[w][v])
@@ -442,6 +443,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "alternation": alternation, "memory": memory, "memory_per_variant": mem_per_variant,
             "pipeline_start_s": starts, "metric_definitions": METRIC_DEFINITIONS, "workloads": summ,
             "bar_checks": checks, "samples": samples, "concurrency": conc, "load": load, "load_bar_checks": load_checks,
+            "overhead_checks": overhead,
             "load_note": load_note, "graph_note": graph_note or None, "load_samples": load_samples,
             "warmup_samples": warm, "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
@@ -556,6 +558,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(S.format_table(result["workloads"], result["bar_checks"]))
     if loads:
         print("\n" + S.format_load_table(result["load"], result["load_bar_checks"]))
+    if any(w in workloads for w in S.OVERHEAD_WORKLOADS):
+        print("\n" + S.format_overhead(result["overhead_checks"]))
     print("\n" + S.format_memory(result["memory_per_variant"]))
     print(f"\nalternation: {alternation['mode']} ({alternation.get('reason', 'requested')})")
     if "one_pipeline_pss_bytes" in alternation:

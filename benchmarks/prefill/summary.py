@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks import lab
 
-METRICS = ("prefill_ms", "ttft_ms", "vllm_ttft_ms", "ttfp_ms", "e2e_ms", "stage_0_gen_ms",
+METRICS = ("prefill_ms", "ttft_ms", "vllm_ttft_ms", "ttfp_ms", "e2e_ms", "stage_0_gen_ms", "thinker_tpot_ms",
            "talker_prefill_ms", "talker_decode_ms", "code2wav_ms", "handoff_ms")
 TOKENS = ("num_prompt_tokens", "num_cached_tokens", "computed_tokens")
 #: TTFP = TTFT + these + hand-off (per request; see benchmarks.prefill.worker)
@@ -35,7 +35,13 @@ TTFP_BAR_WORKLOADS = ("text", "chat")
 
 
 def metric(row: dict, name: str) -> float | None:
-    """``row[name]``; ``handoff_ms``: TTFP minus its measured parts (None if any is missing)."""
+    """``row[name]``; ``handoff_ms``: TTFP minus its measured parts (None if any is missing);
+    ``thinker_tpot_ms``: the thinker's time per output token after the first, ms —
+    (``stage_0_gen_ms`` − ``vllm_ttft_ms``) / (output tokens − 1), both on vLLM-Omni's
+    orchestrator clock (None with fewer than two output tokens or a part missing)."""
+    if name == "thinker_tpot_ms":
+        gen, first, n = row.get("stage_0_gen_ms"), row.get("vllm_ttft_ms"), row.get("num_output_tokens") or 0
+        return (gen - first) / (n - 1) if gen is not None and first is not None and n > 1 and gen >= first else None
     if name != "handoff_ms":
         return row.get(name)
     parts = [row.get(k) for k in ("ttfp_ms",) + TTFP_PARTS]
@@ -360,7 +366,7 @@ def _ttfp_panel(ax, summ: dict[str, dict[str, Any]], w: str, first: bool) -> Non
 
 # ---- under load (--concurrency c > 1) ------------------------------------------------------
 #: driver-clock metrics summarized under load (vLLM's histogram-derived ones are not per request there)
-LOAD_METRICS = ("ttft_ms", "ttfp_ms", "e2e_ms")
+LOAD_METRICS = ("ttft_ms", "ttfp_ms", "e2e_ms", "thinker_tpot_ms")
 #: the load bars (issue 38): multi-turn chat at c = LOAD_CHAT_C with h ≥ LOAD_CHAT_MIN_HIT:
 #: omni-cache's TTFP p50 ≤ LOAD_FLOOR_FACTOR × the floor's and ≤ the built-in's; at
 #: c = LOAD_HIGH_C: omni-cache's throughput ≥ cache off's and its TTFP p95 ≤ the built-in's.
@@ -394,7 +400,7 @@ def summarize_batches(batches: list[dict]) -> dict[str, Any]:
     ok = [r for r in rows if r.get("measure", True) and not r.get("error")]
     tps = [b["throughput_rps"] for b in batches if b.get("throughput_rps") is not None]
     return {"n": len(ok), "n_requests": len(rows), "n_errors": sum(1 for r in rows if r.get("error")),
-            **{m: describe([r.get(m) for r in ok]) for m in LOAD_METRICS}, "hit_ratio": _hit_ratio(ok, None),
+            **{m: describe([metric(r, m) for r in ok]) for m in LOAD_METRICS}, "hit_ratio": _hit_ratio(ok, None),
             "throughput_rps": {"median": lab.stat(tps), "per_round": tps}, "wall_s": [b.get("wall_s") for b in batches],
             "source": batches[0].get("source", "closed loop") if batches else None}
 
@@ -445,6 +451,65 @@ def load_checks(load: dict[str, Any], variant: str = "omni_cache") -> dict[str, 
                    1 - LOAD_TOLERANCE, lambda x: x >= 1 - LOAD_TOLERANCE),
             _at_most(f"c={LOAD_HIGH_C} TTFP p95: {variant} / builtin", _over(p95, p95_bi), 1 + LOAD_TOLERANCE)])
     return out
+
+
+#: issue 43's zero-overhead bar: the workloads without a (useful) hit — ``floor`` (the question
+#: alone; its requests share at most a first block) and ``miss`` (distinct from the first token)
+OVERHEAD_WORKLOADS = ("floor", "miss")
+OVERHEAD_TOLERANCE = 0.02  # "within 2 % of cache off's"
+SPIKE_FACTOR = 1.5         # a spike: a request's TTFT over this many times its variant's p50 (issue 43)
+
+
+def spikes(rows: list[dict], factor: float = SPIKE_FACTOR) -> list[dict]:
+    """The timed requests of one variant and workload whose ``ttft_ms`` is over ``factor`` × their
+    p50 (empty with fewer than two)."""
+    ok = [r for r in rows if r.get("measure", True) and not r.get("error") and r.get("ttft_ms") is not None]
+    if len(ok) < 2:
+        return []
+    p50 = statistics.median(r["ttft_ms"] for r in ok)
+    return [r for r in ok if r["ttft_ms"] > factor * p50]
+
+
+def overhead_checks(load: dict[str, Any], samples: dict[str, dict[str, list[dict]]] | None = None,
+                    variant: str = "omni_cache") -> dict[str, list[dict[str, Any]]]:
+    """Issue 43's zero-overhead bar for ``variant`` against cache off, on the workloads of
+    :data:`OVERHEAD_WORKLOADS` at every concurrency in ``load`` (:func:`summarize_load`; c = 1 is
+    there when the run sent requests one at a time): TTFT p50 and thinker time per output token
+    p50 (``thinker_tpot_ms``) ≤ (1 + 2 %) × off's, throughput ≥ (1 − 2 %) × off's; and, from
+    the one-at-a-time ``samples`` (``[workload][variant]`` rows), no more TTFT spikes
+    (:func:`spikes`) than cache off shows. ``passed`` None (n/a, never a pass) without both
+    variants' values."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    hi, lo = 1 + OVERHEAD_TOLERANCE, 1 - OVERHEAD_TOLERANCE
+    for w in OVERHEAD_WORKLOADS:
+        for c, at in (load.get(w) or {}).items():
+            s, off = at.get(variant), at.get("off")
+            if s is None and off is None:
+                continue
+            tp = [((x or {}).get("throughput_rps") or {}).get("median") for x in (s, off)]
+            out.setdefault(w, []).extend([
+                _at_most(f"c={c} TTFT p50: {variant} / off", _over(_stat(s, "ttft_ms", "median"),
+                                                                   _stat(off, "ttft_ms", "median")), hi),
+                _at_most(f"c={c} thinker ms/token p50: {variant} / off",
+                         _over(_stat(s, "thinker_tpot_ms", "median"), _stat(off, "thinker_tpot_ms", "median")), hi),
+                _check(f"c={c} throughput: {variant} / off ≥ {lo:.2f}", _over(*tp), lo, lambda x: x >= lo)])
+        rows = (samples or {}).get(w) or {}
+        if variant in rows and "off" in rows:
+            n, n_off = len(spikes(rows[variant])), len(spikes(rows["off"]))
+            out.setdefault(w, []).append(
+                {**_check(f"c=1 TTFT spikes (> {SPIKE_FACTOR:g} × p50): {variant} ≤ off's ({n_off})", float(n),
+                          float(n_off), lambda x, most=n_off: x <= most),
+                 "spikes": {v: [{"index": r.get("index"), "round": r.get("round"), "ttft_ms": r["ttft_ms"]}
+                                for r in spikes(rows[v])] for v in (variant, "off")}})
+    return out
+
+
+def format_overhead(checks: dict[str, list[dict[str, Any]]]) -> str:
+    """:func:`overhead_checks` as printed lines under a header."""
+    if not checks:
+        return "zero-overhead bar (issue 43): n/a (needs cache off and omni-cache, workloads floor / miss)"
+    return "\n".join(["zero-overhead bar (issue 43: no hit, omni-cache within 2 % of cache off):",
+                      *_check_lines(checks)])
 
 
 def _over(a: float | None, b: float | None) -> float | None:

@@ -887,3 +887,42 @@ def test_results_record_the_settings_in_effect_but_never_the_secret():
            settings_prefix + "UNKNOWN": "x", "PATH": "/bin"}  # not a setting: not recorded
     assert lab.settings_in_effect(env) == {"OMNI_CACHE_CUDA_PLATFORM": "1", "OMNI_CACHE_JIT_WARMUP": "0"}
     assert "settings" in lab.stamp("benchmarks.prefill", [])
+
+
+def _overhead_rows(ttft: list[float], gen_ms: float, first_ms: float = 50.0, tokens: int = 33) -> list[dict]:
+    return [{"ttft_ms": t, "ttfp_ms": t + 100.0, "e2e_ms": gen_ms + 200.0, "stage_0_gen_ms": gen_ms,
+             "vllm_ttft_ms": first_ms, "num_output_tokens": tokens, "num_prompt_tokens": 100,
+             "num_cached_tokens": 0, "measure": True, "index": i, "round": 0} for i, t in enumerate(ttft)]
+
+
+def _overhead_load(oc_ttft: float, oc_gen: float, oc_rps: float) -> dict:
+    """floor at c = 16: cache off 100 ms TTFT, 370 ms generation (10 ms a token after the first), 10 req/s."""
+    def b(ttft, gen, rps):
+        return [{"round": 0, "throughput_rps": rps, "results": _overhead_rows([ttft] * 16, gen)}]
+
+    return S.summarize_load({"floor": {"16": {"off": b(100.0, 370.0, 10.0), "omni_cache": b(oc_ttft, oc_gen, oc_rps)}}})
+
+
+def test_zero_overhead_bar_on_ttft_thinker_tpot_throughput_and_spikes():
+    """Issue 43's bar: no hit, omni-cache within 2 % of cache off (TTFT p50, thinker ms per token
+    p50, throughput) at each c, and no TTFT spike cache off does not show."""
+    assert S.metric(_overhead_rows([100.0], 370.0)[0], "thinker_tpot_ms") == pytest.approx(10.0)  # (370 - 50) / 32
+    assert S.metric({**_overhead_rows([100.0], 370.0)[0], "num_output_tokens": 1}, "thinker_tpot_ms") is None
+    ok = S.overhead_checks(_overhead_load(101.0, 375.0, 9.9))["floor"]
+    assert [c["passed"] for c in ok] == [True, True, True]
+    assert ok[1]["value"] == pytest.approx((375.0 - 50.0) / (370.0 - 50.0))
+    bad = S.overhead_checks(_overhead_load(104.0, 390.0, 9.6))["floor"]  # 4 %, 6 %, -4 %: all three fail
+    assert [c["passed"] for c in bad] == [False, False, False]
+    # one-at-a-time samples: a spike omni-cache shows and cache off does not fails; one both show passes
+    samples = {"floor": {"off": _overhead_rows([100.0] * 7 + [200.0], 370.0),
+                         "omni_cache": _overhead_rows([100.0] * 6 + [200.0, 210.0], 370.0)}}
+    spike = S.overhead_checks({}, samples)["floor"][-1]
+    assert spike["passed"] is False and spike["value"] == 2.0 and spike["target"] == 1.0
+    samples["floor"]["omni_cache"] = _overhead_rows([100.0] * 7 + [210.0], 370.0)
+    assert S.overhead_checks({}, samples)["floor"][-1]["passed"] is True
+    # without cache off's numbers: n/a, never a pass; a workload with a hit gets no overhead bar
+    load = _overhead_load(101.0, 375.0, 9.9)
+    del load["floor"]["16"]["off"]
+    assert [c["passed"] for c in S.overhead_checks(load)["floor"]] == [None, None, None]
+    assert S.overhead_checks({"text": _overhead_load(101.0, 375.0, 9.9)["floor"]}) == {}
+    assert "PASS" in S.format_overhead({"floor": ok}) and "n/a" in S.format_overhead({})
