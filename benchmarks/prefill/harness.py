@@ -583,6 +583,9 @@ METRIC_DEFINITIONS = {
         "vllm:request_prefill_time_seconds{stage=0}_sum across the request (requests are sent one at a time)",
     "ttft_ms": "driver clock: generate() called -> first thinker output with a text token received (thinker streamed "
         "with output_kind=DELTA)",
+    "thinker_last_ms": "driver clock: generate() called -> the thinker's last output with new tokens",
+    "thinker_tpot_ms": "thinker time per output token after the first: (thinker_last_ms - ttft_ms) / (output tokens "
+        "- 1), driver clock; None below 8 output tokens (benchmarks.prefill.summary.metric)",
     "vllm_ttft_ms": "vLLM-Omni stage-0 vllm_ttft_ms: arrival at the thinker -> first token (orchestrator clock)",
     "ttfp_ms": "driver clock: generate() called -> first code2wav output with audio samples received: the first audio "
         "packet when streaming (AsyncOmni, async_chunk true); the whole waveform with --no-stream (synchronous Omni, "

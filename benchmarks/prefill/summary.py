@@ -22,6 +22,9 @@ TOKENS = ("num_prompt_tokens", "num_cached_tokens", "computed_tokens")
 #: TTFP = TTFT + these + hand-off (per request; see benchmarks.prefill.worker)
 TTFP_PARTS = ("ttft_ms", "talker_prefill_ms", "talker_decode_ms", "code2wav_ms")
 
+#: fewest thinker output tokens for a time-per-output-token (``thinker_tpot_ms``)
+MIN_TPOT_TOKENS = 8
+
 # Bars of issue 5 (omni-cache vs off / builtin); all on the thinker prefill time.
 HIGH_HIT = 0.95      # h ≥ this: speedup ≥ HIGH_HIT_SPEEDUP
 HIGH_HIT_SPEEDUP = 10.0
@@ -36,12 +39,13 @@ TTFP_BAR_WORKLOADS = ("text", "chat")
 
 def metric(row: dict, name: str) -> float | None:
     """``row[name]``; ``handoff_ms``: TTFP minus its measured parts (None if any is missing);
-    ``thinker_tpot_ms``: the thinker's time per output token after the first, ms —
-    (``stage_0_gen_ms`` − ``vllm_ttft_ms``) / (output tokens − 1), both on vLLM-Omni's
-    orchestrator clock (None with fewer than two output tokens or a part missing)."""
+    ``thinker_tpot_ms``: the thinker's time per output token after the first, ms, on the driver
+    clock — (``thinker_last_ms`` − ``ttft_ms``) / (output tokens − 1); None with fewer than
+    :data:`MIN_TPOT_TOKENS` output tokens (a 2-token answer times one decode step and the
+    streaming's jitter, not a decode rate) or a part missing (results before 2026-11-29)."""
     if name == "thinker_tpot_ms":
-        gen, first, n = row.get("stage_0_gen_ms"), row.get("vllm_ttft_ms"), row.get("num_output_tokens") or 0
-        return (gen - first) / (n - 1) if gen is not None and first is not None and n > 1 and gen >= first else None
+        last, first, n = row.get("thinker_last_ms"), row.get("ttft_ms"), row.get("num_output_tokens") or 0
+        return (last - first) / (n - 1) if last is not None and first is not None and n >= MIN_TPOT_TOKENS else None
     if name != "handoff_ms":
         return row.get(name)
     parts = [row.get(k) for k in ("ttfp_ms",) + TTFP_PARTS]

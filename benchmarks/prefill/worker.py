@@ -251,6 +251,7 @@ class _Request:
         self.prompt, self.params, self.t0 = w.engine_prompt(spec), w.sampling_params(spec), time.perf_counter()
         self.t_wall = time.time()  # host clock, to match the stage logs' lines (benchmarks.prefill.jit)
         self.ttft = self.ttfp = None  # perf_counter() at the first text token / audio packet
+        self.t_last_text = None  # perf_counter() at the thinker's last output with new tokens
         self.prompt_ids, self.gen_ids, self.errors, self.text = [], [], [], ""
         self.cached = self.audio_samples = self.packets = 0
         self.durations, self.stage_metrics = {}, {}
@@ -268,6 +269,8 @@ class _Request:
                 new = list(c.token_ids or [])
                 if new and self.ttft is None:
                     self.ttft = now
+                if new:
+                    self.t_last_text = now
                 self.gen_ids += new  # DELTA outputs carry only new tokens
                 self.text += c.text or ""
         if o.final_output_type == "audio":
@@ -292,7 +295,8 @@ class _Request:
                "started_unix": self.t_wall, "num_prompt_tokens": len(prompt_ids), "num_cached_tokens": self.cached,
                "hit_ratio": self.cached / len(prompt_ids) if prompt_ids else 0.0, "computed_tokens": None,
                "num_output_tokens": len(gen_ids), "prefill_ms": None, "prefill_source": UNDER_LOAD,
-               "ttft_ms": ms(self.ttft), "vllm_ttft_ms": s0.get("vllm_ttft_ms"), "ttfp_ms": ms(self.ttfp),
+               "ttft_ms": ms(self.ttft), "thinker_last_ms": ms(self.t_last_text),
+               "vllm_ttft_ms": s0.get("vllm_ttft_ms"), "ttfp_ms": ms(self.ttfp),
                "talker_prefill_ms": None, "talker_decode_ms": None, "code2wav_ms": None, "e2e_ms": ms(end),
                # talker prefix-hit tokens (None: talker cache off or not streaming)
                "talker_hit_tokens": talker_hit, "talker_prompt_tokens": talker_prompt,

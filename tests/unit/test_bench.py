@@ -890,8 +890,8 @@ def test_results_record_the_settings_in_effect_but_never_the_secret():
 
 
 def _overhead_rows(ttft: list[float], gen_ms: float, first_ms: float = 50.0, tokens: int = 33) -> list[dict]:
-    return [{"ttft_ms": t, "ttfp_ms": t + 100.0, "e2e_ms": gen_ms + 200.0, "stage_0_gen_ms": gen_ms,
-             "vllm_ttft_ms": first_ms, "num_output_tokens": tokens, "num_prompt_tokens": 100,
+    return [{"ttft_ms": t, "ttfp_ms": t + 100.0, "e2e_ms": gen_ms + 200.0, "thinker_last_ms": t + gen_ms - first_ms,
+             "num_output_tokens": tokens, "num_prompt_tokens": 100,
              "num_cached_tokens": 0, "measure": True, "index": i, "round": 0} for i, t in enumerate(ttft)]
 
 
@@ -907,7 +907,7 @@ def test_zero_overhead_bar_on_ttft_thinker_tpot_throughput_and_spikes():
     """Issue 43's bar: no hit, omni-cache within 2 % of cache off (TTFT p50, thinker ms per token
     p50, throughput) at each c, and no TTFT spike cache off does not show."""
     assert S.metric(_overhead_rows([100.0], 370.0)[0], "thinker_tpot_ms") == pytest.approx(10.0)  # (370 - 50) / 32
-    assert S.metric({**_overhead_rows([100.0], 370.0)[0], "num_output_tokens": 1}, "thinker_tpot_ms") is None
+    assert S.metric({**_overhead_rows([100.0], 370.0)[0], "num_output_tokens": 2}, "thinker_tpot_ms") is None
     ok = S.overhead_checks(_overhead_load(101.0, 375.0, 9.9))["floor"]
     assert [c["passed"] for c in ok] == [True, True, True]
     assert ok[1]["value"] == pytest.approx((375.0 - 50.0) / (370.0 - 50.0))
