@@ -926,3 +926,17 @@ def test_zero_overhead_bar_on_ttft_thinker_tpot_throughput_and_spikes():
     assert [c["passed"] for c in S.overhead_checks(load)["floor"]] == [None, None, None]
     assert S.overhead_checks({"text": _overhead_load(101.0, 375.0, 9.9)["floor"]}) == {}
     assert "PASS" in S.format_overhead({"floor": ok}) and "n/a" in S.format_overhead({})
+
+
+def test_overhead_recomputed_from_saved_results(tmp_path, capsys):
+    from benchmarks.prefill import overhead
+
+    rows = {"off": _overhead_rows([100.0] * 4, 370.0), "omni_cache": _overhead_rows([130.0] * 4, 370.0)}
+    saved = {"samples": {"floor": rows, "text": rows}, "load_samples": {}, "git": {"commit": "abcdef0123"},
+             "machine": {"gpus": [{"name": "NVIDIA H200"}]}, "date": "2026-11-29T05:00:00"}
+    (tmp_path / "a.json").write_text(json.dumps(saved))
+    (tmp_path / "b.json").write_text("{not json")
+    assert overhead.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr()
+    assert "1 × NVIDIA H200, commit abcdef0" in out.out and "FAIL  floor  c=1 TTFT p50" in out.out
+    assert "b.json: not readable as JSON" in out.err and "text" not in out.out.split("\n", 2)[2]
