@@ -27,19 +27,18 @@ import collections
 import contextlib
 import os
 import re
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.prefill.summary import ttft_spikes
+
 #: a monitored compile: ``(StageEngineCoreProc_stage0_replica0 pid=4821) WARNING 11-27 23:06:21
 #: [jit_monitor.py:141] Triton kernel JIT compilation during inference: fused_moe_kernel. ...``
 COMPILE_LINE = re.compile(r"(?:stage(?P<stage>\d+)\S*\s+pid=\d+\)\s+)?\w+\s+(?P<t>\d\d-\d\d \d\d:\d\d:\d\d)\s.*"
                           r"compilation during inference: (?P<kernel>[A-Za-z_][\w]*)")
-#: a request is a spike when its TTFT is over this many times its variant's p50 for the workload
-SPIKE_FACTOR = 1.5
 #: a collection vLLM's GC debugger logs (``VLLM_GC_DEBUG=1``, ``vllm/utils/gc_utils.py``): ``(StageEngineCoreProc_
 #: stage0_replica0 pid=1) INFO 11-28 04:39:43 [gc_utils.py:81] GC took 412.410ms to complete. ... generation 2.``
 GC_LINE = re.compile(r"(?:stage(?P<stage>\d+)\S*\s+pid=\d+\)\s+)?\w+\s+(?P<t>\d\d-\d\d \d\d:\d\d:\d\d)\s.*"
@@ -128,12 +127,9 @@ def jit_report(out: Path, variants: list[str], warmups: dict[str, list[tuple[flo
         by = dict(collections.Counter(map(_where, events)))
         spikes = []
         for w, per_variant in samples.items():
-            rows = [r for r in per_variant.get(v, []) if r.get("measure", True) and r.get("ttft_ms") is not None]
-            if len(rows) < 2:
-                continue
-            p50 = statistics.median(r["ttft_ms"] for r in rows)
-            for r in rows:
-                if r["ttft_ms"] <= SPIKE_FACTOR * p50 or r.get("started_unix") is None:
+            p50, spiked = ttft_spikes(per_variant.get(v, []))
+            for r in spiked:
+                if r.get("started_unix") is None:
                     continue
                 lo, hi = int(r["started_unix"]), r["started_unix"] + r["ttft_ms"] / 1000 + 1
                 during = [_where(e) for e in events if lo <= e["t"] <= hi]

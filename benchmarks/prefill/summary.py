@@ -464,14 +464,20 @@ OVERHEAD_TOLERANCE = 0.02  # "within 2 % of cache off's"
 SPIKE_FACTOR = 1.5         # a spike: a request's TTFT over this many times its variant's p50 (issue 43)
 
 
-def spikes(rows: list[dict], factor: float = SPIKE_FACTOR) -> list[dict]:
-    """The timed requests of one variant and workload whose ``ttft_ms`` is over ``factor`` × their
-    p50 (empty with fewer than two)."""
+def ttft_spikes(rows: list[dict], factor: float = SPIKE_FACTOR) -> tuple[float | None, list[dict]]:
+    """The TTFT p50 (ms) of one variant's timed requests of one workload, and those of them whose
+    ``ttft_ms`` is over ``factor`` × it — ``(None, [])`` with fewer than two (also the JIT report's
+    spikes, :mod:`benchmarks.prefill.jit`)."""
     ok = [r for r in rows if r.get("measure", True) and not r.get("error") and r.get("ttft_ms") is not None]
     if len(ok) < 2:
-        return []
+        return None, []
     p50 = statistics.median(r["ttft_ms"] for r in ok)
-    return [r for r in ok if r["ttft_ms"] > factor * p50]
+    return p50, [r for r in ok if r["ttft_ms"] > factor * p50]
+
+
+def spikes(rows: list[dict], factor: float = SPIKE_FACTOR) -> list[dict]:
+    """:func:`ttft_spikes`' requests."""
+    return ttft_spikes(rows, factor)[1]
 
 
 def overhead_checks(load: dict[str, Any], samples: dict[str, dict[str, list[dict]]] | None = None,
