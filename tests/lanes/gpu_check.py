@@ -40,6 +40,8 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks import lab
+
 REPO = Path(__file__).resolve().parents[2]
 GPU1 = REPO / "stage_configs" / "qwen3_omni_gpu1.yaml"
 
@@ -272,6 +274,7 @@ def main(argv=None) -> int:
         "commit": args.commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **facts,
         "install": json.loads(Path(args.install_json).read_text()) if args.install_json else None,
         "command": "OMNI_CACHE_CUDA_PLATFORM=1 python -m tests.lanes.gpu_check " + " ".join(argv or sys.argv[1:]),
+        "settings": lab.settings_in_effect(lane_env()),  # e.g. OMNI_CACHE_JIT_WARMUP=0 from gpu_session.sh
         "lane_wall_s": round(lane_s, 1), "parts": parts, "counts": counts,
         "passed": counts["failed"] == 0 and counts["error"] == 0 and all(
             g["rc"] == 0 for g in results if g["group"] != "main-job") and (main_job is None or all(
