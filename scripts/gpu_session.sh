@@ -148,9 +148,12 @@ for step in "$@"; do
        # thinker layers) in the deploy's graph coverage (--max-num-seqs 64: graphs up to 128 tokens; step A ran 16 -> 32,
        # so the floor's ~100-token prefills ran without graphs), cache off and omni-cache up at once (the one not being
        # timed frozen): floor and miss (no hit), text (a 97 % hit); c = 1 and 16; A4_REQUESTS (default 24), 3 rounds
+       # (twenty-first session) A4_ANSWER_TOKENS (default 32) thinker tokens per answer: the bar's decode part
+       # (thinker_tpot_ms; the harness's default of 2 tokens times no decode)
        $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l6" --modalities "${A4_WORKLOADS:-floor,miss,text}" \
-         --requests "${A4_REQUESTS:-24}" --concurrency 1,16 --max-num-seqs 64 --alternation concurrent \
+         --requests "${A4_REQUESTS:-24}" --answer-tokens "${A4_ANSWER_TOKENS:-32}" --concurrency 1,16 --max-num-seqs 64 \
+         --alternation concurrent \
          --variants "${A4_VARIANTS:-off,omni_cache}" --repeats "${A4_REPEATS:-3}" --out "$OUT" --name A4 > "$OUT/A4.log" 2>&1
        log "A4: table rc=$?" ;;
     B) OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m benchmarks.prefill "${L6[@]}" --repeats 1 --variants off,omni_cache \

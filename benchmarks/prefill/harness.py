@@ -225,6 +225,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--media-doc-words", type=int, default=0, help="words of shared text after the image/audio")
     add("--media-copies", type=int, default=1, help="image/audio items in the shared prefix (mirrors/rotations)")
     add("--chat-answer-tokens", type=int, default=48, help="thinker answer length per chat turn")
+    add("--answer-tokens", type=int, help="thinker answer length of the other workloads' requests (default 2: "
+        "prefill + one decode step); 8 or more also times the thinker's decode (thinker_tpot_ms)")
     add("--stage-config", default=str(lab.BASE_CONFIG), help="base stage config the variants are derived from")
     add("--alternation", default="auto", choices=["auto", "concurrent", "restart"])
     add("--variant-devices", help="GPU host: CUDA_VISIBLE_DEVICES per variant ('omni_cache=0;off=1'): concurrent")
@@ -300,11 +302,15 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.modalities.split(",") if w.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     opts = WorkloadOptions(**{k: getattr(args, k) for k in ("requests", "prefix_words", "image", "audio",
-                                                            "media_doc_words", "chat_answer_tokens", "media_copies")})
+                                                            "media_doc_words", "chat_answer_tokens", "media_copies",
+                                                            "answer_tokens")})
     try:  # everything checked before a model is built or a pipeline starts
         bad = [w for w in workloads if w not in WORKLOADS] + [v for v in variants if v not in VARIANTS + YOCO_VARIANTS]
         if bad or not workloads or not variants or args.requests < 1 or args.repeats < 1:
             raise ValueError(f"unknown workloads / variants {bad}, or empty selection, or requests/repeats < 1")
+        if args.answer_tokens is not None and args.answer_tokens < 2:
+            raise ValueError(f"--answer-tokens {args.answer_tokens}: at least 2 (one token breaks vLLM-Omni's talker "
+                             "hand-off, omni_cache.driver.variants)")
         conc = parse_concurrency(args.concurrency)
         devices = parse_variant_devices(args.variant_devices, variants)
         loads = [c for c in conc if c > 1]

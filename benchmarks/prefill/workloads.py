@@ -38,6 +38,10 @@ class WorkloadOptions:
     audio: str | None = None
     chat_answer_tokens: int = 48
     media_copies: int = 1
+    #: thinker answer length of every request but chat turns, tokens; None: the variant's stage
+    #: config (the harness writes 2: prefill + one decode step). 8 or more times the thinker's
+    #: decode (``thinker_tpot_ms``, :data:`benchmarks.prefill.summary.MIN_TPOT_TOKENS`)
+    answer_tokens: int | None = None
 
     def media(self) -> tuple[str, str]:
         return (str(self.image or sample_path("astronaut.jpg")), str(self.audio or sample_path("speech.wav")))
@@ -67,7 +71,7 @@ def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) ->
     doc = words(opts.prefix_words, 1)
     n = opts.requests if c == 1 else max(opts.requests, 2 * c)
     q = lambda r, i: _question(r, i, opts.suffix_words, c)  # noqa: E731
-    base = {"workload": workload, "round": r, "image": None, "audio": None, "max_tokens": None,
+    base = {"workload": workload, "round": r, "image": None, "audio": None, "max_tokens": opts.answer_tokens,
             "measure": True, "chat": None, "system": DEFAULT_SYSTEM_PROMPT, **({"concurrency": c} if c > 1 else {})}
     if workload == "text":
         return [{**base, "index": i, "text": f"{doc}\n\n{q(r, i)}"} for i in range(n)]
@@ -121,7 +125,8 @@ def warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int =
     docs/benchmarks.md)."""
     if concurrency == 1:
         few = WorkloadOptions(**{**opts.__dict__, "requests": WARMUP_REQUESTS})
-        return [dict(s, measure=False, index=-1, max_tokens=None) for w in workloads for s in specs(w, -1, few)]
+        return [dict(s, measure=False, index=-1, max_tokens=opts.answer_tokens)
+                for w in workloads for s in specs(w, -1, few)]
     one = WorkloadOptions(**{**opts.__dict__, "requests": 1})
     return [{**s, "measure": False} for w in workloads for s in specs(w, -2, one, concurrency=concurrency)]
 

@@ -188,6 +188,17 @@ def test_workload_specs_share_prefix_and_miss_does_not():
         specs("video", 0, opts)
 
 
+def test_answer_tokens_set_every_request_but_chat_turns():
+    # default: the variant's stage config decides (max_tokens None); --answer-tokens N: every
+    # timed and warm-up request of the other workloads answers N tokens, chat turns keep theirs
+    assert all(s["max_tokens"] is None for w in ("text", "floor", "miss") for s in specs(w, 0, WorkloadOptions()))
+    opts = WorkloadOptions(requests=3, answer_tokens=32, chat_answer_tokens=48)
+    for w in ("text", "image", "audio", "floor", "miss"):
+        assert {s["max_tokens"] for s in specs(w, 0, opts) + specs(w, 0, opts, concurrency=4)} == {32}, w
+        assert {s["max_tokens"] for s in warmup_specs([w], opts) + warmup_specs([w], opts, 4)} == {32}, w
+    assert {s["max_tokens"] for s in specs("chat", 0, opts)} == {48}
+
+
 def test_variant_stage_configs(tmp_path):
     mem = MemorySettings(thinker_kv_bytes=64 << 20)
     off = yaml.safe_load(variant_stage_config(CPU_STAGE_CONFIG, tmp_path, "off", mem=mem).read_text())
@@ -238,6 +249,8 @@ def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
     assert main(["--image", str(bad), "--out", str(tmp_path)]) == 2
     assert "broken.jpg" in capsys.readouterr().err
     assert main(["--modalities", "chat", "--requests", "1", "--out", str(tmp_path)]) == 2
+    assert main(["--answer-tokens", "1", "--out", str(tmp_path)]) == 2
+    assert "--answer-tokens 1" in capsys.readouterr().err
     assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     assert "config.json" in capsys.readouterr().err
     assert not any(tmp_path.glob("prefill-*"))   # no run directory, no pipeline
