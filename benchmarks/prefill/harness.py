@@ -449,7 +449,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "alternation": alternation, "memory": memory, "memory_per_variant": mem_per_variant,
             "pipeline_start_s": starts, "metric_definitions": METRIC_DEFINITIONS, "workloads": summ,
             "bar_checks": checks, "samples": samples, "concurrency": conc, "load": load, "load_bar_checks": load_checks,
-            "overhead_checks": overhead,
+            "overhead_checks": overhead, "step_host_times": S.step_host_times(metrics),
             "load_note": load_note, "graph_note": graph_note or None, "load_samples": load_samples,
             "warmup_samples": warm, "omni_cache_metrics": metrics,
             # a variant with failed requests: the cause, from its log (the logs may stay on the GPU host)
@@ -566,6 +566,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print("\n" + S.format_load_table(result["load"], result["load_bar_checks"]))
     if any(w in workloads for w in S.OVERHEAD_WORKLOADS):
         print("\n" + S.format_overhead(result["overhead_checks"]))
+        print(S.format_step_host_times(result["step_host_times"]))
     print("\n" + S.format_memory(result["memory_per_variant"]))
     print(f"\nalternation: {alternation['mode']} ({alternation.get('reason', 'requested')})")
     if "one_pipeline_pss_bytes" in alternation:

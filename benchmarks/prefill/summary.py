@@ -522,6 +522,39 @@ def format_overhead(checks: dict[str, list[dict[str, Any]]]) -> str:
                       *_check_lines(checks)])
 
 
+def step_host_times(metrics: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per variant and runner phase (``execute_model``, ``output_builder``: the thinker runner's
+    ``runner-<pid>.json``, :class:`omni_cache.engine.metrics.RunnerStepTimes`), summed over the
+    variant's thinker processes: ``calls``, ``ms_wall`` and ``ms_cpu`` per call (wall minus CPU:
+    waiting for the GIL or the device). Where a step-time difference between variants goes;
+    warm-up steps included (the counters run from the engine's start)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for m in metrics:
+        if not str(m.get("file", "")).startswith("runner-") or m.get("stage") not in (None, "thinker"):
+            continue
+        for phase, c in m.items():
+            if not isinstance(c, dict) or "calls" not in c:
+                continue
+            acc = out.setdefault(m["variant"], {}).setdefault(phase, {"calls": 0, "s_wall": 0.0, "s_cpu": 0.0})
+            acc["calls"] += int(c["calls"])
+            acc["s_wall"] += float(c["seconds_wall"])
+            acc["s_cpu"] += float(c["seconds_cpu"])
+    return {v: {ph: {"calls": a["calls"], "ms_wall": 1e3 * a["s_wall"] / a["calls"] if a["calls"] else None,
+                     "ms_cpu": 1e3 * a["s_cpu"] / a["calls"] if a["calls"] else None}
+                for ph, a in by.items()} for v, by in out.items()}
+
+
+def format_step_host_times(times: dict[str, dict[str, dict[str, float]]]) -> str:
+    """:func:`step_host_times` as lines: per variant, each phase's ms per call (wall / CPU)."""
+    if not times:
+        return "thinker host time per step: n/a (no runner-<pid>.json: OMNI_CACHE_METRICS_DIR unset)"
+    lines = ["thinker host time per step (ms per call, wall / thread CPU; warm-up included):"]
+    for v, by in times.items():
+        lines.append(f"  {v:10} " + "  ".join(f"{ph} {lab.fmt(t['ms_wall'], '.3f')} / {lab.fmt(t['ms_cpu'], '.3f')}"
+                                             f" ({t['calls']} calls)" for ph, t in sorted(by.items())))
+    return "\n".join(lines)
+
+
 def _over(a: float | None, b: float | None) -> float | None:
     """``a / b``; None where ``a`` is None or ``b`` is None or zero (``a`` = 0 gives 0)."""
     return a / b if a is not None and b else None

@@ -155,7 +155,9 @@ def variant_stage_config(base: Path, out_dir: Path, variant: str, *, mem: Memory
     env = {sid: {"VLLM_CPU_OMP_THREADS_BIND": omp_bind} for sid in (0, 1, 2)}
     env[0].update({
         settings.PREFIX_CACHE_BACKEND.name: None if cache == "off" else cache,
-        settings.METRICS_DIR.name: None if cache == "off" else str(Path(out_dir).resolve() / f"metrics_{variant}")})
+        # every variant, cache off too: the runner's host time per step (runner-<pid>.json) is
+        # compared across variants (benchmarks.prefill.summary.step_host_times)
+        settings.METRICS_DIR.name: str(Path(out_dir).resolve() / f"metrics_{variant}")})
     # thinker time = prefill + one decode step (max_tokens 1 breaks vLLM-Omni's talker
     # hand-off: "size of tensor a (8) must match b (9)")
     sampling = {0: {"max_tokens": thinker_max_tokens}, 1: {"max_tokens": talker_max_tokens}}

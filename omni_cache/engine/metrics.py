@@ -194,3 +194,44 @@ class BlockDigestAudit:
     def forget(self, request_id: str) -> None:
         """Drop a finished request's rows of a block it never filled."""
         self._rows.pop(str(request_id), None)
+
+
+class RunnerStepTimes:
+    """Host time per engine step of an AR stage's runner, cache on or off — the attribution of
+    a step-time difference between variants (issue 43's zero-overhead bar; docs/gpu.md,
+    "Twenty-first session"). Published as ``runner-<pid>.json`` (``OMNI_CACHE_METRICS_DIR``).
+
+    Counters (seconds, summed over the steps): ``execute_model`` — the runner's
+    ``execute_model`` on the engine's thread (input preparation, the forward's launch, omni-cache's
+    save); ``output_builder`` — vLLM-Omni's payload builder (on its async-output thread under
+    async scheduling, else inline), with omni-cache's ``materialize``. Each as wall time and as
+    the calling thread's CPU time (``time.thread_time``): wall minus CPU is time spent waiting —
+    for the GIL held by another thread, or for the device.
+    """
+
+    FIELDS = ("execute_model", "output_builder")
+
+    def __init__(self, stage: str | None) -> None:
+        self.stage = stage
+        self.counts = dict.fromkeys(self.FIELDS, 0)
+        self.wall = dict.fromkeys(self.FIELDS, 0.0)
+        self.cpu = dict.fromkeys(self.FIELDS, 0.0)
+        self._file = MetricsFile("runner", min_interval_s=0.5)
+
+    def add(self, field: str, wall_s: float, cpu_s: float) -> None:
+        """Count one call of ``field`` (one of :attr:`FIELDS`) that took ``wall_s`` / ``cpu_s``
+        seconds, and schedule a deferred write of the file (never on the calling thread)."""
+        self.counts[field] += 1
+        self.wall[field] += wall_s
+        self.cpu[field] += cpu_s
+        self._file.publish(self.snapshot, defer=True)
+
+    def snapshot(self) -> dict:
+        """The counters as written: ``stage``, and per field ``calls``, ``seconds_wall``,
+        ``seconds_cpu``."""
+        return {"stage": self.stage, **{f: {"calls": self.counts[f], "seconds_wall": self.wall[f],
+                                            "seconds_cpu": self.cpu[f]} for f in self.FIELDS}}
+
+    def flush(self) -> None:
+        """Write the file now (shutdown)."""
+        self._file.publish(self.snapshot, force=True)

@@ -12,6 +12,7 @@ composed in :mod:`omni_cache.engine.workers_cpu` and :mod:`omni_cache.engine.wor
 from __future__ import annotations
 
 import logging
+import time
 
 from omni_cache.engine.stage_manager import CACHED_BLOCKS_ATTR, OmniCacheStageManager
 
@@ -73,7 +74,28 @@ class OmniCacheRunnerMixin:
         logger.info("omni-cache: fused step writer %s on %s in %.2f s", "compiled and checked" if ok
                     else "unavailable (pools' index_copy_ path)", device, time.perf_counter() - t0)
 
+    def _step_times(self):
+        """This runner's :class:`~omni_cache.engine.metrics.RunnerStepTimes` (built at the first
+        step), or None when ``OMNI_CACHE_METRICS_DIR`` is unset: then nothing is timed."""
+        if "_omni_step_times" not in self.__dict__:
+            from omni_cache import settings
+            from omni_cache.engine.metrics import RunnerStepTimes
+
+            self.__dict__["_omni_step_times"] = (RunnerStepTimes(getattr(getattr(self, "model_config", None), "model_stage", None))
+                                                 if settings.METRICS_DIR.get() else None)
+        return self.__dict__["_omni_step_times"]
+
     def execute_model(self, scheduler_output, *args, **kwargs):
+        times = self._step_times()
+        if times is None:
+            return self._execute_model(scheduler_output, *args, **kwargs)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self._execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            times.add("execute_model", time.perf_counter() - t0, time.thread_time() - c0)
+
+    def _execute_model(self, scheduler_output, *args, **kwargs):
         self._restart_resumed_payloads(scheduler_output)
         audit = self._talker_kv_audit()
         cc = self.cache_config
@@ -109,6 +131,16 @@ class OmniCacheRunnerMixin:
         copy of ours (``OMNI_CACHE_HANDOFF_STAGING=snapshot``, docs/gpu.md "Zero overhead").
         The built output carries the block ids the step cached (:data:`CACHED_BLOCKS_ATTR`) to
         the capped scheduler."""
+        times = self._step_times()
+        if times is None:
+            return self._build_output_from_snapshot(**kwargs)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self._build_output_from_snapshot(**kwargs)
+        finally:
+            times.add("output_builder", time.perf_counter() - t0, time.thread_time() - c0)
+
+    def _build_output_from_snapshot(self, **kwargs):
         mgr = getattr(self, "omni_prefix_cache", None)
         step_id = kwargs.get("prefix_cache_step_id")
         cached = None
@@ -143,6 +175,9 @@ class OmniCacheRunnerMixin:
         mgr = getattr(self, "omni_prefix_cache", None)
         if isinstance(mgr, OmniCacheStageManager):
             mgr.shutdown()
+        times = self.__dict__.get("_omni_step_times")
+        if times is not None:
+            times.flush()
         freeze_gc_for_process_teardown()
         parent = getattr(super(), "shutdown", None)
         if parent is not None:

@@ -148,12 +148,13 @@ class _SavedStep:
     #: (:meth:`OmniCacheStageManager.cached_blocks`)
     cached_blocks: frozenset[int] = frozenset()
 
-    def rows(self, req_id: str) -> dict[str, torch.Tensor]:
-        """Key → the request's hand-off rows (``cached prefix ++ fresh``)."""
+    def rows(self, req_id: str, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """Key → the request's hand-off rows (``cached prefix ++ fresh``); ``keys``: only
+        those (of a request without a staged prefix; default: every hand-off key)."""
         if self.from_snapshot:
             s, e = self.plan.spans[req_id]
             n = self.num_tokens
-            fresh = {k: self.snapshot[k][:n].reshape(n, -1)[s:e] for k in self.plan.handoff_keys}
+            fresh = {k: self.snapshot[k][:n].reshape(n, -1)[s:e] for k in keys or self.plan.handoff_keys}
             if self.staged is not None and req_id in self.staged.prefix:
                 return self.staged.complete(req_id, fresh)
             return fresh
@@ -598,6 +599,8 @@ class OmniCacheStageManager:
             step.staged.wait()
             if self.cache is not None:
                 self.cache.metrics.seconds_handoff_wait += time.perf_counter() - t_wait
+        if not plan.hits and not plan.truncated:
+            return self._handoff_fresh(step, req_ids, t0)
         rows = {rid: step.rows(rid) for rid in req_ids}
         hidden = {rid: rows[rid][HIDDEN_KEY] for rid in req_ids if HIDDEN_KEY in rows[rid]}
         mm: dict[str, dict[str, Any]] = {}
@@ -616,6 +619,23 @@ class OmniCacheStageManager:
             self.cache.metrics.seconds_materialize += time.perf_counter() - t0
         self._publish_metrics()
         return HandOff(hidden_states=hidden or None, mm_outputs=mm)
+
+    def _handoff_fresh(self, step: _SavedStep, req_ids: list[str], t0: float) -> HandOff:
+        """A step without a hit (and without fast prefill's truncated rows): every row it hands
+        off is the step's own, as with cache off. Only the final hidden rows are handed over
+        (vLLM-Omni's builder takes them from the prefix cache when one is on, for a model that
+        hands them off); the multimodal outputs are left to vLLM-Omni, which then builds them
+        from its own snapshot exactly as with cache off — no per-request, per-key work of ours
+        on the builder's thread, the step's hot path (an H200, 2026-11-29, docs/gpu.md
+        "Twenty-first session": omni-cache's per-step host time grew with the batch)."""
+        hidden = None
+        if HIDDEN_KEY in step.plan.handoff_keys:
+            one = (HIDDEN_KEY,)
+            hidden = {rid: step.rows(rid, one)[HIDDEN_KEY] for rid in req_ids}
+        if self.cache is not None:
+            self.cache.metrics.seconds_materialize += time.perf_counter() - t0
+        self._publish_metrics()
+        return HandOff(hidden_states=hidden, mm_outputs={})
 
     def cached_blocks(self, step_id: int) -> frozenset[int] | None:
         """Block ids (mirrored KV cache group) whose rows the saved step ``step_id`` completed

@@ -36,6 +36,7 @@ class StaticBufferEngine(FakeEngine):
             self.manager._stager = HostStager(torch.device("cpu"))
         self.buf = {k: torch.zeros(64, 6) for k in self.keys}
         self.pending = None
+        self.own = {}
 
     def save(self, *, new=(), cached=()):
         """Schedule and save a step; materialize the previous one (returns its hand-off)."""
@@ -55,12 +56,22 @@ class StaticBufferEngine(FakeEngine):
         mm = {k: self.buf[k][:n] for k in self.keys if k != HIDDEN_KEY}
         step_id = self.manager.save_outputs(self.buf[HIDDEN_KEY][:n], mm, num_tokens_unpadded=n,
                                             num_tokens_padded=n)
+        # vLLM-Omni's own copy of the step's multimodal outputs, which its payload builder
+        # slices per request when the prefix cache hands over none (a step without a hit)
+        batch, off = {}, 0
+        for r in order:
+            batch[r], off = (off, off + spans[r][1] - spans[r][0]), off + spans[r][1] - spans[r][0]
+        self.own[step_id] = (batch, {k: v.clone() for k, v in mm.items()})
         previous, self.pending = self.pending, (step_id, order)
         return None if previous is None else self.flush(previous)
 
     def flush(self, pending=None):
         step_id, order = pending or self.pending
         out = self.manager.materialize(step_id, order)
+        batch, own = self.own.pop(step_id)
+        if not out.mm_outputs:
+            return {r: {HIDDEN_KEY: out.hidden_states[r], **{k: v[slice(*batch[r])] for k, v in own.items()}}
+                    for r in order}
         return {r: {HIDDEN_KEY: out.hidden_states[r], **{k: v[r] for k, v in out.mm_outputs.items()}}
                 for r in order}
 

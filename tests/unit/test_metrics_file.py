@@ -9,8 +9,11 @@ they must never take the engine down.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+
+import pytest
 
 from omni_cache.engine.metrics import MetricsFile
 
@@ -83,3 +86,27 @@ def test_a_deferred_write_leaves_the_calling_thread_and_lands_within_the_interva
     assert mf.publish({"hits": 101}, force=True) is True
     time.sleep(0.4)
     assert json.loads(mf.path().read_text()) == {"hits": 101} and len(writers) == 3, writers
+
+
+def test_runner_step_times_written_and_summarised_per_variant(tmp_path, monkeypatch):
+    """The runner's host time per step (cache off too) reaches ``runner-<pid>.json`` and the
+    benchmark's per-variant summary: ms per call, wall and thread CPU."""
+    from benchmarks.prefill import summary as S
+    from omni_cache.engine.metrics import RunnerStepTimes
+
+    monkeypatch.setenv("OMNI_CACHE_METRICS_DIR", str(tmp_path))
+    times = RunnerStepTimes("thinker")
+    for _ in range(4):
+        times.add("execute_model", 0.002, 0.0015)
+    times.add("output_builder", 0.003, 0.001)
+    times.flush()
+    data = json.loads((tmp_path / f"runner-{os.getpid()}.json").read_text())
+    assert data["stage"] == "thinker" and data["execute_model"]["calls"] == 4
+    rows = [{"variant": "off", "file": "runner-1.json", **data},
+            {"variant": "off", "file": "runner-2.json", **{**data, "stage": "talker"}},  # not the thinker's
+            {"variant": "omni_cache", "file": "metrics-3.json", "steps": 9}]             # not a runner file
+    got = S.step_host_times(rows)
+    assert set(got) == {"off"}
+    assert got["off"]["execute_model"] == {"calls": 4, "ms_wall": pytest.approx(2.0), "ms_cpu": pytest.approx(1.5)}
+    assert got["off"]["output_builder"]["ms_wall"] == pytest.approx(3.0)
+    assert "execute_model 2.000 / 1.500 (4 calls)" in S.format_step_host_times(got)

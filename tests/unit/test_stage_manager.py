@@ -86,8 +86,17 @@ class FakeEngine:
         step_id = self.manager.save_outputs(hidden, mm, num_tokens_unpadded=hidden.shape[0],
                                             num_tokens_padded=hidden.shape[0])
         self.cached_log.append(self.manager.cached_blocks(step_id))  # what the step's output reports
-        out = self.manager.materialize(step_id, order)
+        out = self.last_handoff = self.manager.materialize(step_id, order)
         assert self.manager.cached_blocks(step_id) is None  # consumed
+        if not out.mm_outputs:
+            # as vLLM-Omni's payload builder when the prefix cache hands over no multimodal
+            # outputs (a step without a hit): each request's own slice of the step's outputs
+            off, batch = 0, {}
+            for r in order:
+                n = spans[r][1] - spans[r][0]
+                batch[r], off = (off, off + n), off + n
+            return {r: {HIDDEN_KEY: out.hidden_states[r], **{k: v[slice(*batch[r])] for k, v in mm.items()}}
+                    for r in order}
         return {r: {HIDDEN_KEY: out.hidden_states[r], **{k: v[r] for k, v in out.mm_outputs.items()}}
                 for r in order}
 
@@ -280,3 +289,21 @@ def test_step_host_time_is_split_into_its_parts(tmp_path, monkeypatch):
     eng.manager.shutdown()  # the forced write (the steps' writes are a timer thread's)
     written = json.loads(next(tmp_path.glob("metrics-*.json")).read_text())
     assert {"seconds_plan", "seconds_stage", "seconds_handoff_wait", "seconds_publish"} <= set(written)
+
+
+def test_a_step_without_a_hit_leaves_the_multimodal_outputs_to_vllm_omni():
+    """A step whose requests have no hit hands over the final hidden rows alone: vLLM-Omni's
+    builder slices the multimodal outputs from its own copy, as with cache off (no per-request
+    work of ours on its thread); a step with a hit hands over every key (its prefix rows)."""
+    eng = FakeEngine()
+    a = list(range(100, 110))
+    eng.add("A", a)
+    assert_rows(eng.step(new=[("A", [3, 7, 9], 0, 10)])["A"], expected(a, 0, 10))
+    assert eng.last_handoff.mm_outputs == {} and set(eng.last_handoff.hidden_states) == {"A"}
+    b = a[:8] + [1, 2]
+    eng.add("B", b)
+    eng.add("C", [5, 6, 7])
+    got = eng.step(new=[("B", [3, 7, 11], 8, 2), ("C", [12], 0, 3)])  # B hits 8 tokens, C misses
+    assert set(eng.last_handoff.mm_outputs) == {LAYER}
+    assert_rows(got["B"], expected(b, 0, 10))
+    assert_rows(got["C"], expected([5, 6, 7], 0, 3))
