@@ -81,8 +81,8 @@ class OmniCacheRunnerMixin:
             from omni_cache import settings
             from omni_cache.engine.metrics import RunnerStepTimes
 
-            self.__dict__["_omni_step_times"] = (RunnerStepTimes(getattr(getattr(self, "model_config", None), "model_stage", None))
-                                                 if settings.METRICS_DIR.get() else None)
+            stage = getattr(getattr(self, "model_config", None), "model_stage", None)
+            self.__dict__["_omni_step_times"] = RunnerStepTimes(stage) if settings.METRICS_DIR.get() else None
         return self.__dict__["_omni_step_times"]
 
     def execute_model(self, scheduler_output, *args, **kwargs):
