@@ -147,6 +147,11 @@ class _SavedStep:
     #: block ids of the mirrored group whose rows this step completed and cached with a hash
     #: (:meth:`OmniCacheStageManager.cached_blocks`)
     cached_blocks: frozenset[int] = frozenset()
+    #: every output the payload builder holds for this step is a host tensor (the CPU platform;
+    #: on CUDA vLLM-Omni's async-output snapshot, :meth:`OmniCacheStageManager.attach_snapshot`):
+    #: only then may a step without a hit leave its multimodal outputs to vLLM-Omni
+    #: (:meth:`OmniCacheStageManager._handoff_fresh`)
+    outputs_on_host: bool = False
 
     def rows(self, req_id: str, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """Key → the request's hand-off rows (``cached prefix ++ fresh``); ``keys``: only
@@ -286,7 +291,9 @@ class OmniCacheStageManager:
             merged, staged = self.merge(plan, fresh, prefixes), None
         step_id = next(self._step_ids)
         self._steps[step_id] = _SavedStep(plan, merged, staged, outputs.passthrough, outputs.num_tokens,
-                                          from_snapshot=snapshot, cached_blocks=cached_blocks)
+                                          from_snapshot=snapshot, cached_blocks=cached_blocks,
+                                          outputs_on_host=not snapshot and self._stager is None
+                                          and _all_on_host([hidden_states, *(mm_outputs or {}).values()]))
         t1 = time.perf_counter()
         self.step_seconds = t1 - t0
         m = self.cache.metrics
@@ -560,6 +567,11 @@ class OmniCacheStageManager:
 
         flat = flatten_payload(mm_outputs) if mm_outputs else {}
         n = step.num_tokens
+        # vLLM-Omni's builder slices what it holds itself when we hand over no multimodal
+        # outputs: only safe when all of it is on the host, as ours are (under async omni output,
+        # streaming; without it the builder holds the forward's device tensors, and a request's
+        # accumulated payload would mix device and host rows: found on an H200, 2026-11-29)
+        step.outputs_on_host = _all_on_host([hidden_states, *flat.values()])
         snap = {}
         for k in step.plan.handoff_keys:
             t = hidden_states if k == HIDDEN_KEY else flat.get(k)
@@ -599,7 +611,7 @@ class OmniCacheStageManager:
             step.staged.wait()
             if self.cache is not None:
                 self.cache.metrics.seconds_handoff_wait += time.perf_counter() - t_wait
-        if not plan.hits and not plan.truncated:
+        if not plan.hits and not plan.truncated and step.outputs_on_host:
             return self._handoff_fresh(step, req_ids, t0)
         rows = {rid: step.rows(rid) for rid in req_ids}
         hidden = {rid: rows[rid][HIDDEN_KEY] for rid in req_ids if HIDDEN_KEY in rows[rid]}
@@ -621,7 +633,8 @@ class OmniCacheStageManager:
         return HandOff(hidden_states=hidden or None, mm_outputs=mm)
 
     def _handoff_fresh(self, step: _SavedStep, req_ids: list[str], t0: float) -> HandOff:
-        """A step without a hit (and without fast prefill's truncated rows): every row it hands
+        """A step without a hit (and without fast prefill's truncated rows), whose outputs the
+        builder holds on the host (:attr:`_SavedStep.outputs_on_host`): every row it hands
         off is the step's own, as with cache off. Only the final hidden rows are handed over
         (vLLM-Omni's builder takes them from the prefix cache when one is on, for a model that
         hands them off); the multimodal outputs are left to vLLM-Omni, which then builds them
@@ -689,6 +702,11 @@ def fast_prefill_truncates(runner) -> bool:
     KV-shared layers."""
     return bool(getattr(runner.cache_config, "kv_sharing_fast_prefill", False)
                 and getattr(runner, "kv_sharing_fast_prefill_eligible_layers", None))
+
+
+def _all_on_host(values) -> bool:
+    """Whether every tensor among ``values`` (anything else is ignored) is on the CPU."""
+    return all(v.device.type == "cpu" for v in values if isinstance(v, torch.Tensor))
 
 
 def hands_off_hidden(runner) -> bool:

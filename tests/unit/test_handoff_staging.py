@@ -275,3 +275,25 @@ def test_snapshot_of_live_device_tensors_hands_off_host_rows():
     got = eng.flush()["A"]
     assert all(t.device.type == "cpu" for t in got.values())
     assert_rows(got, expected(a, 0, 11))
+
+
+def test_a_builder_holding_device_tensors_gets_every_key(monkeypatch):
+    """Without vLLM-Omni's async output (no streaming) its payload builder holds the forward's
+    device tensors: a step without a hit must still hand over every key (host rows), or a
+    request's accumulated payload mixes device and host rows (the engine died on an H200 when
+    it did not). Here the snapshot's tensors are made to look like device tensors."""
+    from omni_cache.engine import stage_manager
+
+    assert stage_manager._all_on_host([torch.zeros(1), "not a tensor"])
+    assert not stage_manager._all_on_host([torch.zeros(1), torch.zeros(1, device="meta")])
+    eng = SnapshotEngine()
+    a = list(range(100, 111))
+    eng.add("A", a)
+    eng.save(new=[("A", [3, 7, 9], 0, 11)])
+    monkeypatch.setattr(stage_manager, "_all_on_host", lambda values: False)
+    step_id, order = eng.pending
+    eng.manager.attach_snapshot(step_id, *eng.snapshots.pop(step_id))
+    out = eng.manager.materialize(step_id, order)
+    assert set(out.mm_outputs) == {"hidden_states.layer_0"}
+    assert_rows({HIDDEN_KEY: out.hidden_states["A"], **{k: v["A"] for k, v in out.mm_outputs.items()}},
+                expected(a, 0, 11))
