@@ -325,6 +325,23 @@ class BlockLedger:
             return
         self._apply_request_write(write)
 
+    def record_one_row_each(self, block_ids: np.ndarray, offsets: np.ndarray, owners: Sequence[Hashable],
+                            key_mask: np.ndarray) -> bool:
+        """A decode step's writes at once: owner ``owners[j]`` wrote the row at in-block offset
+        ``offsets[j]`` (int64 ``[n]``) of block ``block_ids[j]`` (int64 ``[n]``, in range), no
+        block becoming full — the same as one :meth:`defer_request_write` per request, applied
+        now, vectorised. Returns False, changing nothing, where that equivalence is not given
+        here (writes still deferred, repeated blocks, an owner never seen): the caller then
+        records them one by one."""
+        if self._pending or not self._states.distinct(block_ids):
+            return False
+        owner_ids = np.fromiter((self._owners.id_of(o, False, self._states.owner) for o in owners),
+                                dtype=np.int64, count=len(owners))
+        if np.count_nonzero(owner_ids < 0):  # UNKNOWN_OWNER (never NO_OWNER: owners are request ids)
+            return False
+        self._states.write_one_row_each(block_ids, offsets, owner_ids, key_mask)
+        return True
+
     def _apply_request_write(self, write: BlockWrite) -> None:
         """:meth:`record_request_write` on a checked write, nothing deferred."""
         owner_id = self._owners.id_of(write.owner, True, self._states.owner)

@@ -168,6 +168,24 @@ class BlockStates:
             self.block_hash[h] = block_hashes[hashed]
             self.cached[h] = True
 
+    def write_one_row_each(self, ids: np.ndarray, starts: np.ndarray, owner_ids: np.ndarray,
+                           key_mask: np.ndarray) -> None:
+        """Row ``starts[j]`` of distinct blocks ``ids`` (int64 ``[n]``) written by owner
+        ``owner_ids[j]`` for the keys of ``key_mask``, no block hashed: what
+        ``write_one(ids[j], starts[j], starts[j] + 1, None, key_mask, owner_ids[j])`` does for
+        every ``j`` (a decode step's writes, one row per request), vectorised."""
+        reset = (self.owner.take(ids) != owner_ids) | self.cached.take(ids)
+        if np.count_nonzero(reset):
+            r = ids[reset]
+            self.cached[r] = False
+            self.owner[r] = owner_ids[reset]
+            self.filled[:, r] = 0
+            self.generation[r] += 1
+        ends = starts + 1
+        for i, written in enumerate(key_mask.tolist()):
+            f = np.minimum(self.filled[i].take(ids), starts)  # rows at >= start are being redefined
+            self.filled[i][ids] = np.where(f == starts, ends, f) if written else f
+
     def write_request_many(self, write: BlockWrite, ids: np.ndarray, owner_id: int) -> None:
         """A request's step write (:class:`BlockWrite`) over distinct blocks ``ids`` (its
         ``block_ids`` as int64 ``[n]``), vectorised.

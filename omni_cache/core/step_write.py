@@ -12,13 +12,14 @@ index copies on the engine's host thread (measured on an H100, docs/gpu.md "Zero
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from omni_cache.core.ledger_state import BlockWrite
 from omni_cache.core.request_write import BlockHashes, RequestWrite, normalise_request_write, validate_request_write
 from omni_cache.core.row_index import RowIndex
 from omni_cache.core.slots import BlockIds
@@ -80,6 +81,17 @@ def write_step_rows(cache: Any, requests: Sequence[StepRequest],
             raise ValueError(f"write_step_rows: key {key!r} rows of shape {tuple(t.shape)} do not match "
                              f"[{total}, {spec.width}]")
     mask = cache.ledger.key_mask(rows)
+    if len(requests) > 2 and total == len(requests) and rows:
+        decode = _decode_slots(requests, cache.block_size, cache.num_blocks)
+        if decode is not None:
+            _write_pools(cache, decode[0], rows, total, lambda: decode[1])
+            if not cache.ledger.record_one_row_each(decode[1], decode[0] % cache.block_size,
+                                                    [r.req_id for r in requests], mask):
+                for r, b, slot in zip(requests, decode[1].tolist(), decode[0].tolist(), strict=True):
+                    o = slot % cache.block_size
+                    cache.ledger.defer_request_write(BlockWrite([b], o, o + 1, [0], [False], mask, r.req_id))
+            cache.metrics.seconds_write += time.perf_counter() - t0
+            return
     writes = []
     for r in requests:
         w = normalise_request_write(r.req_id, r.block_ids, r.start, {}, r.num_tokens, r.block_hashes,
@@ -88,21 +100,52 @@ def write_step_rows(cache: Any, requests: Sequence[StepRequest],
         writes.append(w)
     if total and rows:
         slots = np.concatenate([step_slots(w, cache.block_size) for w in writes if w.num_tokens])
-        index = RowIndex(slots)
-        try:
-            for key, t in rows.items():
-                pool = cache.pools[key]
-                pool.write(index, t)
-                cache.metrics.bytes_written += total * pool.row_bytes
-        except BaseException:
-            for w in writes:
-                if w.num_tokens:
-                    cache.ledger.invalidate_blocks(np.asarray(w.blocks.block_ids, dtype=np.int64))
-            raise
-        cache.metrics.rows_written += total * len(rows)
+        _write_pools(cache, slots, rows, total,
+                     lambda: np.concatenate([np.asarray(w.blocks.block_ids, dtype=np.int64)
+                                             for w in writes if w.num_tokens]))
     for w in writes:  # as write_request_rows: touched blocks (deferred), blocks hashed on the side
         if w.num_tokens:
             cache.ledger.defer_request_write(w.blocks)
         if len(w.other_block_ids):
             cache.ledger.cache_full_blocks(w.other_block_ids, w.other_block_hashes, owner=w.req_id)
     cache.metrics.seconds_write += time.perf_counter() - t0
+
+
+def _write_pools(cache: Any, slots: np.ndarray, rows: Mapping[str, torch.Tensor], total: int,
+                 touched: Callable[[], np.ndarray]) -> None:
+    """Every key's rows at ``slots`` (int64 ``[total]``), one index for all keys; a failed
+    write invalidates the blocks ``touched()`` returns (int64) and re-raises."""
+    index = RowIndex(slots)
+    try:
+        for key, t in rows.items():
+            pool = cache.pools[key]
+            pool.write(index, t)
+            cache.metrics.bytes_written += total * pool.row_bytes
+    except BaseException:
+        cache.ledger.invalidate_blocks(touched())
+        raise
+    cache.metrics.rows_written += total * len(rows)
+
+
+def _decode_slots(requests: Sequence[StepRequest], block_size: int, num_blocks: int
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
+    """For a decode step — every request writes one row and caches no block — ``(slots, block
+    ids)`` (int64 ``[n]`` each) without a :class:`RequestWrite` per request; None where a
+    request does not fit that (it then takes the general path, which also raises its errors)."""
+    ids = []
+    for r in requests:
+        if r.num_tokens != 1 or type(r.block_hashes) is not dict or r.block_hashes:
+            return None
+        b = r.start // block_size
+        table = r.block_ids
+        if r.start < 0 or b >= len(table) or type(table) is not list:
+            return None
+        ids.append(table[b])
+    try:
+        blocks = np.array(ids, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    if not blocks.size or blocks.min() < 0 or blocks.max() >= num_blocks:
+        return None
+    starts = np.fromiter((r.start for r in requests), dtype=np.int64, count=len(requests))
+    return blocks * block_size + starts % block_size, blocks

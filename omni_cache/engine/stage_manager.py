@@ -471,15 +471,18 @@ class OmniCacheStageManager:
                 fresh[rid] = {k: p[i] for k, p in parts.items()}
             elif keep_fresh:
                 fresh[rid] = {k: outputs.rows[k][s:e] for k in plan.write_keys}
-            start = self.reqs[rid].num_computed_tokens
-            hashes = self.block_hashes(rid, start + (e - s))
-            new_full = {b: hashes[b] for b in range(start // self.block_size, len(hashes))}
-            table = self.reqs[rid].block_ids
-            self._cached_this_step.extend(table[b] for b in new_full)
+            view = self.reqs[rid]
+            start = view.num_computed_tokens
+            if (start + e - s) // self.block_size > start // self.block_size:  # a block completes
+                hashes = self.block_hashes(rid, start + (e - s))
+                new_full = {b: hashes[b] for b in range(start // self.block_size, len(hashes))}
+                self._cached_this_step.extend(view.block_ids[b] for b in new_full)
+            else:  # (most decode steps) nothing to hash: block_hashes would hash nothing either
+                new_full = {}
             if self._block_audit.path is not None:
                 keys = [k for k in plan.handoff_keys if not (k == HIDDEN_KEY and rid in plan.truncated)]
                 self._block_audit.add(rid, start, {k: outputs.rows[k][s:e] for k in keys}, new_full)
-            step.append(StepRequest(rid, self.reqs[rid].block_ids, start, e - s, new_full))
+            step.append(StepRequest(rid, view.block_ids, start, e - s, new_full))
         if not plan.truncated:
             self.cache.write_step_rows(step, {k: outputs.rows[k][:outputs.num_tokens] for k in plan.write_keys})
             return fresh

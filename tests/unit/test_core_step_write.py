@@ -10,7 +10,7 @@ import torch
 from omni_cache.core import chained_block_hashes
 from omni_cache.core.step_write import StepRequest
 
-from .core_util import BS, KEYS, ledger_state, make_cache, rows
+from .core_util import BS, KEYS, full_write, ledger_state, make_cache, rows
 
 
 def _step():
@@ -76,3 +76,61 @@ def test_step_write_checks_every_request_before_writing():
     assert torch.equal(cache.pools[KEYS[0]].storage, before)
     with pytest.raises(ValueError, match="do not match"):
         cache.write_step_rows(step, {k: rows(n + 1) for k in KEYS})
+
+
+def _decode_steps(seed: int):
+    """Seeded decode-shaped steps over 6 blocks of 4: each request writes one row at its next
+    position; some steps restart a block under another owner, hand a cached block to a new
+    owner, or (fallbacks) repeat a block, bring an owner never seen, or complete a block."""
+    import random
+
+    rng = random.Random(seed)
+    tables = {f"R{i}": [i] for i in range(6)}
+    pos = {r: rng.randrange(0, BS) for r in tables}
+    steps = []
+    for _ in range(12):
+        reqs = rng.sample(sorted(tables), rng.randint(3, 6))
+        step = []
+        for r in reqs:
+            p = pos[r] % BS
+            pos[r] += 1
+            step.append(StepRequest(r, tables[r], p, 1, {}))
+        kind = rng.random()
+        if kind < 0.15:   # a repeated block: two requests writing the same block (fallback)
+            step.append(StepRequest(step[0].req_id + "x", step[0].block_ids, (step[0].start + 1) % BS, 1, {}))
+        elif kind < 0.3:  # an owner the ledger has never seen (fallback)
+            step[-1] = StepRequest(f"new{rng.randrange(10**6)}", step[-1].block_ids, step[-1].start, 1, {})
+        elif kind < 0.4:  # a decode row that completes and caches its block (fallback)
+            r = step[0]
+            step[0] = StepRequest(r.req_id, r.block_ids, BS - 1, 1, {0: 1000 + rng.randrange(10**6)})
+        elif kind < 0.55:  # owners swap tables: each block's next write is by another owner
+            names = sorted(tables)
+            rng.shuffle(names)
+            tables = dict(zip(names, tables.values(), strict=True))
+        steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_steps_equal_one_write_per_request(seed):
+    """The decode fast path (one row per request, no block cached: the ledger updated for all
+    requests at once) and its fallbacks against the oracle, one ``write_request_rows`` per
+    request: pools bitwise, ledger state equal, after every step."""
+    from omni_cache.core import step_write
+
+    one, per = make_cache(), make_cache()
+    for k in range(6):  # every block first filled and cached by its own request
+        full_write(one, f"R{k}", [k], list(range(10 * k, 10 * k + BS)), seed=k)
+        full_write(per, f"R{k}", [k], list(range(10 * k, 10 * k + BS)), seed=k)
+    fast = 0
+    for i, step in enumerate(_decode_steps(seed)):
+        data = {k: rows(len(step), 3, seed=100 * i + j) for j, k in enumerate(KEYS)}
+        fast += step_write._decode_slots(step, BS, one.num_blocks) is not None
+        one.write_step_rows(step, data)
+        for j, r in enumerate(step):
+            per.write_request_rows(r.req_id, r.block_ids, r.start, {k: t[j:j + 1] for k, t in data.items()},
+                                   r.block_hashes, num_tokens=1)
+        for k in KEYS:
+            assert torch.equal(one.pools[k].storage, per.pools[k].storage), (i, k)
+        assert ledger_state(one) == ledger_state(per), i
+    assert fast >= 6  # most steps took the fast path
