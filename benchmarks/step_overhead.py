@@ -32,11 +32,16 @@ def _scheduler_output(new=(), cached=()):
               num_scheduled_tokens={**{r: n for r, _, _, n in new}, **{r: n for r, _, n in cached}})
 
 
-def decode_step_us(batch: int, steps: int, *, prompt: int = 64, block_size: int = 16) -> float:
+def decode_step_us(batch: int, steps: int, *, prompt: int = 64, block_size: int = 16,
+                   handoff: str = "merge") -> float:
     """Mean µs of one decode step's seam calls (``batch`` requests, one token each), after a
-    prefill of ``prompt`` tokens per request."""
+    prefill of ``prompt`` tokens per request. ``handoff``: ``merge`` (the CPU platform's path)
+    or ``snapshot`` (the CUDA default's, ``OMNI_CACHE_HANDOFF_STAGING=snapshot``, with the stager's
+    CPU mode: the fresh rows from the host copy vLLM-Omni's async output takes of every step,
+    handed over by ``attach_snapshot`` before ``materialize``)."""
     import torch
 
+    from omni_cache.core.staging import HostStager
     from omni_cache.engine.stage_manager import HIDDEN_KEY, OmniCacheStageManager
 
     runner = NS(cache_config=NS(kv_sharing_fast_prefill=False), kv_sharing_fast_prefill_eligible_layers=None,
@@ -53,11 +58,17 @@ def decode_step_us(batch: int, steps: int, *, prompt: int = 64, block_size: int 
     def step(sched) -> None:
         m.new_step_starts(sched)
         hidden = rows[sum(sched.num_scheduled_tokens.values())]
-        sid = m.save_outputs(hidden, {k: hidden for k in KEYS if k != HIDDEN_KEY},
-                             num_tokens_unpadded=hidden.shape[0], num_tokens_padded=hidden.shape[0])
+        mm = {k: hidden for k in KEYS if k != HIDDEN_KEY}
+        sid = m.save_outputs(hidden, mm, num_tokens_unpadded=hidden.shape[0], num_tokens_padded=hidden.shape[0])
+        if m._from_snapshot:
+            m.attach_snapshot(sid, hidden, mm)
         m.materialize(sid, rids)
 
+    if handoff not in ("merge", "snapshot"):
+        raise ValueError(f"handoff {handoff!r}: merge or snapshot")
     step(_scheduler_output(new=[(r, range(i * nblk, (i + 1) * nblk), 0, prompt) for i, r in enumerate(rids)]))
+    if handoff == "snapshot":  # as _ensure_keys sets it up on CUDA
+        m._stager, m._from_snapshot = HostStager(torch.device("cpu")), True
     scheds = [_scheduler_output(cached=[(r, prompt + s, 1) for r in rids]) for s in range(steps)]
     elapsed = 0.0
     for s, sched in enumerate(scheds):
@@ -74,13 +85,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", default="1,16", help="requests per decode step, comma-separated (default 1,16)")
     ap.add_argument("--steps", type=int, default=300, help="decode steps per round (default 300)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per batch, alternated (default 5)")
+    ap.add_argument("--handoff", default="merge", choices=["merge", "snapshot"],
+                    help="the hand-off path: merge (the CPU platform's) or snapshot (the CUDA default's)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results/step-overhead-<time>)")
     args = ap.parse_args(argv)
     batches = lab.positive_int_list(args.batch, "--batch")
     samples: dict[int, list[float]] = {b: [] for b in batches}
     for k in range(args.rounds):  # alternated: each round runs every batch size once
         for b in batches:
-            samples[b].append(decode_step_us(b, args.steps))
+            samples[b].append(decode_step_us(b, args.steps, handoff=args.handoff))
             print(f"[round {k + 1}/{args.rounds}] batch {b}: {samples[b][-1]:.0f} us per decode step", flush=True)
     result = {**lab.stamp("benchmarks.step_overhead", argv), "args": lab.jsonable(args), "width": WIDTH,
               "keys": ["hidden_states.output", *KEYS],

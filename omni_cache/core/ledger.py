@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterable, Sequence
 import numpy as np
 
 from omni_cache.core.block_hashes import U64_END, HashesLike, block_hash_array, hash_list, hash_value
-from omni_cache.core.ledger_state import NO_OWNER, BlockStates, BlockWrite, KeyMasks, OwnerIds
+from omni_cache.core.ledger_state import NO_OWNER, BlockStates, BlockWrite, KeyMasks, OwnerIds, PerBlock
 from omni_cache.core.row_index import in_range
 from omni_cache.core.slots import BlockIds
 
@@ -26,23 +26,6 @@ from omni_cache.core.slots import BlockIds
 BLOCK_HASH_MISMATCH = "<block hash>"
 #: default :class:`~omni_cache.core.ledger_state.OwnerIds` floor: owners interned before a pruning
 OWNER_FLOOR = 1024
-
-
-class _PerBlock(Sequence):
-    """Read-only per-block view of one ledger field (``view[block_id]``), settled first."""
-
-    def __init__(self, ledger: BlockLedger, get) -> None:
-        self._ledger, self._get = ledger, get
-
-    def __len__(self) -> int:
-        return self._ledger.num_blocks
-
-    def __getitem__(self, block_id):
-        if isinstance(block_id, slice):
-            return [self[b] for b in range(*block_id.indices(len(self)))]
-        if self._ledger._pending:
-            self._ledger.settle()
-        return self._get(self._ledger._states, int(block_id))
 
 
 class BlockLedger:
@@ -100,11 +83,11 @@ class BlockLedger:
         self._owners = OwnerIds(owner_floor)
         self._pending: deque[BlockWrite] = deque()  # deferred writes, oldest first
         #: ``block_hash[b]``: the block's hash (int) while cached, else ``None``.
-        self.block_hash = _PerBlock(self, lambda s, b: int(s.block_hash[b]) if s.cached[b] else None)
+        self.block_hash = PerBlock(self, lambda s, b: int(s.block_hash[b]) if s.cached[b] else None)
         #: ``owner[b]``: the owner whose fill the block holds, ``None`` if nobody's.
-        self.owner = _PerBlock(self, lambda s, b: self._owners.name_of(int(s.owner[b])))
+        self.owner = PerBlock(self, lambda s, b: self._owners.name_of(int(s.owner[b])))
         #: ``generation[b]``: how many times the block's fill was reset.
-        self.generation = _PerBlock(self, lambda s, b: int(s.generation[b]))
+        self.generation = PerBlock(self, lambda s, b: int(s.generation[b]))
 
     # -- deferred writes -------------------------------------------------------
     def settle(self) -> None:
@@ -327,20 +310,11 @@ class BlockLedger:
 
     def record_one_row_each(self, block_ids: np.ndarray, offsets: np.ndarray, owners: Sequence[Hashable],
                             key_mask: np.ndarray) -> bool:
-        """A decode step's writes at once: owner ``owners[j]`` wrote the row at in-block offset
-        ``offsets[j]`` (int64 ``[n]``) of block ``block_ids[j]`` (int64 ``[n]``, in range), no
-        block becoming full — the same as one :meth:`defer_request_write` per request, applied
-        now, vectorised. Returns False, changing nothing, where that equivalence is not given
-        here (writes still deferred, repeated blocks, an owner never seen): the caller then
-        records them one by one."""
-        if self._pending or not self._states.distinct(block_ids):
-            return False
-        owner_ids = np.fromiter((self._owners.id_of(o, False, self._states.owner) for o in owners),
-                                dtype=np.int64, count=len(owners))
-        if np.count_nonzero(owner_ids < 0):  # UNKNOWN_OWNER (never NO_OWNER: owners are request ids)
-            return False
-        self._states.write_one_row_each(block_ids, offsets, owner_ids, key_mask)
-        return True
+        """A decode step's writes at once, as one :meth:`defer_request_write` per request would
+        record them (:meth:`BlockStates.write_one_row_each`); False, nothing changed, where the
+        caller must record them one by one (writes still deferred, among others)."""
+        return not self._pending and self._states.write_one_row_each(
+            block_ids, offsets, self._owners.known_ids(owners), key_mask)
 
     def _apply_request_write(self, write: BlockWrite) -> None:
         """:meth:`record_request_write` on a checked write, nothing deferred."""

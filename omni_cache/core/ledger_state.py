@@ -8,7 +8,7 @@ the ledger records (or defers) it.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,11 +169,15 @@ class BlockStates:
             self.cached[h] = True
 
     def write_one_row_each(self, ids: np.ndarray, starts: np.ndarray, owner_ids: np.ndarray,
-                           key_mask: np.ndarray) -> None:
-        """Row ``starts[j]`` of distinct blocks ``ids`` (int64 ``[n]``) written by owner
-        ``owner_ids[j]`` for the keys of ``key_mask``, no block hashed: what
+                           key_mask: np.ndarray) -> bool:
+        """Row ``starts[j]`` (int64 ``[n]``, in-block offsets) of blocks ``ids`` (int64 ``[n]``)
+        written by owner ``owner_ids[j]`` for the keys of ``key_mask``, no block hashed: what
         ``write_one(ids[j], starts[j], starts[j] + 1, None, key_mask, owner_ids[j])`` does for
-        every ``j`` (a decode step's writes, one row per request), vectorised."""
+        every ``j`` (a decode step's writes, one row per request), vectorised. Returns False,
+        changing nothing, where that equivalence is not given here: repeated block ids, an owner
+        id below 0 (never seen: :meth:`OwnerIds.known_ids`)."""
+        if np.count_nonzero(owner_ids < 0) or not self.distinct(ids):
+            return False
         reset = (self.owner.take(ids) != owner_ids) | self.cached.take(ids)
         if np.count_nonzero(reset):
             r = ids[reset]
@@ -185,6 +189,7 @@ class BlockStates:
         for i, written in enumerate(key_mask.tolist()):
             f = np.minimum(self.filled[i].take(ids), starts)  # rows at >= start are being redefined
             self.filled[i][ids] = np.where(f == starts, ends, f) if written else f
+        return True
 
     def write_request_many(self, write: BlockWrite, ids: np.ndarray, owner_id: int) -> None:
         """A request's step write (:class:`BlockWrite`) over distinct blocks ``ids`` (its
@@ -269,6 +274,13 @@ class OwnerIds:
         self._next = 0
         self._limit = floor
 
+    def known_ids(self, owners) -> np.ndarray:
+        """The ids (int64 ``[n]``) of ``owners`` (a sequence), :data:`UNKNOWN_OWNER` for one not
+        interned and :data:`NO_OWNER` for ``None``; interns nothing."""
+        ids = self._ids
+        return np.fromiter((NO_OWNER if o is None else ids.get(o, UNKNOWN_OWNER) for o in owners),
+                           dtype=np.int64, count=len(owners))
+
     def id_of(self, owner: Hashable | None, create: bool, block_owners: np.ndarray) -> int:
         """The id of ``owner``: :data:`NO_OWNER` for ``None``; for an owner not interned, a new
         id (``create``; pruning first by ``block_owners``, int64 ``[num_blocks]``, the owner id
@@ -340,3 +352,21 @@ class KeyMasks:
         if need is None:
             need = self._needs[k] = np.flatnonzero(key_mask).tolist()
         return need
+
+
+class PerBlock(Sequence):
+    """Read-only per-block view of one field of a :class:`~omni_cache.core.ledger.BlockLedger`
+    (``view[block_id]``), its deferred writes settled first."""
+
+    def __init__(self, ledger, get) -> None:
+        self._ledger, self._get = ledger, get
+
+    def __len__(self) -> int:
+        return self._ledger.num_blocks
+
+    def __getitem__(self, block_id):
+        if isinstance(block_id, slice):
+            return [self[b] for b in range(*block_id.indices(len(self)))]
+        if self._ledger._pending:
+            self._ledger.settle()
+        return self._get(self._ledger._states, int(block_id))

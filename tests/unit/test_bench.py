@@ -890,6 +890,10 @@ def test_step_overhead_smoke(tmp_path):
     r = step_overhead.main(["--batch", "1,3", "--steps", "5", "--rounds", "1", "--out", str(tmp_path)])
     assert set(r["batches"]) == {"1", "3"} and all(v["us_per_step_median"] > 0 for v in r["batches"].values())
     assert (tmp_path / "result.json").exists()
+    # the CUDA default's hand-off path (snapshot), on the stager's CPU mode
+    r = step_overhead.main(["--batch", "3", "--steps", "5", "--rounds", "1", "--handoff", "snapshot",
+                            "--out", str(tmp_path / "snap")])
+    assert r["args"]["handoff"] == "snapshot" and r["batches"]["3"]["us_per_step_median"] > 0
 
 
 def test_results_record_the_settings_in_effect_but_never_the_secret():
