@@ -153,13 +153,12 @@ class _SavedStep:
     #: (:meth:`OmniCacheStageManager._handoff_fresh`)
     outputs_on_host: bool = False
 
-    def rows(self, req_id: str, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-        """Key → the request's hand-off rows (``cached prefix ++ fresh``); ``keys``: only
-        those (of a request without a staged prefix; default: every hand-off key)."""
+    def rows(self, req_id: str) -> dict[str, torch.Tensor]:
+        """Key → the request's hand-off rows (``cached prefix ++ fresh``)."""
         if self.from_snapshot:
             s, e = self.plan.spans[req_id]
             n = self.num_tokens
-            fresh = {k: self.snapshot[k][:n].reshape(n, -1)[s:e] for k in keys or self.plan.handoff_keys}
+            fresh = {k: self.snapshot[k][:n].reshape(n, -1)[s:e] for k in self.plan.handoff_keys}
             if self.staged is not None and req_id in self.staged.prefix:
                 return self.staged.complete(req_id, fresh)
             return fresh
@@ -651,9 +650,19 @@ class OmniCacheStageManager:
         on the builder's thread, the step's hot path (an H200, 2026-11-29, docs/gpu.md
         "Twenty-first session": omni-cache's per-step host time grew with the batch)."""
         hidden = None
-        if HIDDEN_KEY in step.plan.handoff_keys:
-            one = (HIDDEN_KEY,)
-            hidden = {rid: step.rows(rid, one)[HIDDEN_KEY] for rid in req_ids}
+        plan = step.plan
+        if HIDDEN_KEY in plan.handoff_keys and step.from_snapshot:
+            # one view of the step's rows, then one slice per request (a split where the
+            # builder asks for the whole batch in order, its usual call)
+            n = step.num_tokens
+            full = step.snapshot[HIDDEN_KEY][:n].reshape(n, -1)
+            if len(req_ids) > 2 and tuple(req_ids) == plan.req_ids:
+                hidden = dict(zip(req_ids, full.split([e - s for s, e in (plan.spans[r] for r in req_ids)]),
+                                  strict=True))
+            else:
+                hidden = {rid: full[plan.spans[rid][0]:plan.spans[rid][1]] for rid in req_ids}
+        elif HIDDEN_KEY in plan.handoff_keys:
+            hidden = {rid: step.rows(rid)[HIDDEN_KEY] for rid in req_ids}
         if self.cache is not None:
             self.cache.metrics.seconds_materialize += time.perf_counter() - t0
         self._publish_metrics()

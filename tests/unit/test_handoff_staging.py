@@ -297,3 +297,20 @@ def test_a_builder_holding_device_tensors_gets_every_key(monkeypatch):
     assert set(out.mm_outputs) == {"hidden_states.layer_0"}
     assert_rows({HIDDEN_KEY: out.hidden_states["A"], **{k: v["A"] for k, v in out.mm_outputs.items()}},
                 expected(a, 0, 11))
+
+
+def test_snapshot_step_without_a_hit_hands_each_request_its_own_rows():
+    """Three requests without a hit in one snapshot step (the hidden rows split once for the
+    batch, in the builder's order) and the same step asked for in another order (sliced per
+    request): each request gets a recompute's rows, bitwise."""
+    prompts = {"A": list(range(100, 111)), "C": list(range(300, 305)), "D": list(range(400, 409))}
+    for order in (None, ["D", "A", "C"]):
+        eng = SnapshotEngine()
+        for r, p in prompts.items():
+            eng.add(r, p)
+        eng.save(new=[("A", [3, 7, 9], 0, 11), ("C", [4, 8], 0, 5), ("D", [5, 10, 11], 0, 9)])
+        step_id, saved = eng.pending
+        eng.pending = (step_id, order or saved)
+        got = eng.flush()
+        for r, p in prompts.items():
+            assert_rows(got[r], expected(p, 0, len(p)))
