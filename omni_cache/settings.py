@@ -104,7 +104,7 @@ PREFIX_CACHE_BACKEND = Setting(
 METRICS_DIR = Setting(
     "OMNI_CACHE_METRICS_DIR", Kind.PATH, None, ReadBy.ENGINE, True,
     "write the stage's counters as JSON there (`metrics-<pid>.json`, `scheduler-<pid>.json`, "
-    "`yoco-<pid>.json`)")
+    "`yoco-<pid>.json`, `runner-<pid>.json`)")
 HANDOFF_DUMP = Setting(
     "OMNI_CACHE_HANDOFF_DUMP", Kind.PATH, None, ReadBy.ENGINE, True,
     "save every thinker→talker hand-off tensor there (recording pipelines; tests, audits)")
