@@ -2,7 +2,8 @@
 
 Engine processes publish their counters as ``<dir>/<name>-<pid>.json`` (``metrics``: the
 stage manager's cache counters; ``scheduler``: the capped scheduler's; ``yoco``: the KV-shared
-thinker's forward counters; ``runner``: an AR runner's host time per step, :class:`RunnerStepTimes`). Benchmarks and tests read them. Each file is written atomically
+thinker's forward counters; ``runner``: an AR runner's host time per step,
+:class:`RunnerStepTimes`). Benchmarks and tests read them. Each file is written atomically
 (temporary file + rename), at most once per :attr:`MetricsFile.min_interval_s` unless forced;
 the engine step's writes are deferred to a timer thread (:meth:`MetricsFile.publish`).
 Counters are best-effort: a write that fails is logged once and never raised into the engine —
