@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--workloads", default="miss", help="comma-separated prefill-benchmark workloads")
     ap.add_argument("--requests", type=int, default=8, help="timed requests per workload")
     ap.add_argument("--media-copies", type=int, default=1)
+    ap.add_argument("--answer-tokens", type=int, default=None,
+                    help="thinker tokens per answer (default: the stage config's max_tokens): a decode to profile")
     ap.add_argument("--thinker-kv-mib", type=int, default=None, help="default 256 on the CPU, a GPU host's config's")
     ap.add_argument("--talker-kv-mib", type=int, default=None,
                     help="default 32 (bench-voice 256: ~9 KiB of KV a token) on the CPU, a GPU host's config's")
@@ -162,7 +164,7 @@ def main() -> int:
         talker_prefix_caching=talker)
     family = "gemma4" if load_stage_config(args.stage_config).thinker_family == "gemma4" else "qwen3-omni"
     model = str(lab.model_dir(args.model_size, args.model, family=family))
-    opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies)
+    opts = WorkloadOptions(requests=args.requests, media_copies=args.media_copies, answer_tokens=args.answer_tokens)
     w = VariantWorker(model, str(cfg))
     fields = {"prefill_ms": "prefill_ms", "talker_prefill_ms": "talker_prefill_ms", "cached": "num_cached_tokens",
               "prompt": "num_prompt_tokens"}  # per workload: a list of each request's

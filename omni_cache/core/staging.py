@@ -213,9 +213,14 @@ class KeptIds:
             self.host = ids.clone()
             self.event = None
 
+    def ready(self) -> bool:
+        """Whether the copy has reached the host (never waits: ``torch.cuda.Event.query``)."""
+        return self.event is None or self.event.query()
+
     def values(self, start: int, end: int) -> list[int]:
-        """The ids ``[start, end)`` as Python ints (waits for this copy only: normally long
-        complete, the caller reads them when a block fills)."""
+        """The ids ``[start, end)`` as Python ints (waits for this copy if it is still in
+        flight: callers ask :meth:`ready` first, a wait here would stall the engine's overlap
+        of host and device)."""
         if self.event is not None:
             self.event.synchronize()
             self.event = None

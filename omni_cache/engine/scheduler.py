@@ -16,10 +16,11 @@ vLLM-Omni's ``OmniARAsyncScheduler``, vLLM-Omni's default) variant from the stag
 ``async_scheduling``. Under async scheduling step N+1 is scheduled while step N runs: a block
 recorded at ``schedule()`` is written by that step, which runs before any later step reads a
 hit; decode-filled blocks, hashed by vLLM only when their step's output arrives, are recorded
-then (:meth:`OmniCacheSchedulerMixin._resolve_pending_blocks`), and only if the worker reports
-with that step's output that it cached the block under its own hash (a token the worker could
-not resolve leaves the block uncached there: a hit on it is capped and recomputed, never
-refused in the worker — :meth:`OmniCacheSchedulerMixin._drop_unconfirmed`). (vLLM's CPU platform forces
+then (:meth:`OmniCacheSchedulerMixin._resolve_pending_blocks`), and only once the worker reports
+that it cached the block under its own hash — with that step's output, or with a later one's
+within ``LATE_CONFIRM_STEPS`` steps (the worker hashes the block once the step's input ids reach
+the host, never waiting for the device); a block it never caches stays unrecorded: a hit on it
+is capped and recomputed, never refused in the worker — :meth:`OmniCacheSchedulerMixin._confirm_pending`). (vLLM's CPU platform forces
 synchronous scheduling; ``tests/unit/test_scheduler_cap.py`` drives vLLM's real async
 scheduler the way its engine core does.)
 """
@@ -52,6 +53,13 @@ FORGET_ROWS = "omni_cache_test_forget_rows"
 
 #: preempted request ids the scheduler keeps (and publishes) at most
 PREEMPTED_KEPT = 256
+
+#: steps after the one that completed it within which the worker may still confirm a
+#: decode-filled block (its stage manager caches such a block once that step's input ids have
+#: reached the host, without waiting for the device: normally the next step or the one after,
+#: :meth:`omni_cache.engine.stage_manager.OmniCacheStageManager.cache_late_blocks`); a block not
+#: confirmed by then is dropped (``unconfirmed_blocks``), a hit on it capped and recomputed
+LATE_CONFIRM_STEPS = 8
 
 
 def rows_forgotten(request) -> bool:
@@ -87,16 +95,18 @@ class SchedulerCapState:
         preempted: ids of the latest :data:`PREEMPTED_KEPT` requests preempted, oldest first
             (published, so that a test can tell which requests recomputed rows after a
             preemption).
-        pending: request → block index → ``(block id, step)`` of blocks completed by step
-            ``step`` whose hash vLLM did not know yet (async scheduling: decode-filled blocks).
+        pending: request → block index → ``(block id, step, awaiting)`` of blocks completed by
+            step ``step`` whose hash vLLM did not know yet (async scheduling: decode-filled
+            blocks); ``awaiting``: the worker did not report the block cached with that step's
+            output, and may still, within :data:`LATE_CONFIRM_STEPS` steps.
         steps_scheduled: ``schedule()`` calls so far (the index of the next step).
         steps_done: steps whose output has been processed (``update_from_output``): their
             rows are written.
         step_of_output: ``id(SchedulerOutput)`` → its step index, until its output arrives.
         worker_reports: step outputs that carried the worker's cached blocks
             (:data:`~omni_cache.engine.stage_manager.CACHED_BLOCKS_ATTR`).
-        unconfirmed_blocks: pending blocks dropped because the worker did not cache them in
-            the step that completed them (0 unless the worker's hashes fall behind vLLM's:
+        unconfirmed_blocks: pending blocks dropped because the worker did not cache them
+            within :data:`LATE_CONFIRM_STEPS` steps of the step that completed them (0 unless the worker's hashes fall behind vLLM's:
             each one is a capped hit instead of a refused one).
     """
 
@@ -114,7 +124,7 @@ class SchedulerCapState:
     same_step_hit_tokens: int = 0
     preemptions: int = 0
     preempted: dict[str, None] = field(default_factory=dict)
-    pending: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    pending: dict[str, dict[int, tuple[int, int, bool]]] = field(default_factory=dict)
     steps_scheduled: int = 0
     steps_done: int = 0
     step_of_output: dict[int, int] = field(default_factory=dict)
@@ -305,7 +315,7 @@ class OmniCacheSchedulerMixin:
             b = req_blocks[i]
             if b.block_hash is None:
                 st.written.forget(b.block_id)
-                st.pending.setdefault(rid, {})[i] = (b.block_id, st.steps_scheduled)
+                st.pending.setdefault(rid, {})[i] = (b.block_id, st.steps_scheduled, False)
             else:
                 st.written.record(b.block_id, b.block_hash, self._validity(st, rid, i))
 
@@ -319,31 +329,40 @@ class OmniCacheSchedulerMixin:
             if cached is not None:
                 st.worker_reports += 1
                 if st.pending:
-                    self._drop_unconfirmed(st, step, cached)
+                    self._confirm_pending(st, step, cached)
         if st.pending:
             self._resolve_pending_blocks(st)
         return outputs
 
-    def _drop_unconfirmed(self, st: SchedulerCapState, step: int, cached) -> None:
-        """Drop the pending blocks completed by ``step`` that the worker did not cache in it
-        (``cached``: the block ids its stage manager cached under its own block hash,
-        :meth:`~omni_cache.engine.stage_manager.OmniCacheStageManager.cached_blocks`). vLLM
-        hashes a decode-filled block from its sampled tokens; the worker hashes it from the
-        step's input ids it kept on the device (async scheduling: the host holds
-        placeholders). Should the two ever disagree, the block stays unrecorded here and any
-        hit on it is capped and recomputed — the worker would otherwise refuse the hit
-        (``StaleRowsError``) and the engine stop. Counted in ``unconfirmed_blocks`` and
-        logged (a warning: the worker's hashes fell behind vLLM's)."""
+    def _confirm_pending(self, st: SchedulerCapState, step: int, cached) -> None:
+        """Match the worker's report of ``step`` (``cached``: the block ids its stage manager
+        cached in that step under its own block hash,
+        :meth:`~omni_cache.engine.stage_manager.OmniCacheStageManager.cached_blocks`) against the
+        pending blocks. vLLM hashes a decode-filled block from its sampled tokens; the worker
+        hashes it from the step's input ids, which under async scheduling reach the host only
+        after the step's forward: it caches the block in that step if they already have, else
+        in a later one (never waiting for the device). A block not in the report of the step
+        that completed it is marked awaiting; a later report confirms it; one still
+        unconfirmed :data:`LATE_CONFIRM_STEPS` steps on is dropped — counted in
+        ``unconfirmed_blocks`` and logged — and a hit on it is capped and recomputed instead
+        of refused in the worker (``StaleRowsError``, the engine would stop)."""
         for rid in list(st.pending):
             pending = st.pending[rid]
-            for i, (block_id, at) in list(pending.items()):
-                if at == step and block_id not in cached:
+            for i, (block_id, at, awaiting) in list(pending.items()):
+                if at > step:  # completed by a step whose output has not arrived
+                    continue
+                if block_id in cached:
+                    if awaiting:
+                        pending[i] = (block_id, at, False)
+                elif at == step:
+                    pending[i] = (block_id, at, True)
+                elif awaiting and step - at >= LATE_CONFIRM_STEPS:
                     del pending[i]
                     st.unconfirmed_blocks += 1
                     if st.unconfirmed_blocks <= 8:
                         logger.warning("omni-cache: request %s: block %d (id %d), completed in step %d, was not "
-                                       "cached by the worker; hits on it are capped and recomputed", rid, i,
-                                       block_id, step)
+                                       "cached by the worker within %d steps; hits on it are capped and recomputed",
+                                       rid, i, block_id, at, LATE_CONFIRM_STEPS)
             if not pending:
                 del st.pending[rid]
 
@@ -360,10 +379,10 @@ class OmniCacheSchedulerMixin:
                 del st.pending[rid]
                 continue
             blocks = self.kv_cache_manager.get_blocks(rid).blocks[st.group]
-            for i, (block_id, step) in list(pending.items()):
+            for i, (block_id, step, awaiting) in list(pending.items()):
                 if i >= len(blocks) or blocks[i].block_id != block_id:
                     del pending[i]
-                elif step < st.steps_done and blocks[i].block_hash is not None:
+                elif step < st.steps_done and not awaiting and blocks[i].block_hash is not None:
                     st.written.record(block_id, blocks[i].block_hash, self._validity(st, rid, i))
                     del pending[i]
             if not pending:

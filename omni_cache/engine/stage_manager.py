@@ -74,6 +74,8 @@ class RequestView:
         device_inputs: ``(first position, kept step ids, start, end)``: the request's input
             ids of a step whose positions hold placeholders (rows ``[start, end)`` of that
             step's :class:`~omni_cache.core.staging.KeptIds`), not read on the host yet.
+        late: ``(block index, block id)`` of blocks the request completed whose hash waits for
+            a step's input ids to reach the host (:meth:`OmniCacheStageManager.cache_late_blocks`).
     """
 
     block_ids: list[int]
@@ -82,6 +84,7 @@ class RequestView:
     block_hashes: list[int] = field(default_factory=list)
     resolved: dict[int, int] = field(default_factory=dict)
     device_inputs: list[tuple[int, KeptIds, int, int]] = field(default_factory=list)
+    late: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,7 @@ class OmniCacheStageManager:
         #: vLLM-Omni's output snapshot (:meth:`attach_snapshot`), only hits' prefixes are staged
         self._from_snapshot = False
         self._cached_this_step: list[int] = []  # write_rows: block ids it cached (cached_blocks)
+        self._late: set[str] = set()  # requests with late blocks (RequestView.late)
 
     # ---- 1. step begin ---------------------------------------------------------------
     def new_step_starts(self, scheduler_output) -> None:
@@ -406,19 +410,26 @@ class OmniCacheStageManager:
 
     def _known_tokens(self, view: RequestView, st, lo: int, hi: int) -> list[int]:
         """The request's token ids at positions ``[lo, hi)``: prompt, then output tokens with
-        placeholders replaced by their kept values (read on the host here when a block filled
-        by decode tokens is hashed, every ``block_size`` steps; their copy completed long
-        before). A position still unknown stays :data:`PLACEHOLDER_TOKEN`."""
+        placeholders replaced by their kept values — those whose copy has reached the host
+        (:meth:`~omni_cache.core.staging.KeptIds.ready`; never waiting for the device: the
+        step that fills a block by decoding has its input token still in flight, and waiting
+        for it here stalled the engine's overlap of host and device, docs/gpu.md
+        "Twenty-second session"). A position still unknown stays :data:`PLACEHOLDER_TOKEN`."""
         prompt = st.prompt_token_ids or []
         n_prompt = len(prompt)
         tokens = (list(prompt[lo:hi])
                   + list(st.output_token_ids or [])[max(lo - n_prompt, 0):max(hi - n_prompt, 0)])
         if PLACEHOLDER_TOKEN not in tokens[max(n_prompt - lo, 0):]:
             return tokens
-        for first, kept, s, e in view.device_inputs:
+        waiting = []
+        for item in view.device_inputs:
+            first, kept, s, e = item
+            if not kept.ready():
+                waiting.append(item)
+                continue
             for i, tok in enumerate(kept.values(s, e)):
                 view.resolved[first + i] = int(tok)
-        view.device_inputs.clear()
+        view.device_inputs[:] = waiting
         for i in range(max(n_prompt - lo, 0), len(tokens)):
             if tokens[i] == PLACEHOLDER_TOKEN:
                 tokens[i] = view.resolved.get(lo + i, PLACEHOLDER_TOKEN)
@@ -449,6 +460,33 @@ class OmniCacheStageManager:
                 del view.resolved[p]
         return view.block_hashes[:nfull]
 
+    def cache_late_blocks(self) -> None:
+        """Cache the blocks whose hash had to wait (:attr:`RequestView.late`): under async
+        scheduling a block filled by a decode step ends with that step's input token, whose
+        value is on the device until the step's copy to the host completes; its rows were
+        written in that step, its hash is computed here once the copy is done (normally the
+        next step or the one after), and its block id joins this step's :meth:`cached_blocks`,
+        which the capped scheduler waits for before it vouches for the block
+        (:meth:`omni_cache.engine.scheduler.OmniCacheSchedulerMixin._confirm_pending`). A block
+        no longer in its request's block table (preempted, resumed) is dropped; the ledger
+        ignores a block whose owner changed (:meth:`~omni_cache.core.BlockLedger.cache_full_blocks`)."""
+        for rid in list(self._late):
+            view = self.reqs.get(rid)
+            if view is None or not view.late or rid not in self.runner.requests:
+                self._late.discard(rid)
+                if view is not None:
+                    view.late.clear()
+                continue
+            hashes = self.block_hashes(rid, (max(b for b, _ in view.late) + 1) * self.block_size)
+            done = [(b, bid) for b, bid in view.late
+                    if b < len(hashes) and b < len(view.block_ids) and view.block_ids[b] == bid]
+            if done:
+                self.cache.ledger.cache_full_blocks([bid for _, bid in done], [hashes[b] for b, _ in done], owner=rid)
+                self._cached_this_step.extend(bid for _, bid in done)
+            view.late = [x for x in view.late if x[0] >= len(hashes)]
+            if not view.late:
+                self._late.discard(rid)
+
     # ---- 4. write --------------------------------------------------------------------------
     def write_rows(self, plan: StepPlan, outputs: StepOutputs,
                    keep_fresh: bool = True) -> dict[str, dict[str, torch.Tensor]]:
@@ -462,6 +500,8 @@ class OmniCacheStageManager:
         fresh: dict[str, dict[str, torch.Tensor]] = {}
         step: list[StepRequest] = []
         self._cached_this_step = []
+        if self._late:
+            self.cache_late_blocks()
         keep_fresh = keep_fresh or bool(plan.truncated)
         # a batch's fresh rows: one split per key, not a slice per request and key (a decode
         # step of 16 requests: -3.5 % of its host time, benchmarks.step_overhead); a slice is
@@ -478,10 +518,14 @@ class OmniCacheStageManager:
                 fresh[rid] = {k: outputs.rows[k][s:e] for k in plan.write_keys}
             view = self.reqs[rid]
             start = view.num_computed_tokens
-            if (start + e - s) // self.block_size > start // self.block_size:  # a block completes
+            first, end_block = start // self.block_size, (start + e - s) // self.block_size
+            if end_block > first:  # a block completes
                 hashes = self.block_hashes(rid, start + (e - s))
-                new_full = {b: hashes[b] for b in range(start // self.block_size, len(hashes))}
+                new_full = {b: hashes[b] for b in range(first, len(hashes))}
                 self._cached_this_step.extend(view.block_ids[b] for b in new_full)
+                if len(hashes) < end_block:  # a token of it still on the device: hashed in a later step
+                    view.late.extend((b, view.block_ids[b]) for b in range(max(first, len(hashes)), end_block))
+                    self._late.add(rid)
             else:  # (most decode steps) nothing to hash: block_hashes would hash nothing either
                 new_full = {}
             if self._block_audit.path is not None:

@@ -61,9 +61,16 @@ class StaleRow(AssertionError):
 class Runner:
     """The model runner's side of the simulation (see the module docstring)."""
 
-    def __init__(self, lost: set[str] = frozenset(), *, decode_blocks_hashed: bool = True, report: bool = True):
+    def __init__(self, lost: set[str] = frozenset(), *, decode_blocks_hashed: bool = True, report: bool = True,
+                 decode_blocks_late: int = 0):
         self.lost = set(lost)
         self.decode_blocks_hashed = decode_blocks_hashed
+        #: steps after the one that filled it that a decode-filled block is hashed and cached
+        #: (the stage manager's late caching: the step's input ids reach the host a step or
+        #: more later; reported with that later step's output)
+        self.decode_blocks_late = decode_blocks_late
+        self.late: list[tuple[int, str, int, int, tuple[int, ...]]] = []  # (due step, rid, block index, id, prefix)
+        self.steps = 0
         self.report = report  # the output carries the step's cached block ids
         self.cached: dict[int, tuple[int, ...]] = {}  # the worker's ledger: block id -> prefix through it
         self.tokens: dict[str, list[int]] = {}  # prompt + sampled so far (the runner samples)
@@ -97,6 +104,14 @@ class Runner:
                 self.tables[rid].extend(new[0])
             spans[rid] = c.num_computed_tokens[i]
         sampled_ids, cached = [], set()
+        self.steps += 1
+        for due, rid, b, block_id, prefix in [x for x in self.late if x[0] <= self.steps]:
+            self.late.remove((due, rid, b, block_id, prefix))
+            # cached late only while the request still holds the block and its rows (the
+            # stage manager's check: same block id in the request's table, the ledger's owner)
+            if self.tables.get(rid, [])[b:b + 1] == [block_id] and rid in spans:
+                self.cached[block_id] = prefix
+                cached.add(block_id)
         for rid, start in spans.items():  # 1. every write of the step ...
             end = start + out.num_scheduled_tokens[rid]
             toks = self.tokens[rid]
@@ -110,6 +125,10 @@ class Runner:
                 for b in range(start // BS, end // BS):  # blocks this step completes: hashed, cached
                     if decoded and not self.decode_blocks_hashed:
                         continue  # its last token a placeholder the worker could not resolve
+                    if decoded and self.decode_blocks_late:  # hashed and cached a later step
+                        self.late.append((self.steps + self.decode_blocks_late, rid, b, self.tables[rid][b],
+                                          tuple(toks[: (b + 1) * BS])))
+                        continue
                     self.cached[self.tables[rid][b]] = tuple(toks[: (b + 1) * BS])
                     cached.add(self.tables[rid][b])
             if end == len(toks):  # the step reached the last known token: it samples one
@@ -229,6 +248,21 @@ def test_async_decode_blocks_the_worker_did_not_cache_are_capped(vllm_config):
     c = st.counters()
     assert c["unconfirmed_blocks"] >= 2 and c["capped_tokens"] >= 32 and c["worker_reports"] > 0, c
     assert not st.pending
+
+
+@pytest.mark.parametrize("late", [1, 2])
+def test_async_decode_blocks_the_worker_caches_late_are_hit(vllm_config, late):
+    """The worker caches a decode-filled block ``late`` steps after the step that filled it
+    (the stage manager never waits for the device to read that step's input ids: it hashes
+    the block once their copy has reached the host) and reports it with that later step's
+    output: the scheduler vouches for the block then, so B's hit covers A's decode-filled
+    blocks as with a worker that caches them at once; every hit is exact, nothing is dropped."""
+    s = _scheduler(vllm_config)
+    runner = Runner(decode_blocks_late=late)
+    _workload(s, runner)
+    st = s._omni_cache_state()
+    assert runner.first_hits.get("B") == 64 and runner.first_hits.get("D") == 32, runner.first_hits
+    assert st.counters()["unconfirmed_blocks"] == 0 and not st.pending
 
 
 def test_without_the_workers_report_the_uncached_block_is_hit(vllm_config):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from omni_cache.core import StaleRowsError
+from omni_cache.core.staging import KeptIds
 from omni_cache.engine.stage_manager import HIDDEN_KEY, OmniCacheStageManager
 
 BS, H = 4, 6
@@ -203,6 +204,70 @@ def test_an_unresolved_placeholder_block_is_never_cached(monkeypatch):
     # ... and the step that completed it does not report it: the capped scheduler, told so, caps
     # the hit instead (tests/unit/test_scheduler_async.py), and the refusal above never happens
     assert eng.cached_log == [{0}, set(), set()], eng.cached_log
+
+
+def _late_copies(monkeypatch, clock: list[int]):
+    """Each step's kept input ids reach the host only after that step (``KeptIds.ready`` is
+    False in the step that made them, as a copy queued behind the step's forward on a GPU);
+    reading ids that are not ready fails the test — the stage manager must never wait."""
+    init, made = KeptIds.__init__, {}  # (KeptIds has __slots__) id -> (the step that made it, it)
+
+    def make(self, ids):
+        init(self, ids)
+        made[id(self)] = (clock[0], self)
+
+    def values(self, start, end):
+        assert self.ready(), "read kept input ids still in flight: a host sync on a GPU"
+        return self.host[start:end].tolist()
+
+    monkeypatch.setattr(KeptIds, "__init__", make)
+    monkeypatch.setattr(KeptIds, "ready", lambda self: made[id(self)][0] < clock[0])
+    monkeypatch.setattr(KeptIds, "values", values)
+
+
+def _decode_late_then_turn2(eng: FakeEngine, clock: list[int]):
+    """Turn 1 completes block 1 by decoding (position 7), decodes one more token, finishes;
+    turn 2 repeats its first 8 tokens and hits block 1."""
+    a = list(range(6))
+    eng.add("A", a)
+    eng.step(new=[("A", [0, 1], 0, 6)])
+    for i, (tok, blocks) in enumerate([(70, None), (71, None), (72, [2])]):  # 6, 7 (block 1 full), 8
+        clock[0] += 1
+        eng.sample("A", tok)
+        eng.step(cached=[("A", blocks, 6 + i, 1)])
+    clock[0] += 1
+    eng.sample("A", 73)
+    turn2 = a + [70, 71, 9, 9, 9]
+    eng.add("T2", turn2)
+    return turn2, eng.step(new=[("T2", [0, 1, 5], 8, 3)], finished=["A"])["T2"]
+
+
+def test_a_decode_filled_block_is_cached_a_step_late_without_waiting_for_the_device(monkeypatch):
+    """Under async scheduling the token that completes a block by decoding is this step's input,
+    still on the device when the step is saved: the block's rows are written now, its hash
+    made the next step from the ids' host copy (``cache_late_blocks``) — never a wait for the
+    device, which stalled the thinker's decode on an H200 (docs/gpu.md, "Twenty-second
+    session"). The next step reports the block cached (the capped scheduler vouches for it
+    then: tests/unit/test_scheduler_async.py), and turn 2's hit on it is served: rows equal to
+    the writer's (oracle: :func:`prefix_rows`, a recompute), bitwise."""
+    clock = [0]
+    _late_copies(monkeypatch, clock)
+    eng = FakeEngine(async_tokens=True)
+    turn2, got = _decode_late_then_turn2(eng, clock)
+    assert_rows(got, expected(turn2, 0, 11))
+    assert eng.manager.metrics()["hit_tokens"] == 8
+    assert eng.cached_log == [{0}, set(), set(), {1}, set()], eng.cached_log  # block 1: one step late
+
+
+def test_without_late_caching_the_late_block_is_refused(monkeypatch):
+    """Fault: the late blocks are never cached (``cache_late_blocks`` a no-op): the block filled
+    while its token was on the device stays uncached, and turn 2's hit on it is refused — so
+    the test above can fail."""
+    clock = [0]
+    _late_copies(monkeypatch, clock)
+    monkeypatch.setattr(OmniCacheStageManager, "cache_late_blocks", lambda self: None)
+    with pytest.raises(StaleRowsError):
+        _decode_late_then_turn2(FakeEngine(async_tokens=True), clock)
 
 
 def test_resumed_request_serves_its_hit_from_the_cache():

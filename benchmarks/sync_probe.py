@@ -1,0 +1,149 @@
+"""Does omni-cache's per-step save wait for the GPU? Engine-free, on CUDA: the stage manager
+driven as vLLM-Omni's AR runner drives it under async scheduling (vLLM-Omni's default on
+GPUs) — decode steps of ``--batch`` requests whose host-side output tokens are placeholders
+(their values only in the device's input ids), the pool on the device.
+
+Each step enqueues a GPU busy-wait of ``--busy-ms`` (``torch.cuda._sleep``: the forward still
+running) before the save, as the runner's ``execute_model`` calls it right after launching the
+forward. A save that never synchronises with the device returns long before the busy-wait ends;
+one that waits (a blocking copy, ``Event.synchronize``, ``.item()``) takes the rest of it. The
+result counts the steps whose save took over half the busy-wait ("synced") and gives the save's
+host time per step (median, max), per batch. Twenty-second session: at 9616e9c a step that
+completed a block by decoding read that step's input ids with ``Event.synchronize`` — on a
+GPU, a wait for the step's forward (docs/gpu.md, "Twenty-second session").
+
+    OMNI_CACHE_CUDA_PLATFORM=1 python -m benchmarks.sync_probe --batch 1,16 --steps 64
+
+vLLM-Omni is not needed (the probe runs on a bare GPU host): where it is not installed, the two
+helpers the stage manager imports from it (``flatten_payload``, ``to_payload_element``) are
+stood in for by minimal equivalents for flat outputs. Writes ``result.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+WIDTH = 2048  # Qwen3-Omni-30B-A3B's thinker hidden size
+KEYS = ("hidden_states.layer_0", "hidden_states.layer_24")
+BLOCK = 16
+
+
+def _stand_in_vllm_omni() -> bool:
+    """Minimal stand-ins for the vLLM-Omni helpers the seam imports, where it is missing."""
+    try:
+        import vllm_omni  # noqa: F401
+        return False
+    except ImportError:
+        pass
+    root, keys, mm = (types.ModuleType(n) for n in ("vllm_omni", "vllm_omni.data_entry_keys",
+                                                     "vllm_omni.utils.mm_outputs"))
+    keys.flatten_payload = lambda d: dict(d)  # the probe's outputs are flat already
+
+    def to_payload_element(*a, **k):
+        raise NotImplementedError("probe: no pass-through outputs")
+
+    mm.to_payload_element = to_payload_element
+    utils = types.ModuleType("vllm_omni.utils")
+    sys.modules.update({"vllm_omni": root, "vllm_omni.data_entry_keys": keys, "vllm_omni.utils": utils,
+                        "vllm_omni.utils.mm_outputs": mm})
+    return True
+
+
+def _sched(new=(), cached=()):
+    return NS(finished_req_ids=set(),
+              scheduled_new_reqs=[NS(req_id=r, block_ids=(list(b),), num_computed_tokens=0) for r, b, _ in new],
+              scheduled_cached_reqs=NS(req_ids=[r for r, _ in cached], new_block_ids=[None] * len(cached),
+                                       num_computed_tokens=[c for _, c in cached], resumed_req_ids=set()),
+              num_scheduled_tokens={**{r: n for r, _, n in new}, **{r: 1 for r, _ in cached}})
+
+
+def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float) -> dict:
+    """Save host times (ms) per decode step of ``batch`` requests behind a ``busy_ms`` busy-wait."""
+    import torch
+
+    from omni_cache.engine.stage_manager import OmniCacheStageManager
+
+    dev = torch.device("cuda")
+    runner = NS(cache_config=NS(kv_sharing_fast_prefill=False), kv_sharing_fast_prefill_eligible_layers=None,
+                model=NS(omni_pooler_payload_include_hidden=True), requests={}, input_batch=NS(req_ids=[]))
+    prompts = [64 + 1 + i % BLOCK for i in range(batch)]  # blocks complete at staggered steps
+    nblk = (max(prompts) + steps) // BLOCK + 2
+    m = OmniCacheStageManager(runner, block_size=BLOCK, num_blocks=batch * nblk)
+    rids = [f"r{i}" for i in range(batch)]
+    for i, r in enumerate(rids):
+        runner.requests[r] = NS(prompt_token_ids=list(range(i * 10_000, i * 10_000 + prompts[i])),
+                                output_token_ids=[], mm_features=None)
+    runner.input_batch.req_ids = rids
+
+    def step(sched, n: int, busy: bool) -> float:
+        m.new_step_starts(sched)
+        runner.input_ids = NS(gpu=torch.arange(n, device=dev) + 7)
+        hidden = torch.randn(n, WIDTH, dtype=torch.bfloat16, device=dev)
+        mm = {k: hidden for k in KEYS}
+        if busy:
+            torch.cuda._sleep(int(busy_ms * cycles_per_ms))  # the forward, still running
+        t0 = time.perf_counter()
+        sid = m.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=n)
+        dt = time.perf_counter() - t0
+        if m._from_snapshot:  # vLLM-Omni's async-output snapshot: host copies (outside the timing)
+            m.attach_snapshot(sid, hidden.cpu(), {k: v.cpu() for k, v in mm.items()})
+        m.materialize(sid, rids)
+        torch.cuda.synchronize()
+        return dt * 1e3
+
+    step(_sched(new=[(r, range(i * nblk, (i + 1) * nblk), prompts[i]) for i, r in enumerate(rids)]),
+         sum(prompts), busy=False)
+    times = []
+    for s in range(steps):
+        for r in rids:
+            runner.requests[r].output_token_ids.append(-1)  # async scheduling: a placeholder on the host
+        times.append(step(_sched(cached=[(r, prompts[i] + s) for i, r in enumerate(rids)]), batch, busy=True))
+    synced = sum(t > busy_ms / 2 for t in times)
+    return {"steps": steps, "synced_steps": synced, "save_ms_median": statistics.median(times),
+            "save_ms_max": max(times), "save_ms": times}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", default="1,16", help="requests per decode step, comma-separated")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per batch (default 64: 4 blocks each)")
+    ap.add_argument("--busy-ms", type=float, default=20.0, help="GPU busy-wait enqueued before each save, ms")
+    ap.add_argument("--label", default="", help="a name for this tree in the result (e.g. a commit)")
+    ap.add_argument("--out", default="sync-probe", help="results folder")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: the probe needs CUDA", file=sys.stderr)
+        sys.exit(2)
+    stood_in = _stand_in_vllm_omni()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(100_000_000)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 100_000_000 / start.elapsed_time(end)
+    import omni_cache
+
+    result = {"label": args.label, "omni_cache": str(Path(omni_cache.__file__).parent), "gpu":
+              torch.cuda.get_device_name(), "torch": torch.__version__, "vllm_omni_stood_in": stood_in,
+              "busy_ms": args.busy_ms, "batches": {}}
+    for b in (int(x) for x in args.batch.split(",")):
+        r = result["batches"][str(b)] = probe(b, args.steps, args.busy_ms, cycles_per_ms)
+        print(f"[{args.label}] batch {b}: {r['synced_steps']}/{r['steps']} saves waited for the GPU; "
+              f"save {r['save_ms_median']:.3f} ms median, {r['save_ms_max']:.1f} ms max", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"result-{args.label or 'tree'}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
