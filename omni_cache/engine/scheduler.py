@@ -20,8 +20,9 @@ then (:meth:`OmniCacheSchedulerMixin._resolve_pending_blocks`), and only once th
 that it cached the block under its own hash — with that step's output, or with a later one's
 within ``LATE_CONFIRM_STEPS`` steps (the worker hashes the block once the step's input ids reach
 the host, never waiting for the device); a block it never caches stays unrecorded: a hit on it
-is capped and recomputed, never refused in the worker — :meth:`OmniCacheSchedulerMixin._confirm_pending`). (vLLM's CPU platform forces
-synchronous scheduling; ``tests/unit/test_scheduler_cap.py`` drives vLLM's real async
+is capped and recomputed, never refused in the worker —
+:meth:`OmniCacheSchedulerMixin._confirm_pending`). (vLLM's CPU platform forces synchronous
+scheduling; ``tests/unit/test_scheduler_cap.py`` drives vLLM's real async
 scheduler the way its engine core does.)
 """
 
@@ -106,8 +107,9 @@ class SchedulerCapState:
         worker_reports: step outputs that carried the worker's cached blocks
             (:data:`~omni_cache.engine.stage_manager.CACHED_BLOCKS_ATTR`).
         unconfirmed_blocks: pending blocks dropped because the worker did not cache them
-            within :data:`LATE_CONFIRM_STEPS` steps of the step that completed them (0 unless the worker's hashes fall behind vLLM's:
-            each one is a capped hit instead of a refused one).
+            within :data:`LATE_CONFIRM_STEPS` steps of the step that completed them (0 unless
+            the worker's hashes fall behind vLLM's: each one is a capped hit instead of a
+            refused one).
     """
 
     written: WrittenBlocks
