@@ -56,38 +56,50 @@ def _stand_in_vllm_omni() -> bool:
     return True
 
 
-def _sched(new=(), cached=()):
+def _sched(new=(), cached=(), computed=None):
+    computed = computed or {}
     return NS(finished_req_ids=set(),
-              scheduled_new_reqs=[NS(req_id=r, block_ids=(list(b),), num_computed_tokens=0) for r, b, _ in new],
+              scheduled_new_reqs=[NS(req_id=r, block_ids=(list(b),), num_computed_tokens=computed.get(r, 0))
+                                  for r, b, _ in new],
               scheduled_cached_reqs=NS(req_ids=[r for r, _ in cached], new_block_ids=[None] * len(cached),
                                        num_computed_tokens=[c for _, c in cached], resumed_req_ids=set()),
               num_scheduled_tokens={**{r: n for r, _, n in new}, **{r: 1 for r, _ in cached}})
 
 
-def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float) -> dict:
-    """Save host times (ms) per decode step of ``batch`` requests behind a ``busy_ms`` busy-wait."""
+def _summary(times: list[float], busy_ms: float) -> dict:
+    return {"steps": len(times), "synced_steps": sum(t > busy_ms / 2 for t in times),
+            "save_ms_median": statistics.median(times), "save_ms_max": max(times), "save_ms": times}
+
+
+def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: str = "cuda",
+          hit_rounds: int = 8) -> dict:
+    """Save host times (ms) behind a ``busy_ms`` busy-wait, per phase: ``prefill`` (one step of
+    ``batch`` prompts), ``decode`` (``steps`` steps of ``batch`` requests, placeholders on the
+    host), ``hit`` (``hit_rounds`` steps, each of ``batch`` new requests whose prompts repeat
+    the first ones': prefix hits on their full blocks, served from the device pool). ``device`` ``cpu``: the
+    same calls without a busy-wait (a check of the probe itself)."""
     import torch
 
     from omni_cache.engine.stage_manager import OmniCacheStageManager
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     runner = NS(cache_config=NS(kv_sharing_fast_prefill=False), kv_sharing_fast_prefill_eligible_layers=None,
                 model=NS(omni_pooler_payload_include_hidden=True), requests={}, input_batch=NS(req_ids=[]))
     prompts = [64 + 1 + i % BLOCK for i in range(batch)]  # blocks complete at staggered steps
     nblk = (max(prompts) + steps) // BLOCK + 2
-    m = OmniCacheStageManager(runner, block_size=BLOCK, num_blocks=batch * nblk)
+    m = OmniCacheStageManager(runner, block_size=BLOCK, num_blocks=2 * batch * nblk)
     rids = [f"r{i}" for i in range(batch)]
     for i, r in enumerate(rids):
         runner.requests[r] = NS(prompt_token_ids=list(range(i * 10_000, i * 10_000 + prompts[i])),
                                 output_token_ids=[], mm_features=None)
     runner.input_batch.req_ids = rids
 
-    def step(sched, n: int, busy: bool) -> float:
+    def step(sched, n: int, busy: bool, rids=rids) -> float:
         m.new_step_starts(sched)
         runner.input_ids = NS(gpu=torch.arange(n, device=dev) + 7)
         hidden = torch.randn(n, WIDTH, dtype=torch.bfloat16, device=dev)
         mm = {k: hidden for k in KEYS}
-        if busy:
+        if busy and dev.type == "cuda":
             torch.cuda._sleep(int(busy_ms * cycles_per_ms))  # the forward, still running
         t0 = time.perf_counter()
         sid = m.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=n)
@@ -95,19 +107,38 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float) -> dict:
         if m._from_snapshot:  # vLLM-Omni's async-output snapshot: host copies (outside the timing)
             m.attach_snapshot(sid, hidden.cpu(), {k: v.cpu() for k, v in mm.items()})
         m.materialize(sid, rids)
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         return dt * 1e3
 
-    step(_sched(new=[(r, range(i * nblk, (i + 1) * nblk), prompts[i]) for i, r in enumerate(rids)]),
-         sum(prompts), busy=False)
+    prefill = step(_sched(new=[(r, range(i * nblk, (i + 1) * nblk), prompts[i]) for i, r in enumerate(rids)]),
+                   sum(prompts), busy=True)
     times = []
     for s in range(steps):
         for r in rids:
             runner.requests[r].output_token_ids.append(-1)  # async scheduling: a placeholder on the host
         times.append(step(_sched(cached=[(r, prompts[i] + s) for i, r in enumerate(rids)]), batch, busy=True))
-    synced = sum(t > busy_ms / 2 for t in times)
-    return {"steps": steps, "synced_steps": synced, "save_ms_median": statistics.median(times),
-            "save_ms_max": max(times), "save_ms": times}
+    t_hits = []
+    for k in range(hit_rounds):  # every round new requests: in steady state, not only the first hit step
+        hits = [f"h{k}-{i}" for i in range(batch)]
+        hit = {h: prompts[i] // BLOCK * BLOCK for i, h in enumerate(hits)}  # full prompt blocks, as vLLM's hit
+        for i, h in enumerate(hits):
+            runner.requests[h] = NS(prompt_token_ids=list(runner.requests[rids[i]].prompt_token_ids),
+                                    output_token_ids=[], mm_features=None)
+        runner.input_batch.req_ids = hits
+        shared = {h: list(range(i * nblk, i * nblk + hit[h] // BLOCK)) for i, h in enumerate(hits)}
+        own = {h: list(range((batch + i) * nblk, (batch + i + 1) * nblk)) for i, h in enumerate(hits)}
+        t_hits.append(step(_sched(new=[(h, shared[h] + own[h], prompts[i] - hit[h]) for i, h in enumerate(hits)],
+                                  computed=hit),
+                           sum(prompts[i] - hit[h] for i, h in enumerate(hits)), busy=True, rids=hits))
+        finished = _sched()
+        finished.finished_req_ids = set(hits)
+        m.new_step_starts(finished)
+        for h in hits:
+            del runner.requests[h]
+    assert m.metrics()["hit_tokens"] == hit_rounds * sum(hit.values()), m.metrics()
+    return {"prefill": _summary([prefill], busy_ms), "decode": _summary(times, busy_ms),
+            "hit": _summary(t_hits, busy_ms)}
 
 
 def main(argv=None) -> dict:
@@ -136,9 +167,10 @@ def main(argv=None) -> dict:
               torch.cuda.get_device_name(), "torch": torch.__version__, "vllm_omni_stood_in": stood_in,
               "busy_ms": args.busy_ms, "batches": {}}
     for b in (int(x) for x in args.batch.split(",")):
-        r = result["batches"][str(b)] = probe(b, args.steps, args.busy_ms, cycles_per_ms)
-        print(f"[{args.label}] batch {b}: {r['synced_steps']}/{r['steps']} saves waited for the GPU; "
-              f"save {r['save_ms_median']:.3f} ms median, {r['save_ms_max']:.1f} ms max", flush=True)
+        result["batches"][str(b)] = phases = probe(b, args.steps, args.busy_ms, cycles_per_ms)
+        for phase, r in phases.items():
+            print(f"[{args.label}] batch {b} {phase}: {r['synced_steps']}/{r['steps']} saves waited for the GPU; "
+                  f"save {r['save_ms_median']:.3f} ms median, {r['save_ms_max']:.1f} ms max", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"result-{args.label or 'tree'}.json").write_text(json.dumps(result, indent=1))

@@ -24,8 +24,9 @@ reason ("The engine thread never waits on this thread's device→host copy",
   :meth:`StagedStep.complete` copies in from vLLM-Omni's snapshot when the builder runs. A step
   without a hit copies nothing.
 - :class:`KeptIds` keeps a step's input ids (async scheduling: the decode tokens' values exist
-  only on the device) with one non-blocking copy to pinned memory, read back on the host when
-  a block fills, without synchronising with the stream.
+  only on the device) with one non-blocking copy to pinned memory (a slice of a
+  :class:`KeptIdsRing`), read back on the host once the copy has landed (:meth:`KeptIds.ready`),
+  never synchronising with the stream.
 
 Pinned buffers come from torch's caching host allocator (``torch.empty(..., pin_memory=True)``):
 reused once every copy that used them has completed and the step's views are dropped.
@@ -197,31 +198,86 @@ class HostStager:
         return StagedStep(host, spans, event, prefix)
 
 
+#: entries of the pinned ring that keeps steps' input ids (:class:`KeptIdsRing`): a step keeps at
+#: most its ``max_num_batched_tokens`` ids (8,192 in the bundled configs), so a lap takes at least
+#: 128 steps, while a kept slice is read within a block of decode steps plus a step or two
+KEPT_RING_ENTRIES = 1 << 20
+
+
 class KeptIds:
     """A step's input ids ``[n]`` kept for reading on the host later without a sync: on CUDA
-    one non-blocking copy to pinned memory plus an event; elsewhere a clone."""
+    one non-blocking copy to pinned memory (a slice of a :class:`KeptIdsRing`, or a buffer of its
+    own) plus an event; elsewhere a copy."""
 
-    __slots__ = ("host", "event")
+    __slots__ = ("host", "event", "ring", "start")
 
-    def __init__(self, ids: torch.Tensor) -> None:
+    def __init__(self, ids: torch.Tensor, host: torch.Tensor | None = None,
+                 ring: KeptIdsRing | None = None, start: int = 0) -> None:
+        self.ring, self.start = ring, start
         if ids.device.type == "cuda":
-            self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self.host = host if host is not None else torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             self.host.copy_(ids, non_blocking=True)
             self.event: torch.cuda.Event | None = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = ids.clone()
+            self.host = ids.clone() if host is None else host.copy_(ids)
             self.event = None
 
+    @property
+    def lost(self) -> bool:
+        """Whether the ring went a full lap past this slice (its ids overwritten: never read)."""
+        return self.ring is not None and self.ring.written > self.start + self.ring.entries
+
     def ready(self) -> bool:
-        """Whether the copy has reached the host (never waits: ``torch.cuda.Event.query``)."""
-        return self.event is None or self.event.query()
+        """Whether the copy has reached the host (never waits: ``torch.cuda.Event.query``);
+        False for a :attr:`lost` slice."""
+        return not self.lost and (self.event is None or self.event.query())
 
     def values(self, start: int, end: int) -> list[int]:
         """The ids ``[start, end)`` as Python ints (waits for this copy if it is still in
         flight: callers ask :meth:`ready` first, a wait here would stall the engine's overlap
-        of host and device)."""
+        of host and device).
+
+        Raises:
+            RuntimeError: the slice is :attr:`lost`.
+        """
         if self.event is not None:
             self.event.synchronize()
             self.event = None
+        if self.lost:
+            raise RuntimeError("omni-cache: kept input ids were overwritten (the ring went a lap past them)")
         return self.host[start:end].tolist()
+
+
+class KeptIdsRing:
+    """Pinned host memory keeping steps' input ids (:class:`KeptIds`), used in laps: no pinned
+    allocation per step (torch's caching host allocator took ~0.27 ms per allocation on an H100
+    while copies were in flight, :class:`~omni_cache.core.row_index.StagingRing`). Each step's ids
+    go to the next contiguous slice (a slice that would cross the end starts the next lap); a
+    slice stays valid until the ring has handed out a full lap past it — its reader checks
+    (:attr:`KeptIds.lost`) and never reads an overwritten slice. Ids longer than half the
+    ring, or of another dtype than the first ids kept, get a buffer of their own.
+
+    Args:
+        device: the device the ids live on (CUDA: pinned memory; the CPU: plain memory, for tests).
+        entries: the ring's length in ids.
+    """
+
+    def __init__(self, device: torch.device, entries: int = KEPT_RING_ENTRIES) -> None:
+        self.device, self.entries = device, entries
+        self.written = 0  # ring entries handed out so far, laps included
+        self._buf: torch.Tensor | None = None
+
+    def keep(self, ids: torch.Tensor) -> KeptIds:
+        """Keep ``ids`` (``[n]``, on :attr:`device`): one non-blocking copy to the ring."""
+        n = ids.numel()
+        if self._buf is None:
+            self._buf = torch.empty(self.entries, dtype=ids.dtype, pin_memory=self.device.type == "cuda")
+        if n > self.entries // 2 or ids.dtype != self._buf.dtype:
+            return KeptIds(ids)
+        pos = self.written % self.entries
+        if pos + n > self.entries:  # the slice would cross the end: start the next lap
+            self.written += self.entries - pos
+            pos = 0
+        start, self.written = self.written, self.written + n
+        return KeptIds(ids.reshape(-1), host=self._buf[pos:pos + n], ring=self, start=start)

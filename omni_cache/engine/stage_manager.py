@@ -42,7 +42,7 @@ import torch
 from omni_cache import settings
 from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashes
 from omni_cache.core.cache import StepRequest
-from omni_cache.core.staging import HostStager, KeptIds, StagedStep
+from omni_cache.core.staging import HostStager, KeptIds, KeptIdsRing, StagedStep
 from omni_cache.engine.metrics import BlockDigestAudit, HitAudit, MetricsFile
 
 logger = logging.getLogger(__name__)
@@ -217,6 +217,7 @@ class OmniCacheStageManager:
         self._from_snapshot = False
         self._cached_this_step: list[int] = []  # write_rows: block ids it cached (cached_blocks)
         self._late: set[str] = set()  # requests with late blocks (RequestView.late)
+        self._kept_ring: KeptIdsRing | None = None  # keep_async_inputs' pinned ring (first use)
 
     # ---- 1. step begin ---------------------------------------------------------------
     def new_step_starts(self, scheduler_output) -> None:
@@ -381,7 +382,7 @@ class OmniCacheStageManager:
         ``output_token_ids`` hold :data:`PLACEHOLDER_TOKEN` for tokens sampled in earlier
         steps: their values stay on the device. A decode step's input ids — this step's
         tokens, in the runner's device ``input_ids`` — are those tokens: keep the step's ids
-        (one non-blocking copy to pinned memory per step, :class:`~omni_cache.core.staging.KeptIds`;
+        (one non-blocking copy to a pinned ring per step, :class:`~omni_cache.core.staging.KeptIdsRing`;
         no host sync, not even when a block fills and they are read) for every request whose
         positions hold a placeholder, for :meth:`block_hashes` to hash the real tokens. Without
         this the writer's decode-filled blocks were cached under hashes of placeholders, and the
@@ -404,7 +405,9 @@ class OmniCacheStageManager:
             if any(out[p - n_prompt] == PLACEHOLDER_TOKEN for p in range(lo, hi)):
                 need.append((rid, start, s, e))
         if need:
-            kept = KeptIds(ids[:need[-1][3]])  # one copy for the step (batch order: the last ends last)
+            if self._kept_ring is None:
+                self._kept_ring = KeptIdsRing(ids.device)
+            kept = self._kept_ring.keep(ids[:need[-1][3]])  # one copy for the step (batch order: the last ends last)
             for rid, start, s, e in need:
                 self.reqs[rid].device_inputs.append((start, kept, s, e))
 
@@ -424,6 +427,8 @@ class OmniCacheStageManager:
         waiting = []
         for item in view.device_inputs:
             first, kept, s, e = item
+            if kept.lost:  # overwritten before it was read (never expected): its blocks stay uncached
+                continue
             if not kept.ready():
                 waiting.append(item)
                 continue

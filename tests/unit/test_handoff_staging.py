@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_cache.core.staging import HostStager, KeptIds
+from omni_cache.core.staging import HostStager, KeptIds, KeptIdsRing
 from omni_cache.engine.stage_manager import HIDDEN_KEY
 
 from .test_stage_manager import FakeEngine, assert_rows, expected, prefix_rows, scheduler_output
@@ -148,6 +148,23 @@ def test_kept_ids_read_back_the_slice():
     assert k.values(1, 3) == [6, 7]
 
 
+def test_kept_ids_ring_slices_until_a_lap_passes_them():
+    """Steps' ids go to consecutive slices of one ring (no allocation per step); a slice that
+    would cross the end starts the next lap; a slice the ring went a full lap past is lost —
+    never read (``ready`` False, ``values`` raises) — while the others read back their own ids."""
+    ring = KeptIdsRing(torch.device("cpu"), entries=16)
+    a, b = ring.keep(torch.arange(6)), ring.keep(torch.arange(10, 16))
+    assert a.values(0, 6) == list(range(6)) and b.values(0, 6) == list(range(10, 16))
+    c = ring.keep(torch.arange(20, 26))  # 12 + 6 > 16: the next lap, over a's entries
+    assert a.lost and not a.ready() and not b.lost and b.ready() and c.ready()
+    with pytest.raises(RuntimeError, match="overwritten"):
+        a.values(0, 6)
+    assert b.values(0, 6) == list(range(10, 16)) and c.values(0, 6) == list(range(20, 26))
+    d = ring.keep(torch.arange(3))  # entries 6..8 of the ring: over b's first three
+    assert d.values(0, 3) == [0, 1, 2] and b.lost and not c.lost
+    assert ring.keep(torch.arange(2)).ring is ring and not ring.keep(torch.arange(3, dtype=torch.int32)).ring
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU lane's unit group)")
 
 
@@ -167,8 +184,9 @@ def test_staging_cuda_rows_survive_overwrite_and_land_pinned():
 def test_kept_ids_cuda_copy_without_sync():
     ids = torch.arange(10, device="cuda")
     k = KeptIds(ids)
+    ring_k = KeptIdsRing(ids.device, entries=64).keep(ids)
     ids.fill_(-1)
-    assert k.values(2, 5) == [2, 3, 4]
+    assert k.values(2, 5) == [2, 3, 4] and ring_k.values(2, 5) == [2, 3, 4] and ring_k.host.is_pinned()
 
 
 class SnapshotEngine(StaticBufferEngine):

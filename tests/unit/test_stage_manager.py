@@ -212,8 +212,8 @@ def _late_copies(monkeypatch, clock: list[int]):
     reading ids that are not ready fails the test — the stage manager must never wait."""
     init, made = KeptIds.__init__, {}  # (KeptIds has __slots__) id -> (the step that made it, it)
 
-    def make(self, ids):
-        init(self, ids)
+    def make(self, ids, *args, **kwargs):
+        init(self, ids, *args, **kwargs)
         made[id(self)] = (clock[0], self)
 
     def values(self, start, end):
