@@ -896,6 +896,17 @@ def test_step_overhead_smoke(tmp_path):
     assert r["args"]["handoff"] == "snapshot" and r["batches"]["3"]["us_per_step_median"] > 0
 
 
+def test_sync_probe_drives_every_phase_on_the_cpu():
+    """``benchmarks.sync_probe`` (docs/gpu.md, "Twenty-second session") on the CPU (no busy-wait):
+    the prefill, the decode steps with placeholders on the host, and the hit rounds all run, the
+    hits served from the cache (the probe asserts the hit tokens), no save counted as waiting."""
+    from benchmarks import sync_probe
+
+    r = sync_probe.probe(3, 18, 20.0, 1.0, device="cpu", hit_rounds=2)
+    assert {k: v["steps"] for k, v in r.items()} == {"prefill": 1, "decode": 18, "hit": 2}
+    assert all(v["synced_steps"] == 0 for v in r.values())
+
+
 def test_results_record_the_settings_in_effect_but_never_the_secret():
     from benchmarks import lab
     from omni_cache.settings import PREFIX as settings_prefix
