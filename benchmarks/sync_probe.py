@@ -12,17 +12,21 @@ host time per step (median, max), per batch. Twenty-second session: at 9616e9c a
 completed a block by decoding read that step's input ids with ``Event.synchronize`` — on a
 GPU, a wait for the step's forward (docs/gpu.md, "Twenty-second session").
 
-    OMNI_CACHE_CUDA_PLATFORM=1 python -m benchmarks.sync_probe --batch 1,16 --steps 64
+    python3 -m benchmarks.sync_probe --batch 1,16 --steps 64 --label <name> --out <dir> [--profile]
 
 vLLM-Omni is not needed (the probe runs on a bare GPU host): where it is not installed, the two
 helpers the stage manager imports from it (``flatten_payload``, ``to_payload_element``) are
-stood in for by minimal equivalents for flat outputs. Writes ``result.json`` under ``--out``.
+stood in for by minimal equivalents for flat outputs. ``--profile``: a second decode pass under
+cProfile — where a save's host time goes, per function and step. Writes
+``result-<label>.json`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -72,12 +76,13 @@ def _summary(times: list[float], busy_ms: float) -> dict:
 
 
 def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: str = "cuda",
-          hit_rounds: int = 8) -> dict:
+          hit_rounds: int = 8, profile: bool = False) -> dict:
     """Save host times (ms) behind a ``busy_ms`` busy-wait, per phase: ``prefill`` (one step of
     ``batch`` prompts), ``decode`` (``steps`` steps of ``batch`` requests, placeholders on the
     host), ``hit`` (``hit_rounds`` steps, each of ``batch`` new requests whose prompts repeat
     the first ones': prefix hits on their full blocks, served from the device pool). ``device`` ``cpu``: the
-    same calls without a busy-wait (a check of the probe itself)."""
+    same calls without a busy-wait (a check of the probe itself). ``profile``: as many decode
+    steps again under cProfile, no busy-wait (``decode.profile``: where a save's host time goes)."""
     import torch
 
     from omni_cache.engine.stage_manager import OmniCacheStageManager
@@ -94,7 +99,7 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
                                 output_token_ids=[], mm_features=None)
     runner.input_batch.req_ids = rids
 
-    def step(sched, n: int, busy: bool, rids=rids) -> float:
+    def step(sched, n: int, busy: bool, rids=rids, prof=None) -> float:
         m.new_step_starts(sched)
         runner.input_ids = NS(gpu=torch.arange(n, device=dev) + 7)
         hidden = torch.randn(n, WIDTH, dtype=torch.bfloat16, device=dev)
@@ -102,7 +107,11 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
         if busy and dev.type == "cuda":
             torch.cuda._sleep(int(busy_ms * cycles_per_ms))  # the forward, still running
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         sid = m.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=n)
+        if prof is not None:
+            prof.disable()
         dt = time.perf_counter() - t0
         if m._from_snapshot:  # vLLM-Omni's async-output snapshot: host copies (outside the timing)
             m.attach_snapshot(sid, hidden.cpu(), {k: v.cpu() for k, v in mm.items()})
@@ -113,11 +122,14 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
 
     prefill = step(_sched(new=[(r, range(i * nblk, (i + 1) * nblk), prompts[i]) for i, r in enumerate(rids)]),
                    sum(prompts), busy=True)
-    times = []
-    for s in range(steps):
+    times, prof = [], cProfile.Profile() if profile else None
+    for s in range(steps + (steps if profile else 0)):  # with a profile: as many decode steps again, profiled
         for r in rids:
             runner.requests[r].output_token_ids.append(-1)  # async scheduling: a placeholder on the host
-        times.append(step(_sched(cached=[(r, prompts[i] + s) for i, r in enumerate(rids)]), batch, busy=True))
+        t = step(_sched(cached=[(r, prompts[i] + s) for i, r in enumerate(rids)]), batch, busy=s < steps,
+                 prof=prof if s >= steps else None)
+        if s < steps:
+            times.append(t)
     t_hits = []
     for k in range(hit_rounds):  # every round new requests: in steady state, not only the first hit step
         hits = [f"h{k}-{i}" for i in range(batch)]
@@ -137,8 +149,20 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
         for h in hits:
             del runner.requests[h]
     assert m.metrics()["hit_tokens"] == hit_rounds * sum(hit.values()), m.metrics()
-    return {"prefill": _summary([prefill], busy_ms), "decode": _summary(times, busy_ms),
-            "hit": _summary(t_hits, busy_ms)}
+    out = {"prefill": _summary([prefill], busy_ms), "decode": _summary(times, busy_ms),
+           "hit": _summary(t_hits, busy_ms)}
+    if prof is not None:
+        out["decode"]["profile"] = _top(prof, steps)
+    return out
+
+
+def _top(prof, steps: int, n: int = 30) -> list[dict]:
+    """The ``n`` functions with the most own time in a profiled decode pass: calls and ms per step."""
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": nc / steps,
+             "own_ms_per_step": 1e3 * tt / steps, "cum_ms_per_step": 1e3 * ct / steps}
+            for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def main(argv=None) -> dict:
@@ -146,7 +170,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", default="1,16", help="requests per decode step, comma-separated")
     ap.add_argument("--steps", type=int, default=64, help="decode steps per batch (default 64: 4 blocks each)")
     ap.add_argument("--busy-ms", type=float, default=20.0, help="GPU busy-wait enqueued before each save, ms")
-    ap.add_argument("--label", default="", help="a name for this tree in the result (e.g. a commit)")
+    ap.add_argument("--profile", action="store_true", help="also profile the saves of a second decode pass (cProfile)")
+    ap.add_argument("--label", default="", help="a name for this tree in the result (a plain name, e.g. a commit)")
     ap.add_argument("--out", default="sync-probe", help="results folder")
     args = ap.parse_args(argv)
     import torch
@@ -167,10 +192,14 @@ def main(argv=None) -> dict:
               torch.cuda.get_device_name(), "torch": torch.__version__, "vllm_omni_stood_in": stood_in,
               "busy_ms": args.busy_ms, "batches": {}}
     for b in (int(x) for x in args.batch.split(",")):
-        result["batches"][str(b)] = phases = probe(b, args.steps, args.busy_ms, cycles_per_ms)
+        result["batches"][str(b)] = phases = probe(b, args.steps, args.busy_ms, cycles_per_ms,
+                                                   profile=args.profile)
         for phase, r in phases.items():
             print(f"[{args.label}] batch {b} {phase}: {r['synced_steps']}/{r['steps']} saves waited for the GPU; "
                   f"save {r['save_ms_median']:.3f} ms median, {r['save_ms_max']:.1f} ms max", flush=True)
+        for row in phases["decode"].get("profile", [])[:12]:
+            print(f"    {row['own_ms_per_step']:.3f} ms own / {row['cum_ms_per_step']:.3f} cum per step, "
+                  f"{row['calls_per_step']:.1f} calls: {row['function']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"result-{args.label or 'tree'}.json").write_text(json.dumps(result, indent=1))
