@@ -899,14 +899,15 @@ def test_step_overhead_smoke(tmp_path):
 def test_sync_probe_drives_every_phase_on_the_cpu():
     """``benchmarks.sync_probe`` (docs/gpu.md, "Twenty-second session") on the CPU (no busy-wait):
     the prefill, the decode steps with placeholders on the host, and the hit rounds all run, the
-    hits served from the cache (the probe asserts the hit tokens), no save counted as waiting."""
+    hits served from the cache (the probe asserts the hit tokens). (No time is checked: "waited"
+    means something only behind a GPU busy-wait.)"""
     from benchmarks import sync_probe
 
     r = sync_probe.probe(3, 18, 20.0, 1.0, device="cpu", hit_rounds=2, profile=True)
     assert {k: v["steps"] for k, v in r.items()} == {"prefill": 1, "decode": 18, "hit": 2}
-    assert all(v["synced_steps"] == 0 for v in r.values())
+    assert all(len(v["save_ms"]) == v["steps"] for v in r.values())
     top = r["decode"]["profile"]  # the profiled pass: functions with calls and time per step
-    assert top and any("save_outputs" in row["function"] for row in top) or top[0]["own_ms_per_step"] > 0
+    assert top and all({"function", "calls_per_step", "own_ms_per_step", "cum_ms_per_step"} <= set(row) for row in top)
 
 
 def test_results_record_the_settings_in_effect_but_never_the_secret():
