@@ -411,13 +411,14 @@ class OmniCacheStageManager:
             for rid, start, s, e in need:
                 self.reqs[rid].device_inputs.append((start, kept, s, e))
 
-    def _known_tokens(self, view: RequestView, st, lo: int, hi: int) -> list[int]:
+    def _known_tokens(self, view: RequestView, st, lo: int, hi: int, wait: bool = False) -> list[int]:
         """The request's token ids at positions ``[lo, hi)``: prompt, then output tokens with
         placeholders replaced by their kept values — those whose copy has reached the host
         (:meth:`~omni_cache.core.staging.KeptIds.ready`; never waiting for the device: the
         step that fills a block by decoding has its input token still in flight, and waiting
         for it here stalled the engine's overlap of host and device, docs/gpu.md
-        "Twenty-second session"). A position still unknown stays :data:`PLACEHOLDER_TOKEN`."""
+        "Twenty-second session"; ``wait``: read them all, waiting where needed). A position still
+        unknown stays :data:`PLACEHOLDER_TOKEN`."""
         prompt = st.prompt_token_ids or []
         n_prompt = len(prompt)
         tokens = (list(prompt[lo:hi])
@@ -429,7 +430,7 @@ class OmniCacheStageManager:
             first, kept, s, e = item
             if kept.lost:  # overwritten before it was read (never expected): its blocks stay uncached
                 continue
-            if not kept.ready():
+            if not wait and not kept.ready():
                 waiting.append(item)
                 continue
             for i, tok in enumerate(kept.values(s, e)):
@@ -440,7 +441,7 @@ class OmniCacheStageManager:
                 tokens[i] = view.resolved.get(lo + i, PLACEHOLDER_TOKEN)
         return tokens
 
-    def block_hashes(self, rid: str, upto_tokens: int) -> list[int]:
+    def block_hashes(self, rid: str, upto_tokens: int, wait: bool = False) -> list[int]:
         """Chained block hashes of the request's first ``upto_tokens // block_size`` blocks
         (token ids + multimodal identifiers, :func:`~omni_cache.core.chained_block_hashes`);
         only blocks not hashed yet are hashed, continuing the chain from the last hash. The
@@ -453,7 +454,7 @@ class OmniCacheStageManager:
         if done < nfull:
             st = self.runner.requests[rid]
             lo, hi = done * self.block_size, nfull * self.block_size
-            tokens = self._known_tokens(view, st, lo, hi)
+            tokens = self._known_tokens(view, st, lo, hi, wait)
             if PLACEHOLDER_TOKEN in tokens:
                 hi = lo + (tokens.index(PLACEHOLDER_TOKEN) // self.block_size) * self.block_size
                 tokens = tokens[:hi - lo]
@@ -465,7 +466,7 @@ class OmniCacheStageManager:
                 del view.resolved[p]
         return view.block_hashes[:nfull]
 
-    def cache_late_blocks(self) -> None:
+    def cache_late_blocks(self, wait: bool = False) -> None:
         """Cache the blocks whose hash had to wait (:attr:`RequestView.late`): under async
         scheduling a block filled by a decode step ends with that step's input token, whose
         value is on the device until the step's copy to the host completes; its rows were
@@ -474,7 +475,9 @@ class OmniCacheStageManager:
         which the capped scheduler waits for before it vouches for the block
         (:meth:`omni_cache.engine.scheduler.OmniCacheSchedulerMixin._confirm_pending`). A block
         no longer in its request's block table (preempted, resumed) is dropped; the ledger
-        ignores a block whose owner changed (:meth:`~omni_cache.core.BlockLedger.cache_full_blocks`)."""
+        ignores a block whose owner changed (:meth:`~omni_cache.core.BlockLedger.cache_full_blocks`).
+        ``wait``: read ids still in flight too, waiting for them (:meth:`read_hits`, for a hit on
+        a late block only)."""
         for rid in list(self._late):
             view = self.reqs.get(rid)
             if view is None or not view.late or rid not in self.runner.requests:
@@ -482,7 +485,7 @@ class OmniCacheStageManager:
                 if view is not None:
                     view.late.clear()
                 continue
-            hashes = self.block_hashes(rid, (max(b for b, _ in view.late) + 1) * self.block_size)
+            hashes = self.block_hashes(rid, (max(b for b, _ in view.late) + 1) * self.block_size, wait)
             done = [(b, bid) for b, bid in view.late
                     if b < len(hashes) and b < len(view.block_ids) and view.block_ids[b] == bid]
             if done:
@@ -504,8 +507,7 @@ class OmniCacheStageManager:
         cached are kept for :meth:`cached_blocks`."""
         fresh: dict[str, dict[str, torch.Tensor]] = {}
         step: list[StepRequest] = []
-        self._cached_this_step = []
-        if self._late:
+        if self._late:  # (the step's list starts empty: save_outputs took the previous step's)
             self.cache_late_blocks()
         keep_fresh = keep_fresh or bool(plan.truncated)
         # a batch's fresh rows: one split per key, not a slice per request and key (a decode
@@ -554,9 +556,19 @@ class OmniCacheStageManager:
     def read_hits(self, plan: StepPlan) -> dict[str, dict[str, torch.Tensor]]:
         """Each hit's prefix rows: request → key → ``[hit_tokens, width]`` (handoff keys).
 
+        A hit on a block still waiting for its hash (:meth:`cache_late_blocks`; the capped
+        scheduler vouches for such a block only once the worker reported it, so this is not
+        expected) waits for the ids it needs instead of refusing the hit: a wait for the
+        device in a rare step, not an engine stopped by ``StaleRowsError``.
+
         Raises:
             StaleRowsError: a hit block is not covered for a handoff key.
         """
+        if plan.hits and self._late:
+            late = {bid for r in self._late if r in self.reqs for _, bid in self.reqs[r].late}
+            bs = self.block_size
+            if any(b in late for r, hit in plan.hits.items() for b in self.reqs[r].block_ids[:hit // bs]):
+                self.cache_late_blocks(wait=True)  # (reported with the next step's output)
         prefixes = {}
         for rid, hit in plan.hits.items():
             view = self.reqs[rid]

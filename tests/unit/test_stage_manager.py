@@ -206,10 +206,11 @@ def test_an_unresolved_placeholder_block_is_never_cached(monkeypatch):
     assert eng.cached_log == [{0}, set(), set()], eng.cached_log
 
 
-def _late_copies(monkeypatch, clock: list[int]):
-    """Each step's kept input ids reach the host only after that step (``KeptIds.ready`` is
-    False in the step that made them, as a copy queued behind the step's forward on a GPU);
-    reading ids that are not ready fails the test — the stage manager must never wait."""
+def _late_copies(monkeypatch, clock: list[int], lag: int = 1, waits: list | None = None):
+    """Each step's kept input ids reach the host ``lag`` steps after that step (``KeptIds.ready``
+    is False until then, as a copy queued behind the step's forward on a GPU); reading ids that
+    are not ready fails the test — the stage manager must never wait — unless ``waits`` is
+    given: such a read is then counted there."""
     init, made = KeptIds.__init__, {}  # (KeptIds has __slots__) id -> (the step that made it, it)
 
     def make(self, ids, *args, **kwargs):
@@ -217,11 +218,13 @@ def _late_copies(monkeypatch, clock: list[int]):
         made[id(self)] = (clock[0], self)
 
     def values(self, start, end):
-        assert self.ready(), "read kept input ids still in flight: a host sync on a GPU"
+        if not self.ready():
+            assert waits is not None, "read kept input ids still in flight: a host sync on a GPU"
+            waits.append((start, end))
         return self.host[start:end].tolist()
 
     monkeypatch.setattr(KeptIds, "__init__", make)
-    monkeypatch.setattr(KeptIds, "ready", lambda self: made[id(self)][0] < clock[0])
+    monkeypatch.setattr(KeptIds, "ready", lambda self: made[id(self)][0] + lag <= clock[0])
     monkeypatch.setattr(KeptIds, "values", values)
 
 
@@ -268,6 +271,47 @@ def test_without_late_caching_the_late_block_is_refused(monkeypatch):
     monkeypatch.setattr(OmniCacheStageManager, "cache_late_blocks", lambda self: None)
     with pytest.raises(StaleRowsError):
         _decode_late_then_turn2(FakeEngine(async_tokens=True), clock)
+
+
+def _hit_while_late(eng: FakeEngine, clock: list[int]):
+    """A completes block 1 by decoding (position 7); in the very next step, while A decodes on,
+    T2 arrives and hits A's first 8 tokens — block 1 with it."""
+    a = list(range(6))
+    eng.add("A", a)
+    eng.step(new=[("A", [0, 1], 0, 6)])
+    for i, tok in enumerate([70, 71]):
+        clock[0] += 1
+        eng.sample("A", tok)
+        eng.step(cached=[("A", None, 6 + i, 1)])
+    clock[0] += 1
+    eng.sample("A", 72)
+    turn2 = a + [70, 71, 9, 9, 9]
+    eng.add("T2", turn2)
+    return turn2, eng.step(new=[("T2", [0, 1, 5], 8, 3)], cached=[("A", [2], 8, 1)])["T2"]
+
+
+def test_a_hit_on_a_block_still_late_waits_for_its_ids_instead_of_refusing(monkeypatch):
+    """The capped scheduler vouches for a late block only once the worker reported it cached, so a
+    hit on a block whose ids are still in flight is not expected; should one come, the stage
+    manager waits for those ids (one wait, in that step) and serves the hit — rows equal to the
+    writer's, bitwise — instead of refusing it (``StaleRowsError`` stops the engine)."""
+    clock, waits = [0], []
+    _late_copies(monkeypatch, clock, lag=2, waits=waits)
+    eng = FakeEngine(async_tokens=True)
+    turn2, got = _hit_while_late(eng, clock)
+    assert_rows(got, expected(turn2, 0, 11))
+    assert waits, "the hit on the late block did not wait for its ids"
+
+
+def test_a_hit_on_a_block_still_late_is_refused_without_the_wait(monkeypatch):
+    """Fault: the hit's read never waits (``cache_late_blocks`` always non-blocking): the late
+    block is uncached when the hit reads it and the hit is refused — so the test above can fail."""
+    clock = [0]
+    _late_copies(monkeypatch, clock, lag=2, waits=[])
+    late = OmniCacheStageManager.cache_late_blocks
+    monkeypatch.setattr(OmniCacheStageManager, "cache_late_blocks", lambda self, wait=False: late(self))
+    with pytest.raises(StaleRowsError):
+        _hit_while_late(FakeEngine(async_tokens=True), clock)
 
 
 def test_resumed_request_serves_its_hit_from_the_cache():
