@@ -8,6 +8,8 @@
 #   A  bench prefill, profiling shape (6 of 48 thinker layers, full widths) on one card, production
 #      mode, off / built-in / omni-cache up at once: floor, text, chat; c = 1 and 16
 #   A4 (eighteenth session) A in the deploy's graph coverage (--max-num-seqs 64), off / omni-cache, floor, miss, text
+#   SP (twenty-second session) benchmarks.sync_probe --profile: does a save wait for the GPU (decode,
+#      prefill, 8 hit rounds), and where a decode save's host time goes (~20 s; OUT/SP/result-<commit>.json)
 #   ES (eighteenth session) the lane's equality and streaming groups at once on one card (a short hold);
 #      ES_GROUPS picks the groups (e.g. "streaming" alone), ES_TIMEOUT caps each
 #   B  the same workloads, off / omni-cache with the hand-off from vLLM-Omni's own snapshot
@@ -168,6 +170,8 @@ for step in "$@"; do
        OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 \
          --timeout 1100 --out "$OUT/S" --commit "$COMMIT" > "$OUT/S.log" 2>&1 &
        wait ;;
+    SP) $PY -m benchmarks.sync_probe --profile --label "$COMMIT" --out "$OUT/SP" > "$OUT/SP.log" 2>&1
+       log "SP: sync probe rc=$?" ;;
     ES) # eighteenth session, a short hold: the lane's equality and streaming groups at once on one card
        # (omni_cache/engine and driver/streaming.py changed since their last GPU run), each capped at ES_TIMEOUT
        for g in ${ES_GROUPS:-equality streaming}; do
