@@ -71,6 +71,8 @@ class Runner:
         self.decode_blocks_late = decode_blocks_late
         self.late: list[tuple[int, str, int, int, tuple[int, ...]]] = []  # (due step, rid, block index, id, prefix)
         self.steps = 0
+        self.finished: set = set()  # (the seeded test's bookkeeping)
+        self.prompt_len: dict[str, int] = {}
         self.report = report  # the output carries the step's cached block ids
         self.cached: dict[int, tuple[int, ...]] = {}  # the worker's ledger: block id -> prefix through it
         self.tokens: dict[str, list[int]] = {}  # prompt + sampled so far (the runner samples)
@@ -82,6 +84,7 @@ class Runner:
 
     def add(self, rid: str, prompt: list[int]) -> None:
         self.tokens[rid] = list(prompt)
+        self.prompt_len[rid] = len(prompt)
 
     def execute(self, out):
         """Run one step: write its rows, check its hits; returns vLLM's ``ModelRunnerOutput``."""
@@ -98,6 +101,11 @@ class Runner:
             new = c.new_block_ids[i]
             if rid in c.resumed_req_ids:
                 self.tables[rid] = list(new[0]) if new is not None else []
+                # a token sampled in the step in flight when the request was preempted is
+                # dropped by the scheduler: resume from the tokens it knows
+                known = (getattr(c, "all_token_ids", None) or {}).get(rid)
+                if known is not None:
+                    self.tokens[rid] = list(known)
                 if c.num_computed_tokens[i]:
                     hits[rid] = c.num_computed_tokens[i]
             elif new is not None:
@@ -125,9 +133,9 @@ class Runner:
                 for b in range(start // BS, end // BS):  # blocks this step completes: hashed, cached
                     if decoded and not self.decode_blocks_hashed:
                         continue  # its last token a placeholder the worker could not resolve
-                    if decoded and self.decode_blocks_late:  # hashed and cached a later step
-                        self.late.append((self.steps + self.decode_blocks_late, rid, b, self.tables[rid][b],
-                                          tuple(toks[: (b + 1) * BS])))
+                    late = self.decode_blocks_late() if callable(self.decode_blocks_late) else self.decode_blocks_late
+                    if decoded and late:  # hashed and cached a later step
+                        self.late.append((self.steps + late, rid, b, self.tables[rid][b], tuple(toks[: (b + 1) * BS])))
                         continue
                     self.cached[self.tables[rid][b]] = tuple(toks[: (b + 1) * BS])
                     cached.add(self.tables[rid][b])
@@ -272,3 +280,63 @@ def test_without_the_workers_report_the_uncached_block_is_hit(vllm_config):
     s = _scheduler(vllm_config)
     with pytest.raises(StaleRow, match="not cached by the worker"):
         _workload(s, Runner(decode_blocks_hashed=False, report=False))
+
+
+def _late_fn(rng):
+    """Per decode-filled block: cached by the worker 0 to 6 steps late (the stage manager's late
+    caching, normally 1 or 2; the scheduler's window ``LATE_CONFIRM_STEPS`` is 8), drawn from ``rng``."""
+    return lambda: rng.randrange(7)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_seeded_conversations_with_a_late_worker_serve_only_exact_hits(vllm_config, seed):
+    """Seeded workloads on vLLM's real async scheduler: requests arrive at random steps, each a
+    fresh prompt, a continuation of a finished one (its prompt plus part of its answer), or a
+    repeat of a running one's tokens so far (hits on blocks filled while decoding, some just
+    filled), with 13 blocks for all of them (preemption); the worker caches each decode-filled
+    block 0 to 6 steps late. Every hit served is exact — each row its own request's prefix, each
+    block cached in the worker's ledger (the runner stand-in's check) — and no block stays
+    unconfirmed: the late reports all arrive within the scheduler's window."""
+    import random
+
+    rng = random.Random(seed)
+    s = _scheduler(vllm_config)
+    runner = Runner(decode_blocks_late=_late_fn(rng))
+    done: list[tuple[list[int], int]] = []  # (prompt, answer tokens) of finished requests
+    arrivals = sorted(rng.sample(range(50), 14))
+    prev, n_new = None, 0
+    for step in range(600):
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            running = [r for r in s.requests if r in runner.tokens and len(runner.tokens[r]) > runner.prompt_len[r]]
+            if running and rng.random() < 0.5:  # a request repeating a running one's tokens so far
+                prompt = list(runner.tokens[rng.choice(running)]) + [6000 + n_new] * rng.randrange(0, 5)
+            elif done and rng.random() < 0.75:  # a next turn: an earlier prompt + part of its answer
+                p, n = rng.choice(done)
+                k = rng.randrange(1, n + 1)
+                prompt = p + [sampled(q) for q in range(len(p), len(p) + k)] + [5000 + n_new] * rng.randrange(0, 5)
+            else:
+                prompt = [rng.randrange(1, 900) for _ in range(rng.randrange(8, 40))]
+            prompt = prompt[:72]
+            rid = f"q{n_new}"
+            n_new += 1
+            s.add_request(_request(rid, prompt, rng.randrange(4, 30)))
+            runner.add(rid, prompt)
+        for rid in list(runner.tokens):
+            if rid not in s.requests and rid in runner.tokens and (rid, "done") not in runner.finished:
+                runner.finished.add((rid, "done"))
+                toks = runner.tokens[rid]
+                plen = runner.prompt_len[rid]
+                done.append((toks[:plen], len(toks) - plen))
+        out = s.schedule()
+        if prev is not None:
+            s.update_from_output(prev, runner.execute(prev))
+        prev = out
+        if not s.requests and not arrivals:
+            s.update_from_output(prev, runner.execute(prev))
+            break
+    else:
+        raise AssertionError(f"seed {seed}: not finished after 600 steps: {sorted(s.requests)}")
+    st = s._omni_cache_state()
+    assert n_new == 14 and st.counters()["unconfirmed_blocks"] == 0, st.counters()
+    assert runner.hit_tokens_checked > 0, "no hit: the workload checks nothing"
