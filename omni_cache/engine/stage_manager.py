@@ -473,8 +473,11 @@ class OmniCacheStageManager:
         written in that step, its hash is computed here once the copy is done (normally the
         next step or the one after), and its block id joins this step's :meth:`cached_blocks`,
         which the capped scheduler waits for before it vouches for the block
-        (:meth:`omni_cache.engine.scheduler.OmniCacheSchedulerMixin._confirm_pending`). A block
-        no longer in its request's block table (preempted, resumed) is dropped; the ledger
+        (:meth:`omni_cache.engine.scheduler.OmniCacheSchedulerMixin._confirm_pending`). Only a
+        request scheduled in this step caches (and reports) its late blocks: it still holds its
+        block table, so a reported block id is its own, never one vLLM gave to another request
+        since (a preempted request's are kept until it is scheduled again, then dropped with its
+        view on resume). A block no longer in the request's block table is dropped; the ledger
         ignores a block whose owner changed (:meth:`~omni_cache.core.BlockLedger.cache_full_blocks`).
         ``wait``: read ids still in flight too, waiting for them (:meth:`read_hits`, for a hit on
         a late block only)."""
@@ -485,6 +488,8 @@ class OmniCacheStageManager:
                 if view is not None:
                     view.late.clear()
                 continue
+            if rid not in self._scheduled:  # preempted (or not scheduled): its blocks may be another's
+                continue                    # by now; a resumed request starts a new view anyway
             hashes = self.block_hashes(rid, (max(b for b, _ in view.late) + 1) * self.block_size, wait)
             done = [(b, bid) for b, bid in view.late
                     if b < len(hashes) and b < len(view.block_ids) and view.block_ids[b] == bid]

@@ -314,6 +314,29 @@ def test_a_hit_on_a_block_still_late_is_refused_without_the_wait(monkeypatch):
         _hit_while_late(FakeEngine(async_tokens=True), clock)
 
 
+def test_a_late_block_is_cached_only_in_a_step_that_schedules_its_request(monkeypatch):
+    """A request not scheduled in a step (preempted: vLLM may have handed its blocks to another
+    request) neither caches nor reports its late block there — a reported block id is always
+    its own; it does once it is scheduled again with the same block table."""
+    clock = [0]
+    _late_copies(monkeypatch, clock)
+    eng = FakeEngine(async_tokens=True)
+    eng.add("A", list(range(6)))
+    eng.add("X", list(range(100, 104)))
+    eng.step(new=[("A", [0, 1], 0, 6)])
+    for i, tok in enumerate([70, 71]):  # position 7 completes block 1, its ids in flight
+        clock[0] += 1
+        eng.sample("A", tok)
+        eng.step(cached=[("A", None, 6 + i, 1)])
+    clock[0] += 1
+    eng.step(new=[("X", [3], 0, 4)])  # A not scheduled in this step
+    assert eng.cached_log[-1] == {3}, eng.cached_log  # X's block only: A's block 1 not reported
+    clock[0] += 1
+    eng.sample("A", 72)
+    eng.step(cached=[("A", [2], 8, 1)])
+    assert eng.cached_log[-1] == {1}, eng.cached_log  # scheduled again: now cached and reported
+
+
 def test_resumed_request_serves_its_hit_from_the_cache():
     """A preempted request comes back with a new block table (``resumed_req_ids``) and its
     prefix hit; its first step after the resume hands off rows ``[0, end)``."""
