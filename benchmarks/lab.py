@@ -110,7 +110,12 @@ def results_dir(out: str | os.PathLike | None, name: str) -> Path:
 
 def git() -> dict:
     """``{"commit": HEAD, "dirty": whether omni_cache/, benchmarks/ or stage_configs/ differ
-    from it}``; ``{"commit": "unknown", "dirty": None}`` outside a checkout."""
+    from it}``; ``{"commit": "unknown", "dirty": None}`` outside a checkout. With ``BENCH_COMMIT``
+    set (``scripts/gpu_session.sh`` sets its COMMIT: a GPU host's copy of the tree carries this
+    checkout's git metadata of some earlier time, so its HEAD was wrong in the twenty-first
+    session's results), ``{"commit": BENCH_COMMIT, "dirty": None, "from": "BENCH_COMMIT"}``."""
+    if os.environ.get("BENCH_COMMIT"):
+        return {"commit": os.environ["BENCH_COMMIT"], "dirty": None, "from": "BENCH_COMMIT"}
     try:
         commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
                                          stderr=subprocess.DEVNULL).strip()

@@ -86,6 +86,7 @@
 # Long steps are meant to be started detached (setsid nohup ... &) and polled.
 set -u
 STAGE="$1"; OUT="$2"; COMMIT="$3"; shift 3
+export BENCH_COMMIT="$COMMIT"  # results name this commit (benchmarks/lab.py git(): the host's git metadata is stale)
 echo $$ > /tmp/gpujob.pid  # scripts/gpu_launch.sh watches this process
 TREE="$(pwd)"
 mkdir -p "$OUT"

@@ -173,3 +173,14 @@ def test_thinker_block_size_from_the_stage_config_and_checked_against_the_hit_au
     assert lab.thinker_block_size(gpu, tmp_path) == 16
     with pytest.raises(ValueError, match=r"stage0-turn1 was served 224 tokens from 14 blocks, not blocks of 32"):
         lab.thinker_block_size(lab.BASE_CONFIG, tmp_path)
+
+
+def test_git_names_the_commit_a_gpu_session_gives(monkeypatch):
+    """On a GPU host the tree's git metadata is stale: ``BENCH_COMMIT`` (set by
+    ``scripts/gpu_session.sh``) names the result's commit instead; unset, HEAD is read."""
+    from benchmarks import lab
+
+    monkeypatch.setenv("BENCH_COMMIT", "9616e9c")
+    assert lab.git() == {"commit": "9616e9c", "dirty": None, "from": "BENCH_COMMIT"}
+    monkeypatch.delenv("BENCH_COMMIT")
+    assert lab.git()["commit"] != "9616e9c" and "from" not in lab.git()
