@@ -228,16 +228,26 @@ def _late_copies(monkeypatch, clock: list[int], lag: int = 1, waits: list | None
     monkeypatch.setattr(KeptIds, "values", values)
 
 
-def _decode_late_then_turn2(eng: FakeEngine, clock: list[int]):
-    """Turn 1 completes block 1 by decoding (position 7), decodes one more token, finishes;
-    turn 2 repeats its first 8 tokens and hits block 1."""
+def _a_fills_block_1(eng: FakeEngine, clock: list[int]) -> list[int]:
+    """A (6 prompt tokens) decodes 70 and 71: position 7 completes its block 1, in a step whose
+    ids are in flight. Returns A's prompt."""
     a = list(range(6))
     eng.add("A", a)
     eng.step(new=[("A", [0, 1], 0, 6)])
-    for i, (tok, blocks) in enumerate([(70, None), (71, None), (72, [2])]):  # 6, 7 (block 1 full), 8
+    for i, tok in enumerate([70, 71]):
         clock[0] += 1
         eng.sample("A", tok)
-        eng.step(cached=[("A", blocks, 6 + i, 1)])
+        eng.step(cached=[("A", None, 6 + i, 1)])
+    return a
+
+
+def _decode_late_then_turn2(eng: FakeEngine, clock: list[int]):
+    """Turn 1 completes block 1 by decoding (position 7), decodes one more token, finishes;
+    turn 2 repeats its first 8 tokens and hits block 1."""
+    a = _a_fills_block_1(eng, clock)
+    clock[0] += 1
+    eng.sample("A", 72)
+    eng.step(cached=[("A", [2], 8, 1)])
     clock[0] += 1
     eng.sample("A", 73)
     turn2 = a + [70, 71, 9, 9, 9]
@@ -276,13 +286,7 @@ def test_without_late_caching_the_late_block_is_refused(monkeypatch):
 def _hit_while_late(eng: FakeEngine, clock: list[int]):
     """A completes block 1 by decoding (position 7); in the very next step, while A decodes on,
     T2 arrives and hits A's first 8 tokens — block 1 with it."""
-    a = list(range(6))
-    eng.add("A", a)
-    eng.step(new=[("A", [0, 1], 0, 6)])
-    for i, tok in enumerate([70, 71]):
-        clock[0] += 1
-        eng.sample("A", tok)
-        eng.step(cached=[("A", None, 6 + i, 1)])
+    a = _a_fills_block_1(eng, clock)
     clock[0] += 1
     eng.sample("A", 72)
     turn2 = a + [70, 71, 9, 9, 9]
@@ -321,13 +325,8 @@ def test_a_late_block_is_cached_only_in_a_step_that_schedules_its_request(monkey
     clock = [0]
     _late_copies(monkeypatch, clock)
     eng = FakeEngine(async_tokens=True)
-    eng.add("A", list(range(6)))
+    _a_fills_block_1(eng, clock)
     eng.add("X", list(range(100, 104)))
-    eng.step(new=[("A", [0, 1], 0, 6)])
-    for i, tok in enumerate([70, 71]):  # position 7 completes block 1, its ids in flight
-        clock[0] += 1
-        eng.sample("A", tok)
-        eng.step(cached=[("A", None, 6 + i, 1)])
     clock[0] += 1
     eng.step(new=[("X", [3], 0, 4)])  # A not scheduled in this step
     assert eng.cached_log[-1] == {3}, eng.cached_log  # X's block only: A's block 1 not reported
