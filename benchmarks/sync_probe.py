@@ -91,7 +91,8 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
     runner = NS(cache_config=NS(kv_sharing_fast_prefill=False), kv_sharing_fast_prefill_eligible_layers=None,
                 model=NS(omni_pooler_payload_include_hidden=True), requests={}, input_batch=NS(req_ids=[]))
     prompts = [64 + 1 + i % BLOCK for i in range(batch)]  # blocks complete at staggered steps
-    nblk = (max(prompts) + steps) // BLOCK + 2
+    decode_steps = steps * (2 if profile else 1)  # the profiled pass decodes as many steps again
+    nblk = (max(prompts) + decode_steps) // BLOCK + 2
     m = OmniCacheStageManager(runner, block_size=BLOCK, num_blocks=2 * batch * nblk)
     rids = [f"r{i}" for i in range(batch)]
     for i, r in enumerate(rids):
@@ -123,7 +124,7 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
     prefill = step(_sched(new=[(r, range(i * nblk, (i + 1) * nblk), prompts[i]) for i, r in enumerate(rids)]),
                    sum(prompts), busy=True)
     times, prof = [], cProfile.Profile() if profile else None
-    for s in range(steps + (steps if profile else 0)):  # with a profile: as many decode steps again, profiled
+    for s in range(decode_steps):  # with a profile: the second half profiled, without a busy-wait
         for r in rids:
             runner.requests[r].output_token_ids.append(-1)  # async scheduling: a placeholder on the host
         t = step(_sched(cached=[(r, prompts[i] + s) for i, r in enumerate(rids)]), batch, busy=s < steps,

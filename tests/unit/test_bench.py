@@ -903,8 +903,8 @@ def test_sync_probe_drives_every_phase_on_the_cpu():
     means something only behind a GPU busy-wait.)"""
     from benchmarks import sync_probe
 
-    r = sync_probe.probe(3, 18, 20.0, 1.0, device="cpu", hit_rounds=2, profile=True)
-    assert {k: v["steps"] for k, v in r.items()} == {"prefill": 1, "decode": 18, "hit": 2}
+    r = sync_probe.probe(3, 40, 20.0, 1.0, device="cpu", hit_rounds=2, profile=True)  # 80 decode steps: 5+ blocks
+    assert {k: v["steps"] for k, v in r.items()} == {"prefill": 1, "decode": 40, "hit": 2}
     assert all(len(v["save_ms"]) == v["steps"] for v in r.values())
     top = r["decode"]["profile"]  # the profiled pass: functions with calls and time per step
     assert top and all({"function", "calls_per_step", "own_ms_per_step", "cum_ms_per_step"} <= set(row) for row in top)
