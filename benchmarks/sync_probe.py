@@ -88,6 +88,10 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
     from omni_cache.engine.stage_manager import OmniCacheStageManager
 
     dev = torch.device(device)
+    if dev.type == "cuda":  # as the runner does at start-up (OmniCacheRunnerMixin): no JIT in a timed save
+        from omni_cache.core import fused
+
+        fused.warm_up(dev, BLOCK)
     runner = NS(cache_config=NS(kv_sharing_fast_prefill=False), kv_sharing_fast_prefill_eligible_layers=None,
                 model=NS(omni_pooler_payload_include_hidden=True), requests={}, input_batch=NS(req_ids=[]))
     prompts = [64 + 1 + i % BLOCK for i in range(batch)]  # blocks complete at staggered steps
@@ -151,7 +155,9 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
             del runner.requests[h]
     assert m.metrics()["hit_tokens"] == hit_rounds * sum(hit.values()), m.metrics()
     out = {"prefill": _summary([prefill], busy_ms), "decode": _summary(times, busy_ms),
-           "hit": _summary(t_hits, busy_ms)}
+           "hit": _summary(t_hits, busy_ms),
+           # one-launch step writes (omni_cache.core.fused) made, 0 where the pools' index_copy_ path ran
+           "fused_launches": m.cache._writer.launches if m.cache._writer is not None else 0}
     if prof is not None:
         out["decode"]["profile"] = _top(prof, steps)
     return out
@@ -195,7 +201,8 @@ def main(argv=None) -> dict:
     for b in (int(x) for x in args.batch.split(",")):
         result["batches"][str(b)] = phases = probe(b, args.steps, args.busy_ms, cycles_per_ms,
                                                    profile=args.profile)
-        for phase, r in phases.items():
+        print(f"[{args.label}] batch {b}: {phases['fused_launches']} one-launch step writes", flush=True)
+        for phase, r in ((k, v) for k, v in phases.items() if isinstance(v, dict)):
             print(f"[{args.label}] batch {b} {phase}: {r['synced_steps']}/{r['steps']} saves waited for the GPU; "
                   f"save {r['save_ms_median']:.3f} ms median, {r['save_ms_max']:.1f} ms max", flush=True)
         for row in phases["decode"].get("profile", [])[:12]:

@@ -42,6 +42,7 @@ WORD_BYTES = 8
 TABLE_WORDS_PER_KEY = 3
 
 _KERNEL: list = []  # [the JIT kernel or None], filled on first use
+_SLOTS_KERNEL: list = []  # [the scatter kernel or None], filled on first use
 _INTERPRET: list = []  # [whether TRITON_INTERPRET=1], read with the kernel (Triton reads it at import)
 _WARMED: dict = {}  # device -> warm_up's result on it
 
@@ -77,6 +78,58 @@ def _build_kernel():
             tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
 
     return write_step_rows
+
+
+def _build_slots_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["tab", "slots", "n_rows"])
+    def write_slot_rows(tab, slots, n_rows, CHUNK: tl.constexpr):
+        """Program (r, k): row ``r`` of key ``k`` to the pool row at slot ``slots[r]``.
+
+        ``tab``: as :func:`_build_kernel`'s (source, destination, row words per key);
+        ``slots``: address of int64 ``[n_rows]`` slot ids (checked in range by the caller).
+        """
+        r = tl.program_id(0)
+        k = tl.program_id(1)
+        t = tab.to(tl.pointer_type(tl.int64)) + 3 * k
+        src = tl.load(t).to(tl.pointer_type(tl.int64))
+        dst = tl.load(t + 1).to(tl.pointer_type(tl.int64))
+        rw = tl.load(t + 2)
+        slot = tl.load(slots.to(tl.pointer_type(tl.int64)) + r)
+        src = src + r.to(tl.int64) * rw
+        dst = dst + slot * rw
+        for c in range(0, rw, CHUNK):
+            o = c + tl.arange(0, CHUNK)
+            m = o < rw
+            tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
+
+    return write_slot_rows
+
+
+def slots_kernel():
+    """The scatter kernel (one program per row and key: a decode step's rows, one per request,
+    to their slots), or ``None`` as :func:`kernel`."""
+    if not _SLOTS_KERNEL:
+        k = None
+        if kernel() is not None:
+            try:
+                k = _build_slots_kernel()
+            except Exception as exc:
+                log.info("omni-cache: fused slot writes unavailable (%s); using index_copy_", exc)
+        _SLOTS_KERNEL.append(k)
+    return _SLOTS_KERNEL[0]
+
+
+def launch_slots(tab: int, slots: int, n_rows: int, n_keys: int, stream: int | None = None) -> None:
+    """Enqueue :func:`slots_kernel` on ``stream`` (as :func:`launch`)."""
+    k = slots_kernel()
+    grid = (n_rows, n_keys)
+    if stream is None or _INTERPRET[0]:
+        k[grid](tab, slots, n_rows, CHUNK=CHUNK, num_warps=NUM_WARPS)
+        return
+    _Launcher.get(k).launch(grid, stream, tab, slots, n_rows)
 
 
 def kernel():
@@ -148,12 +201,25 @@ def warm_up(device: torch.device | str, block_size: int = 16) -> bool:
                 torch.cuda.synchronize(device)
             ok = all(torch.equal(p, e) for p, e in zip(pools, expect))
             why = "rows differ from the oracle's"
+            if ok:  # the scatter kernel: rows to slots in three blocks, out of order (a decode step's)
+                slots = torch.tensor([3 * bs + 1, 0, 2 * bs + bs - 1, 1], dtype=torch.int64, device=device)
+                rows = [torch.randint(-2**62, 2**62, (len(slots), w), generator=gen).to(device) for w in widths]
+                for e, r in zip(expect, rows):
+                    e[slots] = r
+                tab = torch.tensor([v for r, p, w in zip(rows, pools, widths) for v in (r.data_ptr(), p.data_ptr(), w)],
+                                   dtype=torch.int64, device=device)
+                launch_slots(tab.data_ptr(), slots.data_ptr(), len(slots), len(widths), stream)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                ok = all(torch.equal(p, e) for p, e in zip(pools, expect))
+                why = "the scatter kernel's rows differ from the oracle's"
         except Exception as exc:  # a compile or launch failure: the pools' path
             why = repr(exc)
         if not ok:
             log.warning("omni-cache: the fused step writer failed its start-up check on %s (%s); "
                         "step writes take the pools' index_copy_ path", device, why)
             _KERNEL[0] = None
+            _SLOTS_KERNEL[:] = [None]
     _WARMED[device] = ok
     return ok
 
@@ -284,4 +350,42 @@ class StepWriter:
         if self.pinned:
             for key in tensors:
                 self.destinations[key].pinned_pool.note_gpu_work(ids, owned=True)  # ids: made for this call
+        return True
+
+    def write_slots(self, slots: np.ndarray, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Rows of a step into pool rows ``slots`` (int64 ``[n]`` KV slot ids, checked in range by
+        the caller; any order, e.g. a decode step's one row per request): ``tensors`` key ->
+        ``[n, width]`` rows, row ``i`` to slot ``slots[i]``; one launch of :func:`slots_kernel`,
+        its arguments read in place from the staging ring (no host -> device copy). Returns
+        ``False`` (nothing written) where the call is not covered, as :meth:`write`."""
+        n, n_keys = len(slots), len(tensors)
+        table_words = TABLE_WORDS_PER_KEY * n_keys
+        if not n or not n_keys or table_words + n > self.ring.half or slots_kernel() is None:
+            return False
+        table = []
+        device = self.device
+        for key, rows in tensors.items():
+            destination = self.destinations[key]
+            if rows.get_device() != device.index:
+                return False
+            if rows.dtype != destination.dtype or not rows.is_contiguous():
+                rows = rows.to(destination.dtype).contiguous()  # (a temporary, as in write)
+            ptr = rows.data_ptr()
+            if ptr % WORD_BYTES:
+                return False
+            table += (ptr, destination.address, destination.row_words)
+        ring = self.ring
+        offset = ring.reserve(table_words + n)
+        table_address = ring.device_address(offset)
+        if table_address is None:
+            return False
+        struct.pack_into(f"{table_words}q", ring.host, WORD_BYTES * offset, *table)
+        ring.host[offset + table_words:offset + table_words + n] = slots
+        launch_slots(table_address, table_address + WORD_BYTES * table_words, n, n_keys,
+                     torch._C._cuda_getCurrentRawStream(device.index))
+        self.launches += 1
+        if self.pinned:
+            blocks = slots // self.block_size
+            for key in tensors:
+                self.destinations[key].pinned_pool.note_gpu_work(blocks, owned=True)
         return True

@@ -84,12 +84,15 @@ def write_step_rows(cache: Any, requests: Sequence[StepRequest],
     if len(requests) > 2 and total == len(requests) and rows:
         decode = _decode_slots(requests, cache.block_size, cache.num_blocks)
         if decode is not None:
-            _write_pools(cache, decode[0], rows, total, lambda: decode[1])
-            if not cache.ledger.record_one_row_each(decode[1], decode[0] % cache.block_size,
+            slots, blocks, completed = decode
+            _write_pools(cache, slots, rows, total, lambda: blocks)
+            if not cache.ledger.record_one_row_each(blocks, slots % cache.block_size,
                                                     [r.req_id for r in requests], mask):
-                for r, b, slot in zip(requests, decode[1].tolist(), decode[0].tolist(), strict=True):
+                for r, b, slot in zip(requests, blocks.tolist(), slots.tolist(), strict=True):
                     o = slot % cache.block_size
                     cache.ledger.defer_request_write(BlockWrite([b], o, o + 1, [0], [False], mask, r.req_id))
+            for j, block_hash in completed:  # rows complete their blocks: cached under their hashes
+                cache.ledger.cache_full_blocks([int(blocks[j])], [block_hash], owner=requests[j].req_id)
             cache.metrics.seconds_write += time.perf_counter() - t0
             return
     writes = []
@@ -128,15 +131,26 @@ def _write_pools(cache: Any, slots: np.ndarray, rows: Mapping[str, torch.Tensor]
 
 
 def _decode_slots(requests: Sequence[StepRequest], block_size: int, num_blocks: int
-                  ) -> tuple[np.ndarray, np.ndarray] | None:
-    """For a decode step — every request writes one row and caches no block — ``(slots, block
-    ids)`` (int64 ``[n]`` each) without a :class:`RequestWrite` per request; None where a
-    request does not fit that (it then takes the general path, which also raises its errors)."""
-    ids = []
-    for r in requests:
-        if r.num_tokens != 1 or type(r.block_hashes) is not dict or r.block_hashes:
+                  ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]] | None:
+    """For a decode step — every request writes one row, and caches at most the block that row
+    completes — ``(slots, block ids, completed)`` (int64 ``[n]`` each; ``completed``: ``(index
+    in requests, block hash)`` of the rows that complete their block) without a
+    :class:`RequestWrite` per request; None where a request does not fit that (it then takes the
+    general path, which also raises its errors). At 16 requests a block completes in most decode
+    steps: before, one such row sent the whole step down the general path (docs/gpu.md,
+    "Twenty-third session")."""
+    ids, completed = [], []
+    for j, r in enumerate(requests):
+        hashes = r.block_hashes
+        if r.num_tokens != 1 or type(hashes) is not dict:
             return None
         b = r.start // block_size
+        if hashes:  # only the hash of the block this row completes (an int, as validated below)
+            h = hashes.get(b)
+            if (len(hashes) != 1 or r.start % block_size != block_size - 1 or type(h) is not int
+                    or not 0 <= h < 1 << 64):
+                return None
+            completed.append((j, h))
         table = r.block_ids
         if r.start < 0 or b >= len(table) or type(table) is not list:
             return None
@@ -148,4 +162,4 @@ def _decode_slots(requests: Sequence[StepRequest], block_size: int, num_blocks: 
     if not blocks.size or blocks.min() < 0 or blocks.max() >= num_blocks:
         return None
     starts = np.fromiter((r.start for r in requests), dtype=np.int64, count=len(requests))
-    return blocks * block_size + starts % block_size, blocks
+    return blocks * block_size + starts % block_size, blocks, completed

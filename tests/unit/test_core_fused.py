@@ -43,6 +43,16 @@ for case in range(12):
     tab = torch.tensor([v for r, p, w in zip(rows, pools, widths) for v in (r.data_ptr(), p.data_ptr(), w)])
     fused.launch(tab.data_ptr(), ids.data_ptr(), u, first_off, last_end, bs, len(widths))
     assert all(torch.equal(p, e) for p, e in zip(pools, expect)), case
+for case in range(12):  # the scatter kernel: rows to distinct slots in any order (a decode step's)
+    n = rng.randint(1, 9)
+    slots = torch.tensor(rng.sample(range(nblk * bs), n))
+    rows = [torch.randint(-2**62, 2**62, (n, w)) for w in widths]
+    expect = [p.clone() for p in pools]
+    for e, r in zip(expect, rows):
+        e[slots] = r
+    tab = torch.tensor([v for r, p, w in zip(rows, pools, widths) for v in (r.data_ptr(), p.data_ptr(), w)])
+    fused.launch_slots(tab.data_ptr(), slots.data_ptr(), n, len(widths))
+    assert all(torch.equal(p, e) for p, e in zip(pools, expect)), ("slots", case)
 print("ok")
 '''
 
@@ -64,17 +74,21 @@ from omni_cache.core import fused
 if sys.argv[1] == "broken":  # a kernel that writes nothing: the check must catch it
     fused.kernel()
     fused.launch = lambda *a, **k: None
+if sys.argv[1] == "broken_slots":  # the scatter kernel writes nothing: caught too, both turned off
+    fused.slots_kernel()
+    fused.launch_slots = lambda *a, **k: None
 print("warm_up", fused.warm_up("cpu", 16), fused.warm_up("cpu", 16), "kernel", fused.kernel() is not None)
 '''
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
                     reason="needs Triton, and no CUDA (the CUDA test below compiles it)")
-@pytest.mark.parametrize("case", ["exact", "broken"])
+@pytest.mark.parametrize("case", ["exact", "broken", "broken_slots"])
 def test_warm_up_checks_the_kernel_before_any_request(case):
-    """fused.warm_up (run at start-up by the runner) writes a known pattern through the kernel
-    and compares it with torch indexing of the same slots (oracle). A kernel that gets it wrong
-    (planted: a launch that writes nothing) turns the fused path off for the process."""
+    """fused.warm_up (run at start-up by the runner) writes known patterns through both kernels
+    and compares them with torch indexing of the same slots (oracle). A kernel that gets it
+    wrong (planted: a launch of either that writes nothing) turns the fused path off for the
+    process."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     out = subprocess.run([sys.executable, "-c", WARM_UP, case], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -146,6 +160,55 @@ def test_cuda_fused_step_writes_match_index_copy(tier):
         for k in KEYS:
             assert a.ledger.filled(blk, k.name) == b.ledger.filled(blk, k.name), (k.name, blk)
     assert any(a.ledger.block_hash[blk] is not None for blk in range(nb)), "no block was cached: vacuous"
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.PINNED_HOST])
+def test_cuda_fused_step_rows_match_index_copy(tier):
+    """Whole engine steps (write_step_rows: prefills of several requests, then decode steps of
+    8 requests, rows completing and caching blocks on the way, float32 rows into the bf16 key)
+    through the scatter kernel leave pools and ledger bitwise equal to the per-key index_copy_
+    path's; one launch per step."""
+    from omni_cache.core.step_write import StepRequest
+
+    a, b = _pair(tier)
+    bs, rng = 16, random.Random(7)
+    tables = {f"r{i}": list(range(8 * i, 8 * i + 8)) for i in range(8)}
+    prompt = {r: rng.randrange(20, 60) for r in tables}
+    tokens = {r: [rng.randrange(50) for _ in range(128)] for r in tables}
+
+    def step(reqs):
+        n = sum(r.num_tokens for r in reqs)
+        rows = {k.name: torch.randn(n, k.width, device="cuda").to(k.dtype) for k in KEYS}
+        rows["hidden"] = torch.randn(n, 2048, device="cuda")  # float32 rows into the bf16 pool
+        for c in (a, b):
+            c.write_step_rows(reqs, rows)
+
+    def hashes(r, upto):
+        full = chained_block_hashes(tokens[r][:upto // bs * bs], bs)
+        return dict(enumerate(full))
+
+    step([StepRequest(r, t, 0, prompt[r], {j: h for j, h in hashes(r, prompt[r]).items()})
+          for r, t in tables.items()])
+    launches = a._writer.launches
+    for s in range(40):
+        reqs = []
+        for r, t in tables.items():
+            pos = prompt[r] + s
+            done = (pos + 1) // bs
+            reqs.append(StepRequest(r, t, pos, 1, {done - 1: hashes(r, pos + 1)[done - 1]}
+                                    if (pos + 1) % bs == 0 else {}))
+        step(reqs)
+    torch.cuda.synchronize()
+    assert a._writer.launches == launches + 40 and b._writer is None
+    for k in KEYS:
+        assert same_bits(a.pools[k.name].storage.cpu(), b.pools[k.name].storage.cpu()), k.name
+    for blk in range(64):
+        for f in ("block_hash", "owner", "generation"):
+            assert getattr(a.ledger, f)[blk] == getattr(b.ledger, f)[blk], (f, blk)
+        for k in KEYS:
+            assert a.ledger.filled(blk, k.name) == b.ledger.filled(blk, k.name), (k.name, blk)
+    assert sum(a.ledger.block_hash[blk] is not None for blk in range(64)) > 8, "too few blocks cached: vacuous"
 
 
 @needs_cuda_triton

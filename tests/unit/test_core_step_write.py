@@ -100,7 +100,7 @@ def _decode_steps(seed: int):
             step.append(StepRequest(step[0].req_id + "x", step[0].block_ids, (step[0].start + 1) % BS, 1, {}))
         elif kind < 0.3:  # an owner the ledger has never seen (fallback)
             step[-1] = StepRequest(f"new{rng.randrange(10**6)}", step[-1].block_ids, step[-1].start, 1, {})
-        elif kind < 0.4:  # a decode row that completes and caches its block (fallback)
+        elif kind < 0.4:  # a decode row that completes and caches its block
             r = step[0]
             step[0] = StepRequest(r.req_id, r.block_ids, BS - 1, 1, {0: 1000 + rng.randrange(10**6)})
         elif kind < 0.55:  # owners swap tables: each block's next write is by another owner
