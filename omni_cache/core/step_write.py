@@ -116,10 +116,20 @@ def write_step_rows(cache: Any, requests: Sequence[StepRequest],
 
 def _write_pools(cache: Any, slots: np.ndarray, rows: Mapping[str, torch.Tensor], total: int,
                  touched: Callable[[], np.ndarray]) -> None:
-    """Every key's rows at ``slots`` (int64 ``[total]``), one index for all keys; a failed
-    write invalidates the blocks ``touched()`` returns (int64) and re-raises."""
+    """Every key's rows at ``slots`` (int64 ``[total]``): one launch for all keys where the
+    fused writer covers the call (a CUDA cache, :meth:`HiddenStateCache._write_fused_slots`), else
+    one index for all keys and a write per key; a failed write invalidates the blocks
+    ``touched()`` returns (int64) and re-raises.
+
+    Raises:
+        IndexError: a slot outside the pools (nothing written).
+    """
     index = RowIndex(slots)
     try:
+        if cache._fused_maybe:
+            index.check(cache.num_blocks * cache.block_size, "slot mapping")  # (the kernel does not check)
+            if cache._write_fused_slots(slots, rows):
+                return
         for key, t in rows.items():
             pool = cache.pools[key]
             pool.write(index, t)

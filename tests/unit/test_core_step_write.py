@@ -134,3 +134,30 @@ def test_decode_steps_equal_one_write_per_request(seed):
             assert torch.equal(one.pools[k].storage, per.pools[k].storage), (i, k)
         assert ledger_state(one) == ledger_state(per), i
     assert fast >= 6  # most steps took the fast path
+
+
+def test_step_writes_go_to_the_one_launch_writer_and_fall_back_when_it_declines():
+    """Where the fused path is on (a CUDA cache), every step write — a prefill, a decode of one
+    request, a decode of three — hands its slots to the one-launch writer
+    (``StepWriter.write_slots``, here a stand-in that declines) and, declined, writes through
+    the pools' own path: the rows land all the same (oracle: the rows given)."""
+    cache = make_cache()
+    calls = []
+
+    class Declines:
+        launches = 0
+
+        def write_slots(self, slots, rows):
+            calls.append(slots.tolist())
+            return False
+
+    cache._fused_maybe, cache._writer = True, Declines()
+    data = [rows(5, 3, seed=1), rows(1, 3, seed=2), rows(3, 3, seed=3)]
+    cache.write_step_rows([StepRequest("a", [1, 2], 0, 5, {})], {k: data[0] for k in KEYS})
+    cache.write_step_rows([StepRequest("a", [1, 2], 5, 1, {})], {k: data[1] for k in KEYS})
+    cache.write_step_rows([StepRequest("a", [1, 2], 6, 1, {}), StepRequest("b", [3], 0, 1, {}),
+                           StepRequest("c", [4], 0, 1, {})], {k: data[2] for k in KEYS})
+    assert calls == [[4, 5, 6, 7, 8], [9], [10, 12, 16]]
+    flat = cache.pools[KEYS[0]].storage.view(-1, 3)
+    assert torch.equal(flat[[4, 5, 6, 7, 8]], data[0]) and torch.equal(flat[[9]], data[1])
+    assert torch.equal(flat[[10, 12, 16]], data[2])
