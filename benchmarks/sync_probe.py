@@ -76,13 +76,16 @@ def _summary(times: list[float], busy_ms: float) -> dict:
 
 
 def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: str = "cuda",
-          hit_rounds: int = 8, profile: bool = False) -> dict:
+          hit_rounds: int = 8, profile: bool = False, prompt_tokens: int = 3048, long_rounds: int = 6) -> dict:
     """Save host times (ms) behind a ``busy_ms`` busy-wait, per phase: ``prefill`` (one step of
     ``batch`` prompts), ``decode`` (``steps`` steps of ``batch`` requests, placeholders on the
     host), ``hit`` (``hit_rounds`` steps, each of ``batch`` new requests whose prompts repeat
     the first ones': prefix hits on their full blocks, served from the device pool). ``device`` ``cpu``: the
     same calls without a busy-wait (a check of the probe itself). ``profile``: as many decode
-    steps again under cProfile, no busy-wait (``decode.profile``: where a save's host time goes)."""
+    steps again under cProfile, no busy-wait (``decode.profile``: where a save's host time goes).
+    ``long_prefill``: ``long_rounds`` steps, each the whole prefill of one new request of
+    ``prompt_tokens`` tokens that hits nothing (A4's ``miss`` workload: 3,048), its blocks those
+    of the previous round's finished request; with ``profile`` as many again under cProfile."""
     import torch
 
     from omni_cache.engine.stage_manager import OmniCacheStageManager
@@ -97,7 +100,8 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
     prompts = [64 + 1 + i % BLOCK for i in range(batch)]  # blocks complete at staggered steps
     decode_steps = steps * (2 if profile else 1)  # the profiled pass decodes as many steps again
     nblk = (max(prompts) + decode_steps) // BLOCK + 2
-    m = OmniCacheStageManager(runner, block_size=BLOCK, num_blocks=2 * batch * nblk)
+    long_blocks = -(-prompt_tokens // BLOCK)
+    m = OmniCacheStageManager(runner, block_size=BLOCK, num_blocks=2 * batch * nblk + long_blocks)
     rids = [f"r{i}" for i in range(batch)]
     for i, r in enumerate(rids):
         runner.requests[r] = NS(prompt_token_ids=list(range(i * 10_000, i * 10_000 + prompts[i])),
@@ -154,12 +158,29 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
         for h in hits:
             del runner.requests[h]
     assert m.metrics()["hit_tokens"] == hit_rounds * sum(hit.values()), m.metrics()
+    t_long, prof_long = [], cProfile.Profile() if profile else None
+    table = list(range(2 * batch * nblk, 2 * batch * nblk + long_blocks))
+    for k in range(long_rounds * (2 if profile else 1)):  # with a profile: the second half profiled, not busy
+        rid = f"p{k}"
+        first = 1_000_000 + k * prompt_tokens  # token ids no earlier prompt has: no hit
+        runner.requests[rid] = NS(prompt_token_ids=list(range(first, first + prompt_tokens)),
+                                  output_token_ids=[], mm_features=None)
+        runner.input_batch.req_ids = [rid]
+        t = step(_sched(new=[(rid, table, prompt_tokens)]), prompt_tokens, busy=k < long_rounds, rids=[rid],
+                 prof=prof_long if k >= long_rounds else None)
+        if k < long_rounds:
+            t_long.append(t)
+        finished = _sched()
+        finished.finished_req_ids = {rid}
+        m.new_step_starts(finished)
+        del runner.requests[rid]
     out = {"prefill": _summary([prefill], busy_ms), "decode": _summary(times, busy_ms),
-           "hit": _summary(t_hits, busy_ms),
+           "hit": _summary(t_hits, busy_ms), "long_prefill": _summary(t_long, busy_ms),
            # one-launch step writes (omni_cache.core.fused) made, 0 where the pools' index_copy_ path ran
            "fused_launches": m.cache._writer.launches if m.cache._writer is not None else 0}
     if prof is not None:
         out["decode"]["profile"] = _top(prof, steps)
+        out["long_prefill"]["profile"] = _top(prof_long, long_rounds)
     return out
 
 
@@ -178,6 +199,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=64, help="decode steps per batch (default 64: 4 blocks each)")
     ap.add_argument("--busy-ms", type=float, default=20.0, help="GPU busy-wait enqueued before each save, ms")
     ap.add_argument("--profile", action="store_true", help="also profile the saves of a second decode pass (cProfile)")
+    ap.add_argument("--prompt-tokens", type=int, default=3048,
+                    help="tokens of each long_prefill request (default: A4's miss workload)")
     ap.add_argument("--label", default="", help="a name for this tree in the result (a plain name, e.g. a commit)")
     ap.add_argument("--out", default="sync-probe", help="results folder")
     args = ap.parse_args(argv)
@@ -200,14 +223,15 @@ def main(argv=None) -> dict:
               "busy_ms": args.busy_ms, "batches": {}}
     for b in (int(x) for x in args.batch.split(",")):
         result["batches"][str(b)] = phases = probe(b, args.steps, args.busy_ms, cycles_per_ms,
-                                                   profile=args.profile)
+                                                   profile=args.profile, prompt_tokens=args.prompt_tokens)
         print(f"[{args.label}] batch {b}: {phases['fused_launches']} one-launch step writes", flush=True)
         for phase, r in ((k, v) for k, v in phases.items() if isinstance(v, dict)):
             print(f"[{args.label}] batch {b} {phase}: {r['synced_steps']}/{r['steps']} saves waited for the GPU; "
                   f"save {r['save_ms_median']:.3f} ms median, {r['save_ms_max']:.1f} ms max", flush=True)
-        for row in phases["decode"].get("profile", [])[:12]:
-            print(f"    {row['own_ms_per_step']:.3f} ms own / {row['cum_ms_per_step']:.3f} cum per step, "
-                  f"{row['calls_per_step']:.1f} calls: {row['function']}")
+        for phase in ("decode", "long_prefill"):
+            for row in phases[phase].get("profile", [])[:12]:
+                print(f"    {phase}: {row['own_ms_per_step']:.3f} ms own / {row['cum_ms_per_step']:.3f} cum per step, "
+                      f"{row['calls_per_step']:.1f} calls: {row['function']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"result-{args.label or 'tree'}.json").write_text(json.dumps(result, indent=1))

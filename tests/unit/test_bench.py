@@ -905,7 +905,8 @@ def test_sync_probe_drives_every_phase_on_the_cpu():
 
     r = sync_probe.probe(3, 40, 20.0, 1.0, device="cpu", hit_rounds=2, profile=True)  # 80 decode steps: 5+ blocks
     phases = {k: v for k, v in r.items() if isinstance(v, dict)}
-    assert {k: v["steps"] for k, v in phases.items()} == {"prefill": 1, "decode": 40, "hit": 2}
+    assert {k: v["steps"] for k, v in phases.items()} == {"prefill": 1, "decode": 40, "hit": 2, "long_prefill": 6}
+    assert any("write_step_rows" in row["function"] for row in r["long_prefill"]["profile"])
     assert all(len(v["save_ms"]) == v["steps"] for v in phases.values())
     assert r["fused_launches"] == 0  # (the CPU: the pools' own path)
     top = r["decode"]["profile"]  # the profiled pass: functions with calls and time per step
