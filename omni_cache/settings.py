@@ -124,6 +124,13 @@ FUSED = Setting(
     "OMNI_CACHE_FUSED", Kind.CHOICE, "1", ReadBy.ENGINE, True,
     "CUDA: write a step's rows of every key with one Triton kernel (`1`, default) or with "
     "torch's per-key `index_copy_` (`0`); same results", choices=("0", "1"))
+MIN_HIT_TOKENS = Setting(
+    "OMNI_CACHE_MIN_HIT_TOKENS", Kind.INT, "0", ReadBy.ENGINE, True,
+    "AR stages: a prefix hit (after the cap to the hidden-state cache's coverage) shorter than "
+    "this many tokens is recomputed instead of served; 0 (default): every hit is served. On a "
+    "GPU a short prefill is overhead-bound, so a hit on a chat template's first block saves no "
+    "compute while serving it takes the hit path (docs/gpu.md, \"Twenty-third session\"; not "
+    "yet measured)")
 HANDOFF_STAGING = Setting(
     "OMNI_CACHE_HANDOFF_STAGING", Kind.CHOICE, "snapshot", ReadBy.ENGINE, True,
     "CUDA: how the thinker's hand-off rows reach vLLM-Omni's payload builder. `snapshot` "
@@ -210,7 +217,8 @@ VENV = Setting(
 #: name → setting, in documentation order.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     PREFIX_CACHE_BACKEND, METRICS_DIR, HANDOFF_DUMP, HIT_AUDIT, YOCO_ACCEPT_LAYER, YOCO_CAPTURE_LAYERS,
-    FUSED, HANDOFF_STAGING, CPU_PLATFORM, CPU_ATTENTION, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM, PARALLEL_STAGE_INIT,
+    FUSED, MIN_HIT_TOKENS, HANDOFF_STAGING, CPU_PLATFORM, CPU_ATTENTION, CPU_IDLE_BACKOFF_MS, CUDA_PLATFORM,
+    PARALLEL_STAGE_INIT,
     JIT_WARMUP, ROUTING,
     ROUTING_LOAD_MARGIN, ROUTING_CAPACITY_BLOCKS, REALTIME_WINDOW, REALTIME_PINNED_TURNS, REALTIME_KEEP_ON_SLIDE,
     TALKER_KEYS_SECRET, HOME, LOG_LEVEL, VENV)}

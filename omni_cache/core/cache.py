@@ -288,28 +288,6 @@ class HiddenStateCache:
             self.metrics.rows_written += n * len(rows)
         return done
 
-    def _write_fused_slots(self, slots: np.ndarray, rows: Mapping[str, torch.Tensor]) -> bool:
-        """A step's rows of all keys in one launch (:meth:`~omni_cache.core.fused.StepWriter.write_slots`)
-        at ``slots`` (int64 ``[n]``, in range); ``False`` where that path does not cover the call
-        (nothing written then; also where the fused path is off)."""
-        if not self._fused_maybe:
-            return False
-        writer = self._writer or self._step_writer()
-        if writer is None:
-            return False
-        try:
-            done = writer.write_slots(slots, rows)
-        except Exception as exc:  # e.g. Triton cannot compile here: never try again
-            fused_log.warning("omni-cache: fused step write failed (%r); using index_copy_ from now on", exc)
-            self._fused_maybe = False
-            return False
-        if done:
-            n, row_bytes = len(slots), self._row_bytes
-            self.metrics.bytes_written += n * (row_bytes[None] if len(rows) == len(row_bytes) - 1 else
-                                               sum(row_bytes[k] for k in rows))
-            self.metrics.rows_written += n * len(rows)
-        return done
-
     def _write_pools(self, ids: np.ndarray, write: RequestWrite) -> None:
         """Rows ``[start, start + n)`` into every key's pool at blocks ``ids`` (int64 ``[u]``,
         in range): whole blocks as slabs, the partial head / tail blocks row by row; one index

@@ -201,18 +201,9 @@ def warm_up(device: torch.device | str, block_size: int = 16) -> bool:
                 torch.cuda.synchronize(device)
             ok = all(torch.equal(p, e) for p, e in zip(pools, expect))
             why = "rows differ from the oracle's"
-            if ok:  # the scatter kernel: rows to slots in three blocks, out of order (a decode step's)
-                slots = torch.tensor([3 * bs + 1, 0, 2 * bs + bs - 1, 1], dtype=torch.int64, device=device)
-                rows = [torch.randint(-2**62, 2**62, (len(slots), w), generator=gen).to(device) for w in widths]
-                for e, r in zip(expect, rows):
-                    e[slots] = r
-                tab = torch.tensor([v for r, p, w in zip(rows, pools, widths) for v in (r.data_ptr(), p.data_ptr(), w)],
-                                   dtype=torch.int64, device=device)
-                launch_slots(tab.data_ptr(), slots.data_ptr(), len(slots), len(widths), stream)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                ok = all(torch.equal(p, e) for p, e in zip(pools, expect))
-                why = "the scatter kernel's rows differ from the oracle's"
+            if ok:
+                ok, why = _check_slots_kernel(device, bs, gen, pools, expect, widths, stream), \
+                    "the scatter kernel's rows differ from the oracle's"
         except Exception as exc:  # a compile or launch failure: the pools' path
             why = repr(exc)
         if not ok:
@@ -222,6 +213,23 @@ def warm_up(device: torch.device | str, block_size: int = 16) -> bool:
             _SLOTS_KERNEL[:] = [None]
     _WARMED[device] = ok
     return ok
+
+
+def _check_slots_kernel(device: torch.device, bs: int, gen: torch.Generator, pools: list, expect: list,
+                        widths: tuple, stream: int | None) -> bool:
+    """:func:`warm_up`'s check of the scatter kernel: rows to four slots in three blocks, out of
+    order (a decode step's), onto ``pools`` (int64 ``[4 * bs, width]`` each) whose expected
+    content so far is ``expect``; compared word for word with torch indexing (oracle)."""
+    slots = torch.tensor([3 * bs + 1, 0, 2 * bs + bs - 1, 1], dtype=torch.int64, device=device)
+    rows = [torch.randint(-2**62, 2**62, (len(slots), w), generator=gen).to(device) for w in widths]
+    for e, r in zip(expect, rows):
+        e[slots] = r
+    tab = torch.tensor([v for r, p, w in zip(rows, pools, widths) for v in (r.data_ptr(), p.data_ptr(), w)],
+                       dtype=torch.int64, device=device)
+    launch_slots(tab.data_ptr(), slots.data_ptr(), len(slots), len(widths), stream)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return all(torch.equal(p, e) for p, e in zip(pools, expect))
 
 
 class _Launcher:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni_cache.core.fused import log as fused_log
 from omni_cache.core.ledger_state import BlockWrite
 from omni_cache.core.request_write import BlockHashes, RequestWrite, normalise_request_write, validate_request_write
 from omni_cache.core.row_index import RowIndex
@@ -117,7 +118,7 @@ def write_step_rows(cache: Any, requests: Sequence[StepRequest],
 def _write_pools(cache: Any, slots: np.ndarray, rows: Mapping[str, torch.Tensor], total: int,
                  touched: Callable[[], np.ndarray]) -> None:
     """Every key's rows at ``slots`` (int64 ``[total]``): one launch for all keys where the
-    fused writer covers the call (a CUDA cache, :meth:`HiddenStateCache._write_fused_slots`), else
+    fused writer covers the call (a CUDA cache, :func:`_write_fused_slots`), else
     one index for all keys and a write per key; a failed write invalidates the blocks
     ``touched()`` returns (int64) and re-raises.
 
@@ -128,7 +129,7 @@ def _write_pools(cache: Any, slots: np.ndarray, rows: Mapping[str, torch.Tensor]
     try:
         if cache._fused_maybe:
             index.check(cache.num_blocks * cache.block_size, "slot mapping")  # (the kernel does not check)
-            if cache._write_fused_slots(slots, rows):
+            if _write_fused_slots(cache, slots, rows):
                 return
         for key, t in rows.items():
             pool = cache.pools[key]
@@ -138,6 +139,29 @@ def _write_pools(cache: Any, slots: np.ndarray, rows: Mapping[str, torch.Tensor]
         cache.ledger.invalidate_blocks(touched())
         raise
     cache.metrics.rows_written += total * len(rows)
+
+
+def _write_fused_slots(cache: Any, slots: np.ndarray, rows: Mapping[str, torch.Tensor]) -> bool:
+    """A step's rows of all keys in one launch (:meth:`~omni_cache.core.fused.StepWriter.write_slots`)
+    at ``slots`` (int64 ``[n]``, in range); ``False`` where that path does not cover the call
+    (nothing written then; also where the cache's fused path is off or was turned off)."""
+    if not cache._fused_maybe:
+        return False
+    writer = cache._writer or cache._step_writer()
+    if writer is None:
+        return False
+    try:
+        done = writer.write_slots(slots, rows)
+    except Exception as exc:  # e.g. Triton cannot compile here: never try again
+        fused_log.warning("omni-cache: fused step write failed (%r); using index_copy_ from now on", exc)
+        cache._fused_maybe = False
+        return False
+    if done:
+        n, row_bytes = len(slots), cache._row_bytes
+        cache.metrics.bytes_written += n * (row_bytes[None] if len(rows) == len(row_bytes) - 1 else
+                                            sum(row_bytes[k] for k in rows))
+        cache.metrics.rows_written += n * len(rows)
+    return done
 
 
 def _decode_slots(requests: Sequence[StepRequest], block_size: int, num_blocks: int

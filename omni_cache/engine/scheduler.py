@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
 
+from omni_cache import settings
 from omni_cache.core.coverage import RowValidity, WrittenBlocks, spans_overlap
 from omni_cache.engine.metrics import MetricsFile
 from omni_cache.engine.runner import full_attention_group
@@ -83,13 +84,17 @@ class SchedulerCapState:
         forgotten: requests whose writes are not recorded (fault injection:
             :data:`FORGET_ROWS` in the request's ``SamplingParams.extra_args``).
         truncated_spans: request → ``[(start, end)]`` token spans written under fast prefill.
-        lookup: request → ``(capped, same_step)`` tokens of its latest lookup; a waiting
-            request is looked up again every step until admitted, so the counters take only
-            the lookup that admitted it (in ``schedule()``).
+        lookup: request → ``(capped, same_step, short)`` tokens of its latest lookup
+            (``short``: a hit below ``min_hit_tokens``, recomputed); a waiting request is
+            looked up again every step until admitted, so the counters take only the lookup
+            that admitted it (in ``schedule()``).
         resumed: ``(request id, num_preemptions)`` → prefix-hit tokens on resume, the latest
             :data:`PREEMPTED_KEPT` (:meth:`note_resumed`; older ones are in ``resumed_older``).
         resumed_older: ``(hits, hit tokens)`` of the resumes that left ``resumed``.
         capped_tokens: hit tokens cut by the cap, over admitted requests.
+        min_hit_tokens: hits shorter than this are recomputed (``OMNI_CACHE_MIN_HIT_TOKENS``).
+        short_hit_tokens: hit tokens recomputed for being below ``min_hit_tokens``, over
+            admitted requests.
         same_step_hit_tokens: hit tokens on blocks completed in the same step, over admitted
             requests.
         preemptions: requests preempted.
@@ -119,10 +124,12 @@ class SchedulerCapState:
     hit_needs: RowValidity
     forgotten: set[str] = field(default_factory=set)
     truncated_spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    lookup: dict[str, tuple[int, int]] = field(default_factory=dict)
+    lookup: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     resumed: dict[tuple[str, int], int] = field(default_factory=dict)
     resumed_older: list[int] = field(default_factory=lambda: [0, 0])
     capped_tokens: int = 0
+    min_hit_tokens: int = 0
+    short_hit_tokens: int = 0
     same_step_hit_tokens: int = 0
     preemptions: int = 0
     preempted: dict[str, None] = field(default_factory=dict)
@@ -150,7 +157,7 @@ class SchedulerCapState:
         """The published counters (``scheduler-<pid>.json``)."""
         return {"preemptions": self.preemptions, "resumed_hits": self.resumed_older[0] + len(self.resumed),
                 "resumed_hit_tokens": self.resumed_older[1] + sum(self.resumed.values()),
-                "capped_tokens": self.capped_tokens,
+                "capped_tokens": self.capped_tokens, "short_hit_tokens": self.short_hit_tokens,
                 "same_step_hit_tokens": self.same_step_hit_tokens,
                 "worker_reports": self.worker_reports, "unconfirmed_blocks": self.unconfirmed_blocks,
                 "preempted_requests": list(self.preempted),
@@ -168,7 +175,7 @@ class OmniCacheSchedulerMixin:
             st = self._oc_state = SchedulerCapState(
                 written=WrittenBlocks(), group=group,
                 block_size=self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size,
-                truncates=truncates, hit_needs=hit_needs)
+                truncates=truncates, hit_needs=hit_needs, min_hit_tokens=settings.MIN_HIT_TOKENS.get_int())
             self._oc_metrics = MetricsFile("scheduler")
         return st
 
@@ -188,12 +195,16 @@ class OmniCacheSchedulerMixin:
             with_pending = st.written.covered(pairs, st.hit_needs, pending=self._blocks_completed_this_step(st))
             same_step = (with_pending - covered) * bs
             covered = with_pending
+        short = 0
+        if covered and covered * bs < st.min_hit_tokens:  # not worth the hit path: recomputed
+            short, covered, same_step = covered * bs, 0, 0
         capped = max(num_local - covered * bs, 0)
         if same_step or capped or request.num_preemptions > 0:
-            st.lookup[request.request_id] = (capped, same_step)
-        if capped:
+            st.lookup[request.request_id] = (capped - short, same_step, short)
+        if capped > short:
             logger.info("omni-cache: request %s prefix hit capped %d -> %d tokens (hidden rows not covered)",
                         request.request_id, num_local, covered * bs)
+        if capped:
             if len(blocks.blocks) == 1:
                 blocks = KVCacheBlocks(tuple(list(gb[:covered]) for gb in blocks.blocks))
                 num_local = covered * bs
@@ -274,11 +285,14 @@ class OmniCacheSchedulerMixin:
             st.truncated_spans.pop(rid, None)
             st.lookup.pop(rid, None)  # aborted while waiting: never admitted, not counted
         admitted = starts.keys() & st.lookup.keys()  # requests whose counted lookup admitted them now
+        publish = False
         for rid in admitted:
-            capped, same_step = st.lookup.pop(rid)
+            capped, same_step, short = st.lookup.pop(rid)
             st.capped_tokens += capped
             st.same_step_hit_tokens += same_step
-        if admitted:  # rare (a capped, same-step or resumed hit): publish now, not only at shutdown
+            st.short_hit_tokens += short
+            publish = publish or bool(capped or same_step or self.requests[rid].num_preemptions)
+        if publish:  # rare (a capped, same-step or resumed hit): publish now, not only at shutdown
             self._publish_scheduler_metrics()
         for rid, start in starts.items():
             if rid in new_ids and rows_forgotten(self.requests[rid]):

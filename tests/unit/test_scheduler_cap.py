@@ -101,3 +101,21 @@ def test_resumed_hits_are_counted_in_bounded_memory():
     assert len(st.resumed) == PREEMPTED_KEPT
     assert (c["resumed_hits"], c["resumed_hit_tokens"]) == (n, 32 * n)
     assert c["resumed_hit_requests"] == sorted(f"r{i}" for i in range(n - PREEMPTED_KEPT, n))
+
+
+@pytest.mark.parametrize("min_hit", [0, 64, 80])
+def test_a_hit_below_the_minimum_is_recomputed(vllm_config, monkeypatch, tmp_path, min_hit):
+    """``OMNI_CACHE_MIN_HIT_TOKENS``: B's covered 64-token hit stands at a minimum of 0 or 64,
+    and is recomputed (B admitted from token 0) at 80 — counted once as a short hit, not as a
+    capped one (its rows were covered), and not published at admission (no file before shutdown)."""
+    monkeypatch.setenv(settings.METRICS_DIR.name, str(tmp_path))
+    monkeypatch.setenv(settings.MIN_HIT_TOKENS.name, str(min_hit))
+    s = _scheduler(vllm_config)
+    waited, b_start = _run(s)
+    st = s._omni_cache_state()
+    assert waited >= 5 and b_start == (0 if min_hit > 64 else 64)
+    assert (st.short_hit_tokens, st.capped_tokens) == ((64, 0) if min_hit > 64 else (0, 0))
+    assert st.lookup == {} and not list(tmp_path.glob("scheduler-*.json"))
+    s.shutdown()
+    (f,) = tmp_path.glob("scheduler-*.json")
+    assert json.loads(f.read_text())["short_hit_tokens"] == (64 if min_hit > 64 else 0)
