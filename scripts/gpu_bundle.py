@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -55,6 +56,9 @@ except ImportError:  # pragma: no cover
 REPO = Path(__file__).resolve().parent.parent
 LOCK = REPO / "requirements" / "gpu.lock.txt"
 TAR_NAME = "omni-cache-gpu-bundle.tar"
+#: pure-Python wheels copied to ``<out>/bare/`` besides the parts: pytest, zip-imported on a bare
+#: lent host (its own torch, nothing installed) by ``scripts/gpu_bare_check.sh``
+BARE_WHEELS = ("pytest", "pluggy", "iniconfig", "packaging", "pygments")
 #: manylinux tags tried for the target (pip matches each glibc minor exactly)
 PLATFORMS = ([f"manylinux_2_{n}_x86_64" for n in (5, 12, 17, 18, 24, 27, 28, 31, 34, 35, 39)]
              + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64", "any"])
@@ -242,6 +246,13 @@ def build(args) -> int:
         for name in skipped:
             wheels.pop(name)
         log(f"skipping {len(skipped)} packages the target already has at a compatible version")
+    bare = out / "bare"  # pytest and its pure-Python deps, zip-imported on a bare host (scripts/gpu_bare_check.sh)
+    shutil.rmtree(bare, ignore_errors=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "--no-deps",
+                        "--only-binary=:all:", "--python-version", args.python, "-d", str(bare),
+                        *(f"{n}=={pins[n]}" if n in pins else n for n in BARE_WHEELS)], capture_output=True, text=True)
+    if r.returncode:
+        log(f"warning: no pytest wheels for bare hosts in {bare}: {r.stderr.strip()[-300:]}")
     entries = []
     tar = out / TAR_NAME
     log(f"packing {len(wheels)} wheels into {tar}")
