@@ -327,37 +327,13 @@ class StepWriter:
         ``tensors`` key -> ``[n, width]`` rows, ``n = u * block_size - first_off - (block_size
         - last_end)``; in-block offsets ``[first_off, ...)`` of ``ids[0]`` to ``[..., last_end)``
         of ``ids[-1]``. Returns ``False`` (nothing written) where the call is not covered."""
-        units, n_keys = len(ids), len(tensors)
-        table_words = TABLE_WORDS_PER_KEY * n_keys
-        if not units or not n_keys or table_words + units > self.ring.half:
+        staged = self._stage_arguments(tensors, ids)
+        if staged is None:
             return False
-        table = []
-        device = self.device
-        for key, rows in tensors.items():
-            destination = self.destinations[key]
-            if rows.get_device() != device.index:  # (-1 on the CPU)
-                return False
-            if rows.dtype != destination.dtype or not rows.is_contiguous():
-                # (a temporary: the caching allocator hands its memory only to work enqueued
-                # later on this stream, so the kernel reads it first)
-                rows = rows.to(destination.dtype).contiguous()
-            ptr = rows.data_ptr()
-            if ptr % WORD_BYTES:
-                return False
-            table += (ptr, destination.address, destination.row_words)
-        ring = self.ring
-        offset = ring.reserve(table_words + units)
-        table_address = ring.device_address(offset)
-        if table_address is None:
-            return False
-        struct.pack_into(f"{table_words}q", ring.host, WORD_BYTES * offset, *table)
-        ring.host[offset + table_words:offset + table_words + units] = ids
-        launch(table_address, table_address + WORD_BYTES * table_words, units, first_off, last_end, self.block_size,
-               n_keys, torch._C._cuda_getCurrentRawStream(device.index))
-        self.launches += 1
-        if self.pinned:
-            for key in tensors:
-                self.destinations[key].pinned_pool.note_gpu_work(ids, owned=True)  # ids: made for this call
+        table, table_words = staged
+        launch(table, table + WORD_BYTES * table_words, len(ids), first_off, last_end, self.block_size,
+               len(tensors), torch._C._cuda_getCurrentRawStream(self.device.index))
+        self._launched(tensors, ids)  # ids: made for this call
         return True
 
     def write_slots(self, slots: np.ndarray, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -366,34 +342,51 @@ class StepWriter:
         ``[n, width]`` rows, row ``i`` to slot ``slots[i]``; one launch of :func:`slots_kernel`,
         its arguments read in place from the staging ring (no host -> device copy). Returns
         ``False`` (nothing written) where the call is not covered, as :meth:`write`."""
-        n, n_keys = len(slots), len(tensors)
-        table_words = TABLE_WORDS_PER_KEY * n_keys
-        if not n or not n_keys or table_words + n > self.ring.half or slots_kernel() is None:
+        if slots_kernel() is None:
             return False
+        staged = self._stage_arguments(tensors, slots)
+        if staged is None:
+            return False
+        table, table_words = staged
+        launch_slots(table, table + WORD_BYTES * table_words, len(slots), len(tensors),
+                     torch._C._cuda_getCurrentRawStream(self.device.index))
+        self._launched(tensors, slots // self.block_size)
+        return True
+
+    def _stage_arguments(self, tensors: Mapping[str, torch.Tensor], index: np.ndarray) -> tuple[int, int] | None:
+        """The kernels' argument table (source address, destination address, row words per key
+        of ``tensors``) followed by ``index`` (int64 ``[u]``: block ids or slots), written into the
+        staging ring for the kernel to read in place: ``(device address of the table, its int64
+        words)``, or ``None`` where the call is not covered (nothing reserved then)."""
+        table_words = TABLE_WORDS_PER_KEY * len(tensors)
+        if not len(index) or not tensors or table_words + len(index) > self.ring.half:
+            return None
         table = []
         device = self.device
         for key, rows in tensors.items():
             destination = self.destinations[key]
-            if rows.get_device() != device.index:
-                return False
+            if rows.get_device() != device.index:  # (-1 on the CPU)
+                return None
             if rows.dtype != destination.dtype or not rows.is_contiguous():
-                rows = rows.to(destination.dtype).contiguous()  # (a temporary, as in write)
+                # (a temporary: the caching allocator hands its memory only to work enqueued
+                # later on this stream, so the kernel reads it first)
+                rows = rows.to(destination.dtype).contiguous()
             ptr = rows.data_ptr()
             if ptr % WORD_BYTES:
-                return False
+                return None
             table += (ptr, destination.address, destination.row_words)
         ring = self.ring
-        offset = ring.reserve(table_words + n)
+        offset = ring.reserve(table_words + len(index))
         table_address = ring.device_address(offset)
         if table_address is None:
-            return False
+            return None
         struct.pack_into(f"{table_words}q", ring.host, WORD_BYTES * offset, *table)
-        ring.host[offset + table_words:offset + table_words + n] = slots
-        launch_slots(table_address, table_address + WORD_BYTES * table_words, n, n_keys,
-                     torch._C._cuda_getCurrentRawStream(device.index))
+        ring.host[offset + table_words:offset + table_words + len(index)] = index
+        return table_address, table_words
+
+    def _launched(self, tensors: Mapping[str, torch.Tensor], blocks: np.ndarray) -> None:
+        """Count a launch; pinned pools note its GPU work on ``blocks`` (int64, owned: made for the call)."""
         self.launches += 1
         if self.pinned:
-            blocks = slots // self.block_size
             for key in tensors:
                 self.destinations[key].pinned_pool.note_gpu_work(blocks, owned=True)
-        return True

@@ -68,6 +68,64 @@ def test_fused_kernel_interpreted_on_cpu(seed):
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
+WRITER = r'''
+import types, torch
+from omni_cache.core import fused
+from omni_cache.core.pool import HiddenPool, Tier
+torch._C._cuda_getCurrentRawStream = lambda index: 0  # (no CUDA here: the interpreter ignores the stream)
+
+
+class Ring:  # the staging ring's interface over CPU memory (the interpreter reads CPU addresses)
+    def __init__(self):
+        self.buf = torch.zeros(4096, dtype=torch.int64)
+        self.host, self.half, self.pos = self.buf.numpy(), 2048, 0
+
+    def reserve(self, n):
+        self.pos += n
+        return self.pos - n
+
+    def device_address(self, offset):
+        return self.buf.data_ptr() + 8 * offset
+
+
+bs = 4
+pools = [HiddenPool(k, 8, bs, w, torch.float32, "cpu", Tier.DEVICE) for k, w in (("a", 6), ("b", 2))]
+writer = fused.StepWriter.__new__(fused.StepWriter)  # by hand: its __init__ asks for a CUDA ring
+writer.device, writer.block_size, writer.ring = types.SimpleNamespace(index=-1), bs, Ring()
+writer.launches, writer.pinned = 0, False
+writer.destinations = {p.key: fused._Destination(p.dtype, p.storage.data_ptr(), p.row_bytes // 8, None) for p in pools}
+expect = {p.key: p.storage.clone().view(-1, p.width) for p in pools}
+gen = torch.Generator().manual_seed(0)
+# write: blocks 3 then 1, from offset 2 of block 3 to offset 3 of block 1 (5 rows) (rows to
+# convert make a temporary that only CUDA's stream-ordered allocator keeps for the kernel: the
+# CUDA tests cover them)
+rows = {"a": torch.randn(5, 6, generator=gen), "b": torch.randn(5, 2, generator=gen)}
+assert writer.write(torch.tensor([3, 1]).numpy(), 2, 3, rows)
+for k, r in rows.items():
+    expect[k][[14, 15, 4, 5, 6]] = r
+# write_slots: a decode step's rows to slots in any order
+rows = {"a": torch.randn(3, 6, generator=gen), "b": torch.randn(3, 2, generator=gen)}
+assert writer.write_slots(torch.tensor([30, 0, 9]).numpy(), rows)
+for k, r in rows.items():
+    expect[k][[30, 0, 9]] = r
+assert writer.launches == 2
+assert all(torch.equal(p.storage.view(-1, p.width), expect[p.key]) for p in pools)
+print("ok")
+'''
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
+                    reason="needs Triton, and no CUDA (where CUDA is, the CUDA tests below cover the writer)")
+def test_step_writer_interpreted_on_cpu():
+    """StepWriter.write (a run of blocks) and write_slots (rows to slots in any order) under
+    TRITON_INTERPRET=1 on CPU pools, with a stand-in for the staging ring: the argument table
+    and index land where the kernels read them, every row is at its slot (oracle: torch
+    indexing of the same slots), one launch each."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run([sys.executable, "-c", WRITER], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
 WARM_UP = r'''
 import sys
 from omni_cache.core import fused
