@@ -3,7 +3,8 @@ over a websocket, :mod:`omni_cache.driver.realtime`) on omni-cache's duplex stag
 
 One real server: the bundled ``qwen3_omni_cpu_duplex.yaml`` (omni-cache on the thinker, the
 talker's content-keyed cache on, streaming), recording every thinker → talker hand-off and
-every served hit (:func:`omni_cache.exactness.fuzz.recording_stage_config`), started by
+every served hit (:func:`omni_cache.exactness.fuzz.recording_stage_config`), every stage on
+vLLM's ``uni`` executor on the CPU (:data:`IN_PROCESS_ENV`), started by
 :class:`omni_cache.driver.server.OmniServer` as ``omni-cache serve`` starts it. Sessions use
 omni-cache's conversation window (``extra_body.omni_cache_window``). What the talker received is
 judged by :mod:`omni_cache.exactness.realtime`:
@@ -44,7 +45,7 @@ from omni_cache.driver.server import OmniServer
 from omni_cache.driver.stage_config import bundled_stage_config
 from omni_cache.exactness.fuzz import recording_stage_config
 from omni_cache.exactness.realtime import judge_session, reference_mismatches, session_requests
-from tests.device import device_stage_config
+from tests.device import device_stage_config, on_cuda
 
 pytestmark = pytest.mark.pipeline
 #: full pipeline starts in this module (the suite's time table, tests/conftest.py)
@@ -65,12 +66,24 @@ async def _session(url: str, tag: str, turns: int, *, reference: bool = False, o
     return {"id": s.session_id, "turns": answers}
 
 
+#: the server's stages on vLLM's ``uni`` executor (the worker inside each stage's engine-core
+#: process, as the in-process test engines run: 3 spawned processes fewer, ~40 s less start on
+#: 2 CPU cores, docs/cpu.md "Pipeline start"). vLLM's CPU platform keeps ``uni`` only with
+#: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the stage configs are resolved, which the server
+#: does in its own process. What this module checks is the sessions, not the process layout:
+#: ``omni-cache serve`` in vLLM's default layout is test_serve.py's server (and its clean stop).
+#: On the CPU only: the GPU lane's server keeps the layout it was measured with.
+IN_PROCESS = not on_cuda()
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if IN_PROCESS else {}
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("realtime")
-    cfg = recording_stage_config(out, "omni_cache", streaming=True,
+    cfg = recording_stage_config(out, "omni_cache", streaming=True, in_process=IN_PROCESS,
                                  base=bundled_stage_config("qwen3_omni_cpu_duplex.yaml"))
-    srv = OmniServer(tiny_model_dir, device_stage_config(cfg), log_path=out / "server.log").start()
+    srv = OmniServer(tiny_model_dir, device_stage_config(cfg), log_path=out / "server.log",
+                     env=IN_PROCESS_ENV).start()
     try:
         srv.wait_ready(timeout=1500)
         srv.dir = out
