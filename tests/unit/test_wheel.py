@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,8 +29,23 @@ def test_installed_wheel_finds_and_validates_its_stage_configs(tmp_path):
     where = subprocess.run([sys.executable, "-c", "import omni_cache; print(omni_cache.__file__)"],
                            check=True, capture_output=True, text=True, cwd=elsewhere, env=env).stdout
     assert where.startswith(str(target)), where  # the wheel's copy, not the checkout
-    for name in ("qwen3_omni_cpu.yaml", "gemma3n_yoco_cpu.yaml", "qwen3_omni_30b_a3b_gpu.yaml"):
-        out = subprocess.run([sys.executable, "-m", "omni_cache.cli", "validate", name], capture_output=True,
-                             text=True, cwd=elsewhere, env=env)
-        assert out.returncode == 0, (name, out.stdout[-2000:], out.stderr[-2000:])
-        assert str(target) in out.stdout and name in out.stdout, out.stdout
+    # `omni-cache validate <name>` for each config, in one interpreter (the CLI's main() per
+    # name, its stdout kept per name): each new interpreter spends ~8 s importing vLLM-Omni
+    names = ("qwen3_omni_cpu.yaml", "gemma3n_yoco_cpu.yaml", "qwen3_omni_30b_a3b_gpu.yaml")
+    script = ("import contextlib, io, json, sys\n"
+              "from omni_cache.cli import main\n"
+              "res = {}\n"
+              "for name in sys.argv[1:]:\n"
+              "    buf = io.StringIO()\n"
+              "    with contextlib.redirect_stdout(buf):\n"
+              "        rc = main(['validate', name])\n"
+              "    res[name] = [rc, buf.getvalue()]\n"
+              "print('RESULTS ' + json.dumps(res))\n")
+    out = subprocess.run([sys.executable, "-c", script, *names], capture_output=True, text=True, cwd=elsewhere,
+                         env=env)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    results = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULTS "))[len("RESULTS "):])
+    assert sorted(results) == sorted(names), results
+    for name, (rc, stdout) in results.items():
+        assert rc == 0, (name, stdout[-2000:], out.stderr[-2000:])
+        assert str(target) in stdout and name in stdout, (name, stdout)
