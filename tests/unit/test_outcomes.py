@@ -60,7 +60,8 @@ def test_lane_group_killed_at_its_timeout_keeps_the_tests_that_ended(tmp_path, m
     mod.write_text("import time\ndef test_quick():\n    pass\ndef test_hangs():\n    time.sleep(120)\n")
     monkeypatch.setitem(gpu_check.GROUPS, "slow", (["-p", "tests.conftest", str(mod)], {}))
     monkeypatch.setattr(gpu_check, "lane_env", lambda extra=None: {**os.environ, "PYTHONPATH": str(REPO)})
-    res = gpu_check.run_group("slow", tmp_path, timeout=20)
+    # the group is killed at 8 s: pytest starts and test_quick ends in ~2 s here (4x headroom)
+    res = gpu_check.run_group("slow", tmp_path, timeout=8)
     assert res["rc"] == "timeout"
     assert [(t["test"].split("::")[-1], t["outcome"]) for t in res["tests"]] == [("test_quick", "passed")]
     assert gpu_check.group_timeout("streaming") == 2 * gpu_check.MEASURED_S["streaming"]
