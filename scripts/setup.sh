@@ -48,7 +48,7 @@ if [ -f /etc/ssl/certs/ca-certificates.crt ]; then PIP+=(--cert /etc/ssl/certs/c
 # without it every stage process compiles torch / vLLM from source at each start (CI 37 -> 44
 # min, 2026-11-28; docs/cpu.md)
 UV=""
-if "${PIP[@]}" install -q "uv==${OMNI_CACHE_UV_VERSION:-0.13.9}" >/dev/null 2>&1 && "$VENV/bin/uv" --version >/dev/null 2>&1; then
+if "${PIP[@]}" install -q uv==0.13.9 >/dev/null 2>&1 && "$VENV/bin/uv" --version >/dev/null 2>&1; then
   UV="$VENV/bin/uv"
 else
   echo "    (uv not installable here: pip installs)"
