@@ -153,6 +153,9 @@ for step in "$@"; do
        # timed frozen): floor and miss (no hit), text (a 97 % hit); c = 1 and 16; A4_REQUESTS (default 24), 3 rounds
        # (twenty-first session) A4_ANSWER_TOKENS (default 32) thinker tokens per answer: the bar's decode part
        # (thinker_tpot_ms; the harness's default of 2 tokens times no decode)
+       # (twenty-fourth session) A4_MIN_HIT: OMNI_CACHE_MIN_HIT_TOKENS for this table only (the floor's one-block
+       # template hit recomputed; ES keeps the default: its oracle is the built-in cache, which hits it)
+       OMNI_CACHE_MIN_HIT_TOKENS="${A4_MIN_HIT:-0}" \
        $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l6" --modalities "${A4_WORKLOADS:-floor,miss,text}" \
          --requests "${A4_REQUESTS:-24}" --answer-tokens "${A4_ANSWER_TOKENS:-32}" --concurrency 1,16 --max-num-seqs 64 \
@@ -172,7 +175,11 @@ for step in "$@"; do
          --timeout 1100 --out "$OUT/S" --commit "$COMMIT" > "$OUT/S.log" 2>&1 &
        wait ;;
     SP) $PY -m benchmarks.sync_probe --profile --label "$COMMIT" --out "$OUT/SP" > "$OUT/SP.log" 2>&1
-       log "SP: sync probe rc=$?" ;;
+       log "SP: sync probe rc=$?"
+       # (twenty-fourth session) the same probe with the one-launch writes off, on the same host: hosts differ by
+       # ~1.5x in Python speed, so only a same-host pair says what the fused path saves
+       OMNI_CACHE_FUSED=0 $PY -m benchmarks.sync_probe --label "$COMMIT-nofused" --out "$OUT/SP" >> "$OUT/SP.log" 2>&1
+       log "SP: sync probe (OMNI_CACHE_FUSED=0) rc=$?" ;;
     ES) # eighteenth session, a short hold: the lane's equality and streaming groups at once on one card
        # (omni_cache/engine and driver/streaming.py changed since their last GPU run), each capped at ES_TIMEOUT
        for g in ${ES_GROUPS:-equality streaming}; do

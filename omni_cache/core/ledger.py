@@ -312,9 +312,14 @@ class BlockLedger:
                             key_mask: np.ndarray) -> bool:
         """A decode step's writes at once, as one :meth:`defer_request_write` per request would
         record them (:meth:`BlockStates.write_one_row_each`); False, nothing changed, where the
-        caller must record them one by one (writes still deferred, among others)."""
-        return not self._pending and self._states.write_one_row_each(
-            block_ids, offsets, self._owners.known_ids(owners), key_mask)
+        caller must record them one by one (writes still deferred, among others); at most
+        :attr:`scalar_max` rows block by block."""
+        if self._pending:
+            return False
+        if len(block_ids) > self.scalar_max:
+            return self._states.write_one_row_each(block_ids, offsets, self._owners.known_ids(owners), key_mask)
+        return self._states.write_one_row_each_few(block_ids.tolist(), offsets.tolist(),
+                                                   [self._owners.known_id(o) for o in owners], key_mask.tolist())
 
     def _apply_request_write(self, write: BlockWrite) -> None:
         """:meth:`record_request_write` on a checked write, nothing deferred."""

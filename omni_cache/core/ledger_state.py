@@ -191,6 +191,16 @@ class BlockStates:
             self.filled[i][ids] = np.where(f == starts, ends, f) if written else f
         return True
 
+    def write_one_row_each_few(self, ids: list[int], starts: list[int], owner_ids: list[int],
+                               key_mask: list[bool]) -> bool:
+        """:meth:`write_one_row_each` block by block (:meth:`write_one`; one or two requests:
+        cheaper than a dozen array operations), with the same refusals."""
+        if owner_ids and (min(owner_ids) < 0 or len(set(ids)) != len(ids)):
+            return False
+        for b, o, owner_id in zip(ids, starts, owner_ids, strict=True):
+            self.write_one(b, o, o + 1, None, key_mask, owner_id)
+        return True
+
     def write_request_many(self, write: BlockWrite, ids: np.ndarray, owner_id: int) -> None:
         """A request's step write (:class:`BlockWrite`) over distinct blocks ``ids`` (its
         ``block_ids`` as int64 ``[n]``), vectorised.
@@ -280,6 +290,10 @@ class OwnerIds:
         ids = self._ids
         return np.fromiter((NO_OWNER if o is None else ids.get(o, UNKNOWN_OWNER) for o in owners),
                            dtype=np.int64, count=len(owners))
+
+    def known_id(self, owner: Hashable | None) -> int:
+        """:meth:`known_ids` of one owner."""
+        return NO_OWNER if owner is None else self._ids.get(owner, UNKNOWN_OWNER)
 
     def id_of(self, owner: Hashable | None, create: bool, block_owners: np.ndarray) -> int:
         """The id of ``owner``: :data:`NO_OWNER` for ``None``; for an owner not interned, a new

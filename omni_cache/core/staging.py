@@ -247,7 +247,13 @@ class KeptIds:
     def ready(self) -> bool:
         """Whether the copy has reached the host (never waits: ``torch.cuda.Event.query``);
         False for a :attr:`lost` slice."""
-        return not self.lost and (self.event is None or self.event.query())
+        if self.lost:
+            return False
+        if self.event is not None:
+            if not self.event.query():
+                return False
+            self.event = None  # (complete: values() need not synchronise)
+        return True
 
     def values(self, start: int, end: int) -> list[int]:
         """The ids ``[start, end)`` as Python ints (waits for this copy if it is still in

@@ -82,7 +82,7 @@ def write_step_rows(cache: Any, requests: Sequence[StepRequest],
             raise ValueError(f"write_step_rows: key {key!r} rows of shape {tuple(t.shape)} do not match "
                              f"[{total}, {spec.width}]")
     mask = cache.ledger.key_mask(rows)
-    if len(requests) > 2 and total == len(requests) and rows:
+    if total == len(requests) and rows:
         decode = _decode_slots(requests, cache.block_size, cache.num_blocks)
         if decode is not None:
             slots, blocks, completed = decode

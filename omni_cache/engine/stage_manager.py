@@ -319,7 +319,8 @@ class OmniCacheStageManager:
         for k, v in (multimodal_outputs or {}).items():
             if (k != HIDDEN_KEY and isinstance(v, torch.Tensor) and v.dim() >= 2
                     and v.shape[0] in (n, num_tokens_padded)):
-                rows[k] = v[:n].reshape(n, -1)
+                t = v[:n]
+                rows[k] = t if t.dim() == 2 else t.reshape(n, -1)
             else:
                 passthrough[k] = v
         return StepOutputs(rows, passthrough, n)

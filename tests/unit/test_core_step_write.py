@@ -89,7 +89,7 @@ def _decode_steps(seed: int):
     pos = {r: rng.randrange(0, BS) for r in tables}
     steps = []
     for _ in range(12):
-        reqs = rng.sample(sorted(tables), rng.randint(3, 6))
+        reqs = rng.sample(sorted(tables), rng.randint(1, 6))  # 1-4: block by block, 5-6: vectorised
         step = []
         for r in reqs:
             p = pos[r] % BS
