@@ -75,8 +75,26 @@ def _summary(times: list[float], busy_ms: float) -> dict:
             "save_ms_median": statistics.median(times), "save_ms_max": max(times), "save_ms": times}
 
 
+class _Scheduler:
+    """A stand-in for the stage's scheduler in the worker's process (vLLM's ``uni`` executor,
+    :mod:`omni_cache.engine.scheduler_tokens`): each request's prompt and every sampled token
+    but the last (the scheduler gets a step's token a step later)."""
+
+    def __init__(self, runner) -> None:
+        self.vllm_config, self.runner = runner.vllm_config, runner
+        self.requests = self
+
+    def get(self, rid: str):
+        st = self.runner.requests.get(rid)
+        if st is None:
+            return None
+        out = st.output_token_ids
+        return NS(all_token_ids=list(st.prompt_token_ids) + [7] * max(len(out) - 1, 0))
+
+
 def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: str = "cuda",
-          hit_rounds: int = 8, profile: bool = False, prompt_tokens: int = 3048, long_rounds: int = 6) -> dict:
+          hit_rounds: int = 8, profile: bool = False, prompt_tokens: int = 3048, long_rounds: int = 6,
+          tokens: str = "scheduler") -> dict:
     """Save host times (ms) behind a ``busy_ms`` busy-wait, per phase: ``prefill`` (one step of
     ``batch`` prompts), ``decode`` (``steps`` steps of ``batch`` requests, placeholders on the
     host), ``hit`` (``hit_rounds`` steps, each of ``batch`` new requests whose prompts repeat
@@ -85,7 +103,10 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
     steps again under cProfile, no busy-wait (``decode.profile``: where a save's host time goes).
     ``long_prefill``: ``long_rounds`` steps, each the whole prefill of one new request of
     ``prompt_tokens`` tokens that hits nothing (A4's ``miss`` workload: 3,048), its blocks those
-    of the previous round's finished request; with ``profile`` as many again under cProfile."""
+    of the previous round's finished request; with ``profile`` as many again under cProfile.
+    ``tokens``: where decode-filled blocks' token ids come from — ``scheduler`` (a stand-in
+    scheduler in this process, as vLLM's ``uni`` executor runs a stage) or ``kept`` (each decode
+    step's input ids kept with a device → host copy, the path of a worker in another process)."""
     import torch
 
     from omni_cache.engine.stage_manager import OmniCacheStageManager
@@ -96,7 +117,15 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
 
         fused.warm_up(dev, BLOCK)
     runner = NS(cache_config=NS(kv_sharing_fast_prefill=False), kv_sharing_fast_prefill_eligible_layers=None,
-                model=NS(omni_pooler_payload_include_hidden=True), requests={}, input_batch=NS(req_ids=[]))
+                model=NS(omni_pooler_payload_include_hidden=True), requests={}, input_batch=NS(req_ids=[]),
+                vllm_config=object())
+    scheduler = _Scheduler(runner)  # (kept alive for the probe: registered weakly)
+    if tokens == "scheduler":
+        from omni_cache.engine import scheduler_tokens
+
+        scheduler_tokens.register(scheduler)
+    elif tokens != "kept":
+        raise ValueError(f"tokens {tokens!r}: scheduler or kept")
     prompts = [64 + 1 + i % BLOCK for i in range(batch)]  # blocks complete at staggered steps
     decode_steps = steps * (2 if profile else 1)  # the profiled pass decodes as many steps again
     nblk = (max(prompts) + decode_steps) // BLOCK + 2
@@ -201,6 +230,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", action="store_true", help="also profile the saves of a second decode pass (cProfile)")
     ap.add_argument("--prompt-tokens", type=int, default=3048,
                     help="tokens of each long_prefill request (default: A4's miss workload)")
+    ap.add_argument("--tokens", default="scheduler", choices=["scheduler", "kept"],
+                    help="decode tokens from the scheduler of the same process (vLLM's uni executor, default) "
+                         "or kept input ids (a worker in another process)")
     ap.add_argument("--label", default="", help="a name for this tree in the result (a plain name, e.g. a commit)")
     ap.add_argument("--out", default="sync-probe", help="results folder")
     args = ap.parse_args(argv)
@@ -220,10 +252,11 @@ def main(argv=None) -> dict:
 
     result = {"label": args.label, "omni_cache": str(Path(omni_cache.__file__).parent), "gpu":
               torch.cuda.get_device_name(), "torch": torch.__version__, "vllm_omni_stood_in": stood_in,
-              "busy_ms": args.busy_ms, "batches": {}}
+              "busy_ms": args.busy_ms, "tokens": args.tokens, "batches": {}}
     for b in (int(x) for x in args.batch.split(",")):
         result["batches"][str(b)] = phases = probe(b, args.steps, args.busy_ms, cycles_per_ms,
-                                                   profile=args.profile, prompt_tokens=args.prompt_tokens)
+                                                   profile=args.profile, prompt_tokens=args.prompt_tokens,
+                                                   tokens=args.tokens)
         print(f"[{args.label}] batch {b}: {phases['fused_launches']} one-launch step writes", flush=True)
         for phase, r in ((k, v) for k, v in phases.items() if isinstance(v, dict)):
             print(f"[{args.label}] batch {b} {phase}: {r['synced_steps']}/{r['steps']} saves waited for the GPU; "

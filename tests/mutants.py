@@ -379,6 +379,7 @@ def _async_placeholders_unresolved() -> None:
     from omni_cache.engine.stage_manager import OmniCacheStageManager
 
     OmniCacheStageManager.keep_async_inputs = lambda self, plan: None
+    OmniCacheStageManager._scheduler_requests = lambda self: None  # (nor read from the scheduler: 24th session)
 
 
 def _resume_rows_lost() -> None:

@@ -40,6 +40,7 @@ from omni_cache.core.coverage import RowValidity, WrittenBlocks, spans_overlap
 from omni_cache.engine.metrics import MetricsFile
 from omni_cache.engine.runner import full_attention_group
 from omni_cache.engine.sched_stats import PrefixStatsFlushMixin
+from omni_cache.engine.scheduler_tokens import register as register_scheduler
 from omni_cache.engine.shm_hygiene import FinalStageHandOffMixin
 from omni_cache.engine.stage_manager import CACHED_BLOCKS_ATTR
 
@@ -166,6 +167,10 @@ class SchedulerCapState:
 
 class OmniCacheSchedulerMixin:
     """Caps KV prefix hits to the hidden-state tier's coverage."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        register_scheduler(self)  # its token ids, for a model runner of this process (scheduler_tokens)
 
     def _omni_cache_state(self) -> SchedulerCapState:
         st = getattr(self, "_oc_state", None)

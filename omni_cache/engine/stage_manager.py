@@ -44,6 +44,7 @@ from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashe
 from omni_cache.core.cache import StepRequest
 from omni_cache.core.staging import HostStager, KeptIds, KeptIdsRing, StagedStep
 from omni_cache.engine.metrics import BlockDigestAudit, HitAudit, MetricsFile
+from omni_cache.engine.scheduler_tokens import known_tokens, scheduler_requests
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +219,9 @@ class OmniCacheStageManager:
         self._cached_this_step: list[int] = []  # write_rows: block ids it cached (cached_blocks)
         self._late: set[str] = set()  # requests with late blocks (RequestView.late)
         self._kept_ring: KeptIdsRing | None = None  # keep_async_inputs' pinned ring (first use)
+        #: the scheduler's requests of this process (:mod:`omni_cache.engine.scheduler_tokens`),
+        #: looked up at the first save that needs them; ``False``: not looked up yet
+        self._sched_requests: Mapping[str, Any] | None | bool = False
 
     # ---- 1. step begin ---------------------------------------------------------------
     def new_step_starts(self, scheduler_output) -> None:
@@ -390,8 +394,8 @@ class OmniCacheStageManager:
         next turn's hit on them was refused (``StaleRowsError``, the engine stopped) — found on an H200 (docs/gpu.md).
         Nothing to do under synchronous scheduling (the CPU platform's only mode)."""
         ids = getattr(getattr(self.runner, "input_ids", None), "gpu", None)
-        if ids is None:
-            return
+        if ids is None or self._scheduler_requests() is not None:
+            return  # (the scheduler of this process knows the tokens: nothing to keep)
         need = []
         for rid in plan.req_ids:
             st = self.runner.requests.get(rid)
@@ -412,9 +416,22 @@ class OmniCacheStageManager:
             for rid, start, s, e in need:
                 self.reqs[rid].device_inputs.append((start, kept, s, e))
 
-    def _known_tokens(self, view: RequestView, st, lo: int, hi: int, wait: bool = False) -> list[int]:
+    def _scheduler_requests(self) -> Mapping[str, Any] | None:
+        """The requests of the scheduler that drives this runner, where it runs in this process
+        (:func:`omni_cache.engine.scheduler_tokens.scheduler_requests`; vLLM's ``uni``
+        executor), else ``None``; looked up once."""
+        if self._sched_requests is False:
+            self._sched_requests = scheduler_requests(getattr(self.runner, "vllm_config", None))
+            if self._sched_requests is not None:
+                logger.info("omni-cache: decode-filled blocks hashed from the scheduler's token ids "
+                            "(same process; no input ids kept per step)")
+        return self._sched_requests
+
+    def _known_tokens(self, rid: str, view: RequestView, st, lo: int, hi: int, wait: bool = False) -> list[int]:
         """The request's token ids at positions ``[lo, hi)``: prompt, then output tokens with
-        placeholders replaced by their kept values — those whose copy has reached the host
+        placeholders replaced by the scheduler's tokens where its scheduler runs in this process
+        (:mod:`omni_cache.engine.scheduler_tokens`: it has a sampled token a step after the
+        runner; never a wait), else by their kept values — those whose copy has reached the host
         (:meth:`~omni_cache.core.staging.KeptIds.ready`; never waiting for the device: the
         step that fills a block by decoding has its input token still in flight, and waiting
         for it here stalled the engine's overlap of host and device, docs/gpu.md
@@ -425,6 +442,10 @@ class OmniCacheStageManager:
         tokens = (list(prompt[lo:hi])
                   + list(st.output_token_ids or [])[max(lo - n_prompt, 0):max(hi - n_prompt, 0)])
         if PLACEHOLDER_TOKEN not in tokens[max(n_prompt - lo, 0):]:
+            return tokens
+        sched = self._scheduler_requests()
+        if sched is not None:
+            known_tokens(tokens, PLACEHOLDER_TOKEN, sched.get(rid), lo)  # (unchanged where they disagree)
             return tokens
         waiting = []
         for item in view.device_inputs:
@@ -455,7 +476,7 @@ class OmniCacheStageManager:
         if done < nfull:
             st = self.runner.requests[rid]
             lo, hi = done * self.block_size, nfull * self.block_size
-            tokens = self._known_tokens(view, st, lo, hi, wait)
+            tokens = self._known_tokens(rid, view, st, lo, hi, wait)
             if PLACEHOLDER_TOKEN in tokens:
                 hi = lo + (tokens.index(PLACEHOLDER_TOKEN) // self.block_size) * self.block_size
                 tokens = tokens[:hi - lo]

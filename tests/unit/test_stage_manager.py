@@ -17,6 +17,7 @@ import torch
 
 from omni_cache.core import StaleRowsError
 from omni_cache.core.staging import KeptIds
+from omni_cache.engine import scheduler_tokens
 from omni_cache.engine.stage_manager import HIDDEN_KEY, OmniCacheStageManager
 
 BS, H = 4, 6
@@ -47,11 +48,35 @@ def scheduler_output(new=(), cached=(), resumed=(), finished=()):
     )
 
 
+class SchedulerRequests:
+    """The scheduler's ``requests`` as the worker reads them (request id → ``all_token_ids``):
+    every token it has received, i.e. all sampled tokens but the last ``lag`` (under async
+    scheduling vLLM's scheduler gets a step's sampled token with that step's output, after the
+    next step was scheduled and saved)."""
+
+    def __init__(self, eng: FakeEngine, lag: int) -> None:
+        self.eng, self.lag = eng, lag
+
+    def get(self, rid: str):
+        st = self.eng.runner.requests.get(rid)
+        if st is None:
+            return None
+        real = self.eng.real[rid]
+        return NS(all_token_ids=list(st.prompt_token_ids) + real[:max(len(real) - self.lag, 0)])
+
+
+class FakeScheduler:
+    """A scheduler as :func:`omni_cache.engine.scheduler_tokens.register` reads it."""
+
+    def __init__(self, vllm_config, requests) -> None:
+        self.vllm_config, self.requests = vllm_config, requests
+
+
 class FakeEngine:
     """The runner-side state the manager reads, and a forward that computes
     :func:`prefix_rows` for the hidden states and (optionally) a captured layer."""
 
-    def __init__(self, keys=(HIDDEN_KEY, LAYER), *, async_tokens: bool = False):
+    def __init__(self, keys=(HIDDEN_KEY, LAYER), *, async_tokens: bool = False, scheduler_lag: int | None = None):
         self.keys = keys
         #: as vLLM's GPU runner under async scheduling: a sampled token is -1 in the host-side
         #: ``output_token_ids``; its value is only in the device ``input_ids`` of the next step
@@ -63,6 +88,10 @@ class FakeEngine:
                          model=NS(omni_pooler_payload_include_hidden=True),
                          requests={}, input_batch=NS(req_ids=[]))
         self.manager = OmniCacheStageManager(self.runner, block_size=BS, num_blocks=16)
+        if scheduler_lag is not None:  # a scheduler in this process (vLLM's uni executor), registered
+            self.runner.vllm_config = object()
+            self.scheduler = FakeScheduler(self.runner.vllm_config, SchedulerRequests(self, scheduler_lag))
+            scheduler_tokens.register(self.scheduler)
 
     def add(self, rid: str, prompt: list[int]) -> None:
         self.runner.requests[rid] = NS(prompt_token_ids=prompt, output_token_ids=[], mm_features=None)
@@ -270,6 +299,33 @@ def test_a_decode_filled_block_is_cached_a_step_late_without_waiting_for_the_dev
     assert_rows(got, expected(turn2, 0, 11))
     assert eng.manager.metrics()["hit_tokens"] == 8
     assert eng.cached_log == [{0}, set(), set(), {1}, set()], eng.cached_log  # block 1: one step late
+
+
+def test_decode_filled_blocks_are_hashed_from_the_scheduler_of_this_process(monkeypatch):
+    """With the scheduler in the worker's process (vLLM's ``uni`` executor), a decode-filled
+    block is hashed from the scheduler's token ids, a step late (the scheduler gets a sampled
+    token a step after the runner), and no step keeps its input ids (no device → host copy:
+    making a ``KeptIds`` fails the test). The next step reports the block, and turn 2's hit on it
+    is served: rows equal to the writer's (oracle: :func:`prefix_rows`, a recompute), bitwise."""
+    monkeypatch.setattr(KeptIds, "__init__", lambda self, *a, **k: pytest.fail("input ids kept"))
+    eng = FakeEngine(async_tokens=True, scheduler_lag=1)
+    turn2, got = _decode_late_then_turn2(eng, [0])
+    assert_rows(got, expected(turn2, 0, 11))
+    assert eng.manager.metrics()["hit_tokens"] == 8
+    assert eng.cached_log == [{0}, set(), set(), {1}, set()], eng.cached_log  # block 1: one step late
+
+
+def test_a_scheduler_that_disagrees_with_the_runner_resolves_nothing(monkeypatch):
+    """A registered scheduler whose request holds other tokens than the runner's at positions
+    both know (not this runner's request) is not trusted: the decode-filled block is written
+    but never cached, and turn 2's hit on it is refused — never served from a block hashed with
+    another request's tokens."""
+    monkeypatch.setattr(KeptIds, "__init__", lambda self, *a, **k: pytest.fail("input ids kept"))
+    eng = FakeEngine(async_tokens=True, scheduler_lag=1)
+    eng.scheduler.requests.get = lambda rid: NS(all_token_ids=[1, 2, 3, 4, 5, 6, 70, 71, 72, 73])  # prompt 1.. not 0..
+    with pytest.raises(StaleRowsError):
+        _decode_late_then_turn2(eng, [0])
+    assert eng.manager.cache.ledger.block_hash[1] is None
 
 
 def test_without_late_caching_the_late_block_is_refused(monkeypatch):
