@@ -176,10 +176,13 @@ for step in "$@"; do
        wait ;;
     SP) $PY -m benchmarks.sync_probe --profile --label "$COMMIT" --out "$OUT/SP" > "$OUT/SP.log" 2>&1
        log "SP: sync probe rc=$?"
-       # (twenty-fourth session) the same probe with the one-launch writes off, on the same host: hosts differ by
-       # ~1.5x in Python speed, so only a same-host pair says what the fused path saves
-       OMNI_CACHE_FUSED=0 $PY -m benchmarks.sync_probe --label "$COMMIT-nofused" --out "$OUT/SP" >> "$OUT/SP.log" 2>&1
-       log "SP: sync probe (OMNI_CACHE_FUSED=0) rc=$?" ;;
+       # (twenty-fourth session) SP_PAIRS=1: the probe again with kept input ids and with the one-launch writes
+       # off, on the same host (hosts differ by ~1.5x in Python speed: only a same-host pair compares)
+       if [ "${SP_PAIRS:-0}" = 1 ]; then
+         $PY -m benchmarks.sync_probe --tokens kept --label "$COMMIT-kept" --out "$OUT/SP" >> "$OUT/SP.log" 2>&1
+         OMNI_CACHE_FUSED=0 $PY -m benchmarks.sync_probe --label "$COMMIT-nofused" --out "$OUT/SP" >> "$OUT/SP.log" 2>&1
+         log "SP: pairs rc=$?"
+       fi ;;
     ES) # eighteenth session, a short hold: the lane's equality and streaming groups at once on one card
        # (omni_cache/engine and driver/streaming.py changed since their last GPU run), each capped at ES_TIMEOUT
        for g in ${ES_GROUPS:-equality streaming}; do

@@ -173,27 +173,26 @@ def _decode_slots(requests: Sequence[StepRequest], block_size: int, num_blocks: 
     general path, which also raises its errors). At 16 requests a block completes in most decode
     steps: before, one such row sent the whole step down the general path (docs/gpu.md,
     "Twenty-third session")."""
-    ids, completed = [], []
-    for j, r in enumerate(requests):
-        hashes = r.block_hashes
-        if r.num_tokens != 1 or type(hashes) is not dict:
+    ids, slots, completed = [], [], []
+    for j, r in enumerate(requests):  # (plain ints: a dozen numpy calls cost more than this loop)
+        hashes, start = r.block_hashes, r.start
+        if r.num_tokens != 1 or type(hashes) is not dict or type(start) is not int or start < 0:
             return None
-        b = r.start // block_size
+        b = start // block_size
         if hashes:  # only the hash of the block this row completes (an int, as validated below)
             h = hashes.get(b)
-            if (len(hashes) != 1 or r.start % block_size != block_size - 1 or type(h) is not int
+            if (len(hashes) != 1 or start % block_size != block_size - 1 or type(h) is not int
                     or not 0 <= h < 1 << 64):
                 return None
             completed.append((j, h))
         table = r.block_ids
-        if r.start < 0 or b >= len(table) or type(table) is not list:
+        if type(table) is not list or b >= len(table):
             return None
-        ids.append(table[b])
-    try:
-        blocks = np.array(ids, dtype=np.int64)
-    except (OverflowError, TypeError, ValueError):
+        block = table[b]
+        if type(block) is not int or not 0 <= block < num_blocks:
+            return None
+        ids.append(block)
+        slots.append(block * block_size + start % block_size)
+    if not ids:
         return None
-    if not blocks.size or blocks.min() < 0 or blocks.max() >= num_blocks:
-        return None
-    starts = np.fromiter((r.start for r in requests), dtype=np.int64, count=len(requests))
-    return blocks * block_size + starts % block_size, blocks, completed
+    return np.array(slots, dtype=np.int64), np.array(ids, dtype=np.int64), completed

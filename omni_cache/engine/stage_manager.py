@@ -318,12 +318,15 @@ class OmniCacheStageManager:
         """Token-aligned outputs (first dim = the step's unpadded or padded token count,
         at least 2-D) become cached rows ``[num_tokens, -1]``; the rest passes through."""
         n = num_tokens_unpadded
-        rows: dict[str, torch.Tensor] = {HIDDEN_KEY: hidden_states[:n]}
+        # (no slice where there is no padding, no reshape of 2-D rows: a decode step's host time)
+        # (shape[0], not len(): Tensor.__len__ is Python code)
+        hidden = hidden_states if hidden_states.shape[0] == n else hidden_states[:n]
+        rows: dict[str, torch.Tensor] = {HIDDEN_KEY: hidden}
         passthrough: dict[str, Any] = {}
         for k, v in (multimodal_outputs or {}).items():
             if (k != HIDDEN_KEY and isinstance(v, torch.Tensor) and v.dim() >= 2
                     and v.shape[0] in (n, num_tokens_padded)):
-                t = v[:n]
+                t = v if v.shape[0] == n else v[:n]
                 rows[k] = t if t.dim() == 2 else t.reshape(n, -1)
             else:
                 passthrough[k] = v
@@ -567,7 +570,9 @@ class OmniCacheStageManager:
                 self._block_audit.add(rid, start, {k: outputs.rows[k][s:e] for k in keys}, new_full)
             step.append(StepRequest(rid, view.block_ids, start, e - s, new_full))
         if not plan.truncated:
-            self.cache.write_step_rows(step, {k: outputs.rows[k][:outputs.num_tokens] for k in plan.write_keys})
+            rows = outputs.rows  # (classify_outputs made them [num_tokens, width])
+            self.cache.write_step_rows(step, rows if len(plan.write_keys) == len(rows) else
+                                       {k: rows[k] for k in plan.write_keys})
             return fresh
         for r in step:
             rows = fresh[r.req_id]
