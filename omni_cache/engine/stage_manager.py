@@ -43,8 +43,8 @@ from omni_cache import settings
 from omni_cache.core import HiddenStateCache, KeySpec, Tier, chained_block_hashes
 from omni_cache.core.cache import StepRequest
 from omni_cache.core.staging import HostStager, KeptIds, KeptIdsRing, StagedStep
+from omni_cache.engine import scheduler_tokens
 from omni_cache.engine.metrics import BlockDigestAudit, HitAudit, MetricsFile
-from omni_cache.engine.scheduler_tokens import known_tokens, scheduler_requests
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +222,7 @@ class OmniCacheStageManager:
         #: the scheduler's requests of this process (:mod:`omni_cache.engine.scheduler_tokens`),
         #: looked up at the first save that needs them; ``False``: not looked up yet
         self._sched_requests: Mapping[str, Any] | None | bool = False
+        self._hashes_from: tuple[Any, int] | None | bool = False  # _hash_source (False: not decided yet)
 
     # ---- 1. step begin ---------------------------------------------------------------
     def new_step_starts(self, scheduler_output) -> None:
@@ -419,12 +420,25 @@ class OmniCacheStageManager:
             for rid, start, s, e in need:
                 self.reqs[rid].device_inputs.append((start, kept, s, e))
 
+    def _hash_source(self) -> tuple[Any, int] | None:
+        """``(scheduler, vLLM hashes per block)`` where this stage's block hashes are vLLM's own
+        (:mod:`omni_cache.engine.scheduler_tokens`: the scheduler runs in this process and its
+        hash blocks tile ours), else ``None``; decided once per process, so a writer's and a
+        reader's hash of a block always come from the same source."""
+        if self._hashes_from is False:
+            sched = scheduler_tokens.scheduler_of(getattr(self.runner, "vllm_config", None))
+            per_block = None if sched is None else scheduler_tokens.hash_blocks_per_block(sched, self.block_size)
+            self._hashes_from = None if per_block is None else (sched, per_block)
+            logger.info("omni-cache: block hashes: %s", "vLLM's own (the scheduler's, this process)"
+                        if per_block else "omni-cache's (token ids + multimodal identifiers)")
+        return self._hashes_from
+
     def _scheduler_requests(self) -> Mapping[str, Any] | None:
         """The requests of the scheduler that drives this runner, where it runs in this process
         (:func:`omni_cache.engine.scheduler_tokens.scheduler_requests`; vLLM's ``uni``
         executor), else ``None``; looked up once."""
         if self._sched_requests is False:
-            self._sched_requests = scheduler_requests(getattr(self.runner, "vllm_config", None))
+            self._sched_requests = scheduler_tokens.scheduler_requests(getattr(self.runner, "vllm_config", None))
             if self._sched_requests is not None:
                 logger.info("omni-cache: decode-filled blocks hashed from the scheduler's token ids "
                             "(same process; no input ids kept per step)")
@@ -448,7 +462,8 @@ class OmniCacheStageManager:
             return tokens
         sched = self._scheduler_requests()
         if sched is not None:
-            known_tokens(tokens, PLACEHOLDER_TOKEN, sched.get(rid), lo)  # (unchanged where they disagree)
+            # (unchanged where the two disagree)
+            scheduler_tokens.known_tokens(tokens, PLACEHOLDER_TOKEN, sched.get(rid), lo)
             return tokens
         waiting = []
         for item in view.device_inputs:
@@ -467,16 +482,22 @@ class OmniCacheStageManager:
         return tokens
 
     def block_hashes(self, rid: str, upto_tokens: int, wait: bool = False) -> list[int]:
-        """Chained block hashes of the request's first ``upto_tokens // block_size`` blocks
-        (token ids + multimodal identifiers, :func:`~omni_cache.core.chained_block_hashes`);
-        only blocks not hashed yet are hashed, continuing the chain from the last hash. The
+        """Chained block hashes of the request's first ``upto_tokens // block_size`` blocks:
+        vLLM's own (:func:`~omni_cache.engine.scheduler_tokens.vllm_block_hashes`) where the
+        stage's scheduler runs in this process (:meth:`_hash_source`), else ours (token ids +
+        multimodal identifiers, :func:`~omni_cache.core.chained_block_hashes`); only blocks not
+        hashed yet are hashed, continuing the chain from the last hash. The
         chain stops before a block holding a token whose value is unknown (a placeholder the
         kept device inputs do not resolve): such a block is written but never cached, so no
         hit is ever served from it."""
         view = self.reqs[rid]
         nfull = upto_tokens // self.block_size
         done = len(view.block_hashes)
-        if done < nfull:
+        if done < nfull and self._hash_source() is not None:  # vLLM's own hashes of the request
+            sched, per_block = self._hash_source()
+            view.block_hashes = view.block_hashes + scheduler_tokens.vllm_block_hashes(
+                sched.requests.get(rid), per_block, done, nfull)
+        elif done < nfull:
             st = self.runner.requests[rid]
             lo, hi = done * self.block_size, nfull * self.block_size
             tokens = self._known_tokens(rid, view, st, lo, hi, wait)

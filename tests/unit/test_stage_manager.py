@@ -62,21 +62,35 @@ class SchedulerRequests:
         if st is None:
             return None
         real = self.eng.real[rid]
-        return NS(all_token_ids=list(st.prompt_token_ids) + real[:max(len(real) - self.lag, 0)])
+        tokens = list(st.prompt_token_ids) + real[:max(len(real) - self.lag, 0)]
+        hbs = getattr(self.eng.scheduler, "hash_block_size", None)
+        return NS(all_token_ids=tokens, block_hashes=vllm_hashes(tokens, hbs) if hbs else [])
 
 
 class FakeScheduler:
-    """A scheduler as :func:`omni_cache.engine.scheduler_tokens.register` reads it."""
+    """A scheduler as :func:`omni_cache.engine.scheduler_tokens.register` reads it; with
+    ``hash_block_size``, vLLM's own block hashes too (``Request.block_hashes``, 32 bytes each)."""
 
-    def __init__(self, vllm_config, requests) -> None:
+    def __init__(self, vllm_config, requests, hash_block_size: int | None = None) -> None:
         self.vllm_config, self.requests = vllm_config, requests
+        if hash_block_size is not None:
+            self.hash_block_size = hash_block_size
+            self.cache_config = NS(enable_prefix_caching=True)
+
+
+def vllm_hashes(tokens: list[int], hash_block_size: int) -> list[bytes]:
+    """Chained hashes of ``tokens``' full ``hash_block_size`` blocks as vLLM's hasher makes them
+    (each identifies the prefix up to its end; bytes, as ``BlockHash``)."""
+    return [hashlib.sha256(repr(tokens[:(i + 1) * hash_block_size]).encode()).digest()
+            for i in range(len(tokens) // hash_block_size)]
 
 
 class FakeEngine:
     """The runner-side state the manager reads, and a forward that computes
     :func:`prefix_rows` for the hidden states and (optionally) a captured layer."""
 
-    def __init__(self, keys=(HIDDEN_KEY, LAYER), *, async_tokens: bool = False, scheduler_lag: int | None = None):
+    def __init__(self, keys=(HIDDEN_KEY, LAYER), *, async_tokens: bool = False, scheduler_lag: int | None = None,
+                 hash_block_size: int | None = None):
         self.keys = keys
         #: as vLLM's GPU runner under async scheduling: a sampled token is -1 in the host-side
         #: ``output_token_ids``; its value is only in the device ``input_ids`` of the next step
@@ -90,7 +104,8 @@ class FakeEngine:
         self.manager = OmniCacheStageManager(self.runner, block_size=BS, num_blocks=16)
         if scheduler_lag is not None:  # a scheduler in this process (vLLM's uni executor), registered
             self.runner.vllm_config = object()
-            self.scheduler = FakeScheduler(self.runner.vllm_config, SchedulerRequests(self, scheduler_lag))
+            self.scheduler = FakeScheduler(self.runner.vllm_config, SchedulerRequests(self, scheduler_lag),
+                                           hash_block_size)
             scheduler_tokens.register(self.scheduler)
 
     def add(self, rid: str, prompt: list[int]) -> None:
@@ -313,6 +328,38 @@ def test_decode_filled_blocks_are_hashed_from_the_scheduler_of_this_process(monk
     assert_rows(got, expected(turn2, 0, 11))
     assert eng.manager.metrics()["hit_tokens"] == 8
     assert eng.cached_log == [{0}, set(), set(), {1}, set()], eng.cached_log  # block 1: one step late
+
+
+@pytest.mark.parametrize("hash_block_size", [BS, BS // 2])
+def test_block_hashes_are_vllms_own_where_the_scheduler_runs_in_this_process(monkeypatch, hash_block_size):
+    """With the scheduler in this process and prefix caching on, a block's hash is vLLM's own
+    (its last hash inside the block, first 8 bytes) — no hashing of ours (calling
+    ``chained_block_hashes`` fails the test) — for prompt blocks and, a step late, for a
+    decode-filled block; turn 2's hit is served, rows equal to the writer's (oracle:
+    :func:`prefix_rows`), bitwise."""
+    from omni_cache.engine import stage_manager
+
+    monkeypatch.setattr(stage_manager, "chained_block_hashes", lambda *a, **k: pytest.fail("hashed by omni-cache"))
+    monkeypatch.setattr(KeptIds, "__init__", lambda self, *a, **k: pytest.fail("input ids kept"))
+    eng = FakeEngine(async_tokens=True, scheduler_lag=1, hash_block_size=hash_block_size)
+    turn2, got = _decode_late_then_turn2(eng, [0])
+    assert_rows(got, expected(turn2, 0, 11))
+    assert eng.manager.metrics()["hit_tokens"] == 8
+    per = BS // hash_block_size
+    want = [int.from_bytes(h[:8], "little") for h in vllm_hashes(turn2[:8], hash_block_size)[per - 1::per]]
+    assert [eng.manager.cache.ledger.block_hash[b] for b in (0, 1)] == want
+
+
+def test_a_block_whose_last_tokens_differ_is_refused_with_vllms_hashes():
+    """A hit on a block that shares only its first half with the writer's (vLLM hashes at half a
+    block) is refused: the block's hash is vLLM's hash of the whole block, not of its first half
+    (which would have served the writer's rows for other tokens)."""
+    eng = FakeEngine(scheduler_lag=0, hash_block_size=BS // 2)
+    eng.add("A", list(range(8)))
+    eng.step(new=[("A", [0, 1], 0, 8)])
+    eng.add("B", [0, 1, 2, 3, 4, 5, 99, 99, 9])  # block 1: same first half, other second half
+    with pytest.raises(StaleRowsError):
+        eng.step(new=[("B", [0, 1, 2], 8, 1)], finished=["A"])
 
 
 def test_a_scheduler_that_disagrees_with_the_runner_resolves_nothing(monkeypatch):
