@@ -78,18 +78,28 @@ def _summary(times: list[float], busy_ms: float) -> dict:
 class _Scheduler:
     """A stand-in for the stage's scheduler in the worker's process (vLLM's ``uni`` executor,
     :mod:`omni_cache.engine.scheduler_tokens`): each request's prompt and every sampled token
-    but the last (the scheduler gets a step's token a step later)."""
+    but the last (the scheduler gets a step's token a step later), and its chained block hashes
+    (``block_hashes``, as vLLM's ``Request`` keeps them: computed when tokens arrive — call
+    :meth:`get` once per new request before its step, as vLLM hashes a prompt on arrival)."""
 
     def __init__(self, runner) -> None:
         self.vllm_config, self.runner = runner.vllm_config, runner
         self.requests = self
+        self.hash_block_size, self.cache_config = BLOCK, NS(enable_prefix_caching=True)
+        self._hashes: dict[str, list[bytes]] = {}
 
     def get(self, rid: str):
         st = self.runner.requests.get(rid)
         if st is None:
             return None
         out = st.output_token_ids
-        return NS(all_token_ids=list(st.prompt_token_ids) + [7] * max(len(out) - 1, 0))
+        tokens = list(st.prompt_token_ids) + [7] * max(len(out) - 1, 0)
+        hashes = self._hashes.setdefault(rid, [])
+        parent = int.from_bytes(hashes[-1][:8], "little", signed=True) if hashes else 0
+        for j in range(len(hashes), len(tokens) // BLOCK):
+            parent = hash((parent, tuple(tokens[j * BLOCK:(j + 1) * BLOCK])))
+            hashes.append(parent.to_bytes(8, "little", signed=True) + bytes(24))
+        return NS(all_token_ids=tokens, block_hashes=hashes)
 
 
 def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: str = "cuda",
@@ -136,6 +146,8 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
         runner.requests[r] = NS(prompt_token_ids=list(range(i * 10_000, i * 10_000 + prompts[i])),
                                 output_token_ids=[], mm_features=None)
     runner.input_batch.req_ids = rids
+    for r in rids:
+        scheduler.get(r)
 
     def step(sched, n: int, busy: bool, rids=rids, prof=None) -> float:
         m.new_step_starts(sched)
@@ -176,6 +188,8 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
             runner.requests[h] = NS(prompt_token_ids=list(runner.requests[rids[i]].prompt_token_ids),
                                     output_token_ids=[], mm_features=None)
         runner.input_batch.req_ids = hits
+        for h in hits:  # (vLLM hashes a prompt on arrival, not in the step)
+            scheduler.get(h)
         shared = {h: list(range(i * nblk, i * nblk + hit[h] // BLOCK)) for i, h in enumerate(hits)}
         own = {h: list(range((batch + i) * nblk, (batch + i + 1) * nblk)) for i, h in enumerate(hits)}
         t_hits.append(step(_sched(new=[(h, shared[h] + own[h], prompts[i] - hit[h]) for i, h in enumerate(hits)],
@@ -195,6 +209,7 @@ def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: 
         runner.requests[rid] = NS(prompt_token_ids=list(range(first, first + prompt_tokens)),
                                   output_token_ids=[], mm_features=None)
         runner.input_batch.req_ids = [rid]
+        scheduler.get(rid)
         t = step(_sched(new=[(rid, table, prompt_tokens)]), prompt_tokens, busy=k < long_rounds, rids=[rid],
                  prof=prof_long if k >= long_rounds else None)
         if k < long_rounds:
