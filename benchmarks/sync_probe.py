@@ -86,20 +86,23 @@ class _Scheduler:
         self.vllm_config, self.runner = runner.vllm_config, runner
         self.requests = self
         self.hash_block_size, self.cache_config = BLOCK, NS(enable_prefix_caching=True)
-        self._hashes: dict[str, list[bytes]] = {}
+        self._reqs: dict[str, NS] = {}
 
     def get(self, rid: str):
         st = self.runner.requests.get(rid)
         if st is None:
             return None
-        out = st.output_token_ids
-        tokens = list(st.prompt_token_ids) + [7] * max(len(out) - 1, 0)
-        hashes = self._hashes.setdefault(rid, [])
+        req = self._reqs.get(rid)
+        if req is None or req.prompt is not st.prompt_token_ids:  # (a new request under an old id)
+            req = self._reqs[rid] = NS(prompt=st.prompt_token_ids, all_token_ids=list(st.prompt_token_ids),
+                                       block_hashes=[])
+        tokens, hashes = req.all_token_ids, req.block_hashes  # (extended as tokens arrive, as vLLM's)
+        tokens += [7] * (len(st.prompt_token_ids) + max(len(st.output_token_ids) - 1, 0) - len(tokens))
         parent = int.from_bytes(hashes[-1][:8], "little", signed=True) if hashes else 0
         for j in range(len(hashes), len(tokens) // BLOCK):
             parent = hash((parent, tuple(tokens[j * BLOCK:(j + 1) * BLOCK])))
             hashes.append(parent.to_bytes(8, "little", signed=True) + bytes(24))
-        return NS(all_token_ids=tokens, block_hashes=hashes)
+        return req
 
 
 def probe(batch: int, steps: int, busy_ms: float, cycles_per_ms: float, device: str = "cuda",
