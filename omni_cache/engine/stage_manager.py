@@ -542,6 +542,10 @@ class OmniCacheStageManager:
             if done:
                 self.cache.ledger.cache_full_blocks([bid for _, bid in done], [hashes[b] for b, _ in done], owner=rid)
                 self._cached_this_step.extend(bid for _, bid in done)
+                # the writer's digest of the block, from the rows its steps recorded (audits only): a
+                # late block was not full-and-hashed in the step that wrote it (oracle (a) found it
+                # unverified on an H200 once every decode-filled block came late, 24th session)
+                self._block_audit.add(rid, 0, {}, [b for b, _ in done])
             view.late = [x for x in view.late if x[0] >= len(hashes)]
             if not view.late:
                 self._late.discard(rid)

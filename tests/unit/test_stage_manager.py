@@ -362,6 +362,25 @@ def test_a_block_whose_last_tokens_differ_is_refused_with_vllms_hashes():
         eng.step(new=[("B", [0, 1, 2], 8, 1)], finished=["A"])
 
 
+def test_a_late_block_is_audited_with_its_writers_rows(monkeypatch, tmp_path):
+    """With the audits on (oracle (a)'s writer records), a decode-filled block cached a step late
+    is logged once, when it is cached, with the digests of the rows its writer's steps computed
+    (oracle: :func:`prefix_rows`) — on an H200 such a block was served but left unverified, the
+    lane's ``test_served_rows_equal_their_writers_rows`` failed on it (24th session)."""
+    import json
+
+    from omni_cache.engine.metrics import rows_digest
+
+    monkeypatch.setenv("OMNI_CACHE_HIT_AUDIT", str(tmp_path))
+    eng = FakeEngine(async_tokens=True, scheduler_lag=1)
+    turn2, got = _decode_late_then_turn2(eng, [0])
+    assert_rows(got, expected(turn2, 0, 11))
+    lines = [json.loads(x) for f in tmp_path.glob("blocks-*.jsonl") for x in f.read_text().splitlines()]
+    late = [x for x in lines if x["writer"] == "A" and x["block"] == 1]
+    want = expected(turn2[:8], 4, 8)
+    assert [x["digests"] for x in late] == [{k: rows_digest(want[k]) for k in want}], lines
+
+
 def test_a_scheduler_that_disagrees_with_the_runner_resolves_nothing(monkeypatch):
     """A registered scheduler whose request holds other tokens than the runner's at positions
     both know (not this runner's request) is not trusted: the decode-filled block is written
