@@ -159,6 +159,7 @@ for step in "$@"; do
        $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml \
          --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l6" --modalities "${A4_WORKLOADS:-floor,miss,text}" \
          --requests "${A4_REQUESTS:-24}" --answer-tokens "${A4_ANSWER_TOKENS:-32}" --concurrency 1,16 --max-num-seqs 64 \
+         ${A4_LOAD_REQUESTS:+--load-requests "$A4_LOAD_REQUESTS"} \
          --alternation concurrent \
          --variants "${A4_VARIANTS:-off,omni_cache}" --repeats "${A4_REPEATS:-3}" --out "$OUT" --name A4 > "$OUT/A4.log" 2>&1
        log "A4: table rc=$?" ;;

@@ -212,6 +212,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--modalities", default="text,image,audio,chat,miss,floor", help=f"workloads among {','.join(WORKLOADS)}")
     add("--requests", type=int, default=20, help="requests per workload and round (chat: turns); at c > 1 "
         "max(N, 2c) (chat: c conversations of N turns)")
+    add("--load-requests", type=int, default=None, help="requests per workload and round at c > 1 (not chat; "
+        "default --requests; at least 2c): more averages each c > 1 cell over more requests")
     add("--concurrency", default="1", help="comma list, e.g. 1,4,16,64: c = 1 one request at a time with vLLM's "
         "stage breakdown; c > 1 a closed loop of c in flight (driver clock; streaming only)")
     add("--repeats", type=int, default=3, help="rounds (each request of a round is new)")
@@ -303,11 +305,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     opts = WorkloadOptions(**{k: getattr(args, k) for k in ("requests", "prefix_words", "image", "audio",
                                                             "media_doc_words", "chat_answer_tokens", "media_copies",
-                                                            "answer_tokens")})
+                                                            "answer_tokens", "load_requests")})
     try:  # everything checked before a model is built or a pipeline starts
         bad = [w for w in workloads if w not in WORKLOADS] + [v for v in variants if v not in VARIANTS + YOCO_VARIANTS]
-        if bad or not workloads or not variants or args.requests < 1 or args.repeats < 1:
-            raise ValueError(f"unknown workloads / variants {bad}, or empty selection, or requests/repeats < 1")
+        if (bad or not workloads or not variants or args.requests < 1 or args.repeats < 1
+                or (args.load_requests is not None and args.load_requests < 1)):
+            raise ValueError(f"unknown workloads / variants {bad}, or empty selection, or requests/repeats/"
+                             "load-requests < 1")
         if args.answer_tokens is not None and args.answer_tokens < 2:
             raise ValueError(f"--answer-tokens {args.answer_tokens}: at least 2 (one token breaks vLLM-Omni's talker "
                              "hand-off, omni_cache.driver.variants)")

@@ -42,6 +42,10 @@ class WorkloadOptions:
     #: config (the harness writes 2: prefill + one decode step). 8 or more times the thinker's
     #: decode (``thinker_tpot_ms``, :data:`benchmarks.prefill.summary.MIN_TPOT_TOKENS`)
     answer_tokens: int | None = None
+    #: requests per workload and round at c > 1 (not chat): at least this many, at least 2·c;
+    #: None: ``requests``. More requests per batch average a c > 1 cell over more of them (on an
+    #: H200 three batches of 32 scattered by more than a 2 % bar, docs/gpu.md "Twenty-fourth session")
+    load_requests: int | None = None
 
     def media(self) -> tuple[str, str]:
         return (str(self.image or sample_path("astronaut.jpg")), str(self.audio or sample_path("speech.wav")))
@@ -56,7 +60,8 @@ def _question(r: int, i: int, n: int, c: int = 1) -> str:
 
 def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) -> list[dict]:
     """The request specs of ``workload`` in round ``r`` (in send order) at ``concurrency`` c:
-    ``opts.requests`` requests at c = 1, max(``opts.requests``, 2·c) at c > 1 (each of the c senders of
+    ``opts.requests`` requests at c = 1, max(``opts.load_requests`` or ``opts.requests``, 2·c) at
+    c > 1 (each of the c senders of
     the closed loop sends at least two: a loop, not a single burst of c); chat: one conversation
     of ``opts.requests`` turns, at c > 1 c of them (each turn 1 a miss), listed turn by turn.
     Prompts at one c repeat none of another c's (:func:`_question`).
@@ -69,7 +74,7 @@ def specs(workload: str, r: int, opts: WorkloadOptions, concurrency: int = 1) ->
     c = concurrency
     image, audio = opts.media()
     doc = words(opts.prefix_words, 1)
-    n = opts.requests if c == 1 else max(opts.requests, 2 * c)
+    n = opts.requests if c == 1 else max(opts.load_requests or opts.requests, 2 * c)
     q = lambda r, i: _question(r, i, opts.suffix_words, c)  # noqa: E731
     base = {"workload": workload, "round": r, "image": None, "audio": None, "max_tokens": opts.answer_tokens,
             "measure": True, "chat": None, "system": DEFAULT_SYSTEM_PROMPT, **({"concurrency": c} if c > 1 else {})}
@@ -127,7 +132,7 @@ def warmup_specs(workloads: list[str], opts: WorkloadOptions, concurrency: int =
         few = WorkloadOptions(**{**opts.__dict__, "requests": WARMUP_REQUESTS})
         return [dict(s, measure=False, index=-1, max_tokens=opts.answer_tokens)
                 for w in workloads for s in specs(w, -1, few)]
-    one = WorkloadOptions(**{**opts.__dict__, "requests": 1})
+    one = WorkloadOptions(**{**opts.__dict__, "requests": 1, "load_requests": None})
     return [{**s, "measure": False} for w in workloads for s in specs(w, -2, one, concurrency=concurrency)]
 
 

@@ -520,6 +520,11 @@ def test_chat_sessions_under_load():
     # other workloads: max(N, 2c) requests, prompts distinct from those at any other c
     text4, text1 = specs("text", 0, opts, concurrency=4), specs("text", 0, opts)
     assert len(text4) == 8 and len(specs("text", 0, WorkloadOptions(requests=20), concurrency=4)) == 20
+    # --load-requests: the c > 1 batch only (c = 1 and the load warm-up keep their sizes)
+    more = WorkloadOptions(requests=3, load_requests=40)
+    assert [len(specs(w, 0, more, concurrency=c)) for w in ("floor", "miss") for c in (1, 4)] == [3, 40, 3, 40]
+    assert len(specs("floor", 0, WorkloadOptions(requests=3, load_requests=5), concurrency=4)) == 8  # >= 2c
+    assert len([s for s in warmup_specs(["floor"], more, 4) if s.get("concurrency") == 4]) == 8
     assert not {s["text"] for s in text4} & {s["text"] for s in text1}
     assert not {s["text"] for s in text4} & {s["text"] for s in specs("text", 0, opts, concurrency=8)}
     assert not {s["system"] for s in specs("miss", 0, opts, 4)} & {s["system"] for s in specs("miss", 0, opts)}
