@@ -493,8 +493,9 @@ class OmniCacheStageManager:
         view = self.reqs[rid]
         nfull = upto_tokens // self.block_size
         done = len(view.block_hashes)
-        if done < nfull and self._hash_source() is not None:  # vLLM's own hashes of the request
-            sched, per_block = self._hash_source()
+        source = self._hash_source() if done < nfull else None
+        if source is not None:  # vLLM's own hashes of the request
+            sched, per_block = source
             view.block_hashes = view.block_hashes + scheduler_tokens.vllm_block_hashes(
                 sched.requests.get(rid), per_block, done, nfull)
         elif done < nfull:
