@@ -12,6 +12,10 @@
 #      prefill, 8 hit rounds), and where a decode save's host time goes (~20 s; OUT/SP/result-<commit>.json)
 #   ES (eighteenth session) the lane's equality and streaming groups at once on one card (a short hold);
 #      ES_GROUPS picks the groups (e.g. "streaming" alone), ES_TIMEOUT caps each
+#   EA (twenty-fifth session) a 2-GPU host: ES on card EA_ES_CARD (0) and A4 on card EA_A4_CARD (1) at once;
+#      A4_VARIANTS (e.g. off,builtin,omni_cache), A4_THINKER_ONLY=1 (omni-cache without the talker's prefix cache)
+#   SO (twenty-fifth session) benchmarks.scheduler_overhead: the scheduler's host time per decode step, off /
+#      built-in / omni-cache, batch 1 and 16 (engine-free, CPU only, ~1 min; OUT/SO/result.json)
 #   B  the same workloads, off / omni-cache with the hand-off from vLLM-Omni's own snapshot
 #      (OMNI_CACHE_HANDOFF_STAGING=snapshot, opt-in), to measure it against A (default: host)
 #   C  the GPU lane's equality-compiled group (Qwen3-Omni thinker on CUDA graphs)
@@ -105,7 +109,7 @@ if [ ! -f /tmp/site/.omni_cache_installed ]; then
   touch /tmp/site/.omni_cache_installed
 fi
 log "models"
-case " $* " in *" A "*|*" B "*|*" A4 "*) $PY -m omni_cache.cli make-model --size full --thinker-layers 6 > "$OUT/models.log" 2>&1 ;; esac
+case " $* " in *" A "*|*" B "*|*" A4 "*|*" EA "*) $PY -m omni_cache.cli make-model --size full --thinker-layers 6 > "$OUT/models.log" 2>&1 ;; esac
 $PY -m omni_cache.cli make-model >> "$OUT/models.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 L6=(--stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml
@@ -143,26 +147,39 @@ run_Q() {
   done
   wait
 }
+run_A4() {
+  # eighteenth session, issue 43's 2 % no-hit bar on one card: the profiling shape (full widths, 6 of 48
+  # thinker layers) in the deploy's graph coverage (--max-num-seqs 64: graphs up to 128 tokens; step A ran 16 -> 32,
+  # so the floor's ~100-token prefills ran without graphs), cache off and omni-cache up at once (the one not being
+  # timed frozen): floor and miss (no hit), text (a 97 % hit); c = 1 and 16; A4_REQUESTS (default 24), 3 rounds
+  # (twenty-first session) A4_ANSWER_TOKENS (default 32) thinker tokens per answer: the bar's decode part
+  # (thinker_tpot_ms; the harness's default of 2 tokens times no decode)
+  # (twenty-fourth session) A4_MIN_HIT: OMNI_CACHE_MIN_HIT_TOKENS for this table only (the floor's one-block
+  # template hit recomputed; ES keeps the default: its oracle is the built-in cache, which hits it)
+  OMNI_CACHE_MIN_HIT_TOKENS="${A4_MIN_HIT:-0}" \
+  $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml \
+    --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l6" --modalities "${A4_WORKLOADS:-floor,miss,text}" \
+    --requests "${A4_REQUESTS:-24}" --answer-tokens "${A4_ANSWER_TOKENS:-32}" --concurrency 1,16 --max-num-seqs 64 \
+    ${A4_LOAD_REQUESTS:+--load-requests "$A4_LOAD_REQUESTS"} \
+    --alternation concurrent \
+    --variants "${A4_VARIANTS:-off,omni_cache}" ${A4_THINKER_ONLY:+--thinker-cache-only} --repeats "${A4_REPEATS:-3}" --out "$OUT" --name A4 > "$OUT/A4.log" 2>&1
+  log "A4: table rc=$?"
+}
+run_ES() {
+  # eighteenth session, a short hold: the lane's equality and streaming groups at once on one card
+  # (omni_cache/engine and driver/streaming.py changed since their last GPU run), each capped at ES_TIMEOUT
+  for g in ${ES_GROUPS:-equality streaming}; do
+    $PY -m tests.lanes.gpu_check --groups $g --jobs 1 --timeout "${ES_TIMEOUT:-480}" --out "$OUT/ES-$g" \
+      --commit "$COMMIT" > "$OUT/ES-$g.log" 2>&1 &
+  done
+  wait
+  log "ES: equality + streaming done"
+}
 for step in "$@"; do
   log "step $step start"
   case "$step" in
     A) $PY -m benchmarks.prefill "${L6[@]}" --repeats 2 --name A > "$OUT/A.log" 2>&1 ;;
-    A4) # eighteenth session, issue 43's 2 % no-hit bar on one card: the profiling shape (full widths, 6 of 48
-       # thinker layers) in the deploy's graph coverage (--max-num-seqs 64: graphs up to 128 tokens; step A ran 16 -> 32,
-       # so the floor's ~100-token prefills ran without graphs), cache off and omni-cache up at once (the one not being
-       # timed frozen): floor and miss (no hit), text (a 97 % hit); c = 1 and 16; A4_REQUESTS (default 24), 3 rounds
-       # (twenty-first session) A4_ANSWER_TOKENS (default 32) thinker tokens per answer: the bar's decode part
-       # (thinker_tpot_ms; the harness's default of 2 tokens times no decode)
-       # (twenty-fourth session) A4_MIN_HIT: OMNI_CACHE_MIN_HIT_TOKENS for this table only (the floor's one-block
-       # template hit recomputed; ES keeps the default: its oracle is the built-in cache, which hits it)
-       OMNI_CACHE_MIN_HIT_TOKENS="${A4_MIN_HIT:-0}" \
-       $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml \
-         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l6" --modalities "${A4_WORKLOADS:-floor,miss,text}" \
-         --requests "${A4_REQUESTS:-24}" --answer-tokens "${A4_ANSWER_TOKENS:-32}" --concurrency 1,16 --max-num-seqs 64 \
-         ${A4_LOAD_REQUESTS:+--load-requests "$A4_LOAD_REQUESTS"} \
-         --alternation concurrent \
-         --variants "${A4_VARIANTS:-off,omni_cache}" --repeats "${A4_REPEATS:-3}" --out "$OUT" --name A4 > "$OUT/A4.log" 2>&1
-       log "A4: table rc=$?" ;;
+    A4) run_A4 ;;
     B) OMNI_CACHE_HANDOFF_STAGING=snapshot $PY -m benchmarks.prefill "${L6[@]}" --repeats 1 --variants off,omni_cache \
          --name B > "$OUT/B.log" 2>&1 ;;
     C) $PY -m tests.lanes.gpu_check --groups equality-compiled --jobs 1 --timeout 900 --out "$OUT/C" \
@@ -184,14 +201,17 @@ for step in "$@"; do
          OMNI_CACHE_FUSED=0 $PY -m benchmarks.sync_probe --label "$COMMIT-nofused" --out "$OUT/SP" >> "$OUT/SP.log" 2>&1
          log "SP: pairs rc=$?"
        fi ;;
-    ES) # eighteenth session, a short hold: the lane's equality and streaming groups at once on one card
-       # (omni_cache/engine and driver/streaming.py changed since their last GPU run), each capped at ES_TIMEOUT
-       for g in ${ES_GROUPS:-equality streaming}; do
-         $PY -m tests.lanes.gpu_check --groups $g --jobs 1 --timeout "${ES_TIMEOUT:-480}" --out "$OUT/ES-$g" \
-           --commit "$COMMIT" > "$OUT/ES-$g.log" 2>&1 &
-       done
+    ES) run_ES ;;
+    EA) # (twenty-fifth session) a 2-GPU host: ES on card EA_ES_CARD (default 0) while A4 runs on card
+       # EA_A4_CARD (default 1): the exactness groups and the table in one hold's time
+       (export CUDA_VISIBLE_DEVICES="${EA_ES_CARD:-0}"; run_ES) &
+       (export CUDA_VISIBLE_DEVICES="${EA_A4_CARD:-1}"; run_A4) &
        wait
-       log "ES: equality + streaming done" ;;
+       log "EA: ES and A4 done" ;;
+    SO) # (twenty-fifth session) the scheduler's host time per decode step, off / built-in / omni-cache
+       # (engine-free, vLLM's real async scheduler; CPU only)
+       $PY -m benchmarks.scheduler_overhead --batch 1,16 --rounds 3 --out "$OUT/SO" > "$OUT/SO.log" 2>&1
+       log "SO: scheduler overhead rc=$?" ;;
     U) $PY -m tests.lanes.gpu_check --groups unit --jobs 1 --timeout 900 --out "$OUT/U" \
          --commit "$COMMIT" > "$OUT/U.log" 2>&1 ;;
     F) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1

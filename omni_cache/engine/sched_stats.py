@@ -26,8 +26,10 @@ class PrefixStatsFlushMixin:
     """Put before vLLM-Omni's scheduler class in the bases (see the module docstring)."""
 
     def make_stats(self, *args, **kwargs):
+        if not getattr(self, "log_stats", False):
+            return super().make_stats(*args, **kwargs)
         pending = getattr(getattr(self, "kv_cache_manager", None), "prefix_cache_stats", None)
-        if getattr(self, "log_stats", False) and pending is not None and (
+        if pending is not None and (
                 pending.requests or pending.preempted_requests):
             from vllm.v1.core.sched.scheduler import Scheduler
 

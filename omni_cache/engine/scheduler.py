@@ -280,37 +280,58 @@ class OmniCacheSchedulerMixin:
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
-        st = self._omni_cache_state()
+        st = self._oc_state if hasattr(self, "_oc_state") else self._omni_cache_state()
         bs = st.block_size
-        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
-        new_ids = set(starts)
+        if out.finished_req_ids:
+            for rid in out.finished_req_ids:
+                st.truncated_spans.pop(rid, None)
+                st.lookup.pop(rid, None)  # aborted while waiting: never admitted, not counted
+        scheduled = out.num_scheduled_tokens
+        if out.scheduled_new_reqs:
+            publish = False
+            for nr in out.scheduled_new_reqs:
+                rid = nr.req_id
+                if rows_forgotten(self.requests[rid]):
+                    st.forgotten.add(rid)
+                if rid in st.lookup:  # its counted lookup admitted it now
+                    capped, same_step, short = st.lookup.pop(rid)
+                    st.capped_tokens += capped
+                    st.same_step_hit_tokens += same_step
+                    st.short_hit_tokens += short
+                    publish = publish or bool(capped or same_step or self.requests[rid].num_preemptions)
+                self._note_scheduled(st, rid, nr.num_computed_tokens, scheduled.get(rid, 0), bs)
+        else:
+            publish = False
         cached = out.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for rid in out.finished_req_ids:
-            st.truncated_spans.pop(rid, None)
-            st.lookup.pop(rid, None)  # aborted while waiting: never admitted, not counted
-        admitted = starts.keys() & st.lookup.keys()  # requests whose counted lookup admitted them now
-        publish = False
-        for rid in admitted:
-            capped, same_step, short = st.lookup.pop(rid)
-            st.capped_tokens += capped
-            st.same_step_hit_tokens += same_step
-            st.short_hit_tokens += short
-            publish = publish or bool(capped or same_step or self.requests[rid].num_preemptions)
+        if st.lookup:  # (a resumed request's lookup admits it as a cached one)
+            for rid in st.lookup.keys() & set(cached.req_ids):
+                capped, same_step, short = st.lookup.pop(rid)
+                st.capped_tokens += capped
+                st.same_step_hit_tokens += same_step
+                st.short_hit_tokens += short
+                publish = publish or bool(capped or same_step or self.requests[rid].num_preemptions)
         if publish:  # rare (a capped, same-step or resumed hit): publish now, not only at shutdown
             self._publish_scheduler_metrics()
-        for rid, start in starts.items():
-            if rid in new_ids and rows_forgotten(self.requests[rid]):
-                st.forgotten.add(rid)
-            if rid in st.forgotten:
-                continue
-            end = start + out.num_scheduled_tokens.get(rid, 0)
-            if st.truncates and end - start > 1:
-                st.truncated_spans.setdefault(rid, []).append((start, end))
-            self._record_completed_blocks(st, rid, range(start // bs, end // bs))
+        truncates, forgotten = st.truncates, st.forgotten
+        for rid, start in zip(cached.req_ids, cached.num_computed_tokens):
+            n = scheduled.get(rid, 0)
+            # (a decode step that completes no block and truncates nothing: nothing to note)
+            if ((n > 1 and truncates) or (start + n) // bs > start // bs) and rid not in forgotten:
+                self._note_scheduled(st, rid, start, n, bs)
         st.step_of_output[id(out)] = st.steps_scheduled
         st.steps_scheduled += 1
         return out
+
+    def _note_scheduled(self, st: SchedulerCapState, rid: str, start: int, n: int, bs: int) -> None:
+        """A scheduled request's tokens ``[start, start + n)`` of this step: the span written
+        under fast prefill, and the blocks they complete (:meth:`_record_completed_blocks`)."""
+        if rid in st.forgotten:
+            return
+        end = start + n
+        if st.truncates and n > 1:
+            st.truncated_spans.setdefault(rid, []).append((start, end))
+        if end // bs > start // bs:
+            self._record_completed_blocks(st, rid, range(start // bs, end // bs))
 
     def _validity(self, st: SchedulerCapState, rid: str, block_index: int) -> RowValidity:
         bs = st.block_size
@@ -342,7 +363,7 @@ class OmniCacheSchedulerMixin:
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        st = self._omni_cache_state()
+        st = self._oc_state if hasattr(self, "_oc_state") else self._omni_cache_state()
         step = st.step_of_output.pop(id(scheduler_output), None)
         if step is not None:
             st.steps_done = max(st.steps_done, step + 1)

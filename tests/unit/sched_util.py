@@ -2,45 +2,23 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import torch
+from benchmarks import scheduler_overhead as _bench
 
-BS = 16
+BS = _bench.BLOCK_SIZE
 
 
 def vllm_config(d: Path, *, num_blocks: int, max_num_batched_tokens: int, async_scheduling: bool):
     """A ``VllmConfig`` of a tiny Llama (config only) with prefix caching, ``num_blocks`` KV
-    blocks of :data:`BS` tokens. vLLM's CPU platform turns async scheduling off inside
-    ``VllmConfig``; it is set back afterwards, as a GPU stage would have it."""
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "num_hidden_layers": 2, "vocab_size": 5000, "max_position_embeddings": 4096,
-        "torch_dtype": "float32"}))
-    model = ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=1024)
-    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, max_model_len=1024,
-                            enable_chunked_prefill=True, async_scheduling=async_scheduling,
-                            is_encoder_decoder=False)
-    cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
-    cache.num_gpu_blocks = num_blocks
-    cfg = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
-    cfg.scheduler_config.async_scheduling = async_scheduling
-    return cfg
+    blocks of :data:`BS` tokens (:func:`benchmarks.scheduler_overhead.vllm_config`)."""
+    return _bench.vllm_config(d, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                              async_scheduling=async_scheduling)
 
 
 def scheduler_kwargs(cfg, num_blocks: int) -> dict:
     """Constructor arguments of a vLLM(-Omni) scheduler over one full-attention KV group."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    return dict(vllm_config=cfg, kv_cache_config=kv, block_size=BS,
-                structured_output_manager=StructuredOutputManager(cfg))
+    return _bench.scheduler_kwargs(cfg, num_blocks)
 
 
 def request(rid: str, prompt: list[int], max_tokens: int, *, forget_rows: bool = False):

@@ -979,3 +979,33 @@ def test_overhead_recomputed_from_saved_results(tmp_path, capsys):
     out = capsys.readouterr()
     assert "1 × NVIDIA H200, commit abcdef0" in out.out and "FAIL  floor  c=1 TTFT p50" in out.out
     assert "b.json: not readable as JSON" in out.err and "text" not in out.out.split("\n", 2)[2]
+
+
+def test_scheduler_overhead_variants_and_result(tmp_path):
+    """``benchmarks.scheduler_overhead``: each variant is the scheduler it names (cache off without
+    prefix caching, the built-in cache's vLLM-Omni scheduler with it, omni-cache's capped one),
+    every timed step is a decode step of the whole batch, and one tiny alternated run writes its
+    result and plot with ratios to cache off."""
+    from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler
+
+    from benchmarks import scheduler_overhead as so
+    from omni_cache.engine.scheduler import OmniCacheARAsyncScheduler
+
+    kinds = {}
+    for v in so.VARIANTS:
+        d = tmp_path / v
+        d.mkdir()
+        s = so.make_scheduler(v, d, batch=2, prompt=32, steps=8)
+        kinds[v] = (type(s), s.cache_config.enable_prefix_caching)
+    assert kinds == {"off": (OmniARAsyncScheduler, False), "builtin": (OmniARAsyncScheduler, True),
+                     "omni_cache": (OmniCacheARAsyncScheduler, True)}
+    with pytest.raises(ValueError, match="variant 'nope'"):
+        so.make_scheduler("nope", tmp_path, batch=1, prompt=8, steps=1)
+    r = so.main(["--batch", "1,3", "--steps", "4", "--prompt", "40", "--rounds", "2", "--out", str(tmp_path / "out")])
+    for b in ("1", "3"):
+        cells = r["batches"][b]
+        assert set(cells) == set(so.VARIANTS)
+        assert cells["off"]["ratio_to_off"] == 1.0
+        assert all(len(c["rounds"]) == 2 and c["total_us_median"] > 0 for c in cells.values())
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["batches"]["3"]["omni_cache"]["rounds"]
+    assert (tmp_path / "out" / "scheduler_overhead.png").stat().st_size > 0
