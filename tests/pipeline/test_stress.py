@@ -65,7 +65,7 @@ from tests.util import REPO
 pytestmark = pytest.mark.pipeline
 
 SEED = 20261122
-N_REQUESTS = 32
+N_REQUESTS = 24
 CONCURRENCY = 6
 ABORT_FRACTION = 0.25
 FIRST_PACKET = "first audio packet"  # abort as soon as the request's first audio packet arrives
