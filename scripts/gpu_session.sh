@@ -13,7 +13,8 @@
 #   ES (eighteenth session) the lane's equality and streaming groups at once on one card (a short hold);
 #      ES_GROUPS picks the groups (e.g. "streaming" alone), ES_TIMEOUT caps each
 #   EA (twenty-fifth session) a 2-GPU host: ES on card EA_ES_CARD (0) and A4 on card EA_A4_CARD (1) at once;
-#      A4_VARIANTS (e.g. off,builtin,omni_cache), A4_THINKER_ONLY=1 (omni-cache without the talker's prefix cache)
+#      A4_VARIANTS (e.g. off,builtin,omni_cache), A4_THINKER_ONLY=1 (omni-cache without the talker's prefix cache),
+#      A4_LAYERS (thinker layers of A4's model, default 6; also for A4 alone)
 #   SO (twenty-fifth session) benchmarks.scheduler_overhead: the scheduler's host time per decode step, off /
 #      built-in / omni-cache, batch 1 and 16 (engine-free, CPU only, ~1 min; OUT/SO/result.json)
 #   B  the same workloads, off / omni-cache with the hand-off from vLLM-Omni's own snapshot
@@ -110,6 +111,11 @@ if [ ! -f /tmp/site/.omni_cache_installed ]; then
 fi
 log "models"
 case " $* " in *" A "*|*" B "*|*" A4 "*|*" EA "*) $PY -m omni_cache.cli make-model --size full --thinker-layers 6 > "$OUT/models.log" 2>&1 ;; esac
+# (twenty-fifth session) A4_LAYERS: A4's thinker layers (default 6, the profiling shape; e.g. 24: a step where the
+# GPU, not the host, sets the pace); the model is made here, the l6 stage config serves it (KV sized in bytes)
+A4_LAYERS="${A4_LAYERS:-6}"
+case " $* " in *" A4 "*|*" EA "*) [ "$A4_LAYERS" = 6 ] || \
+  $PY -m omni_cache.cli make-model --size full --thinker-layers "$A4_LAYERS" >> "$OUT/models.log" 2>&1 ;; esac
 $PY -m omni_cache.cli make-model >> "$OUT/models.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 L6=(--stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml
@@ -158,7 +164,7 @@ run_A4() {
   # template hit recomputed; ES keeps the default: its oracle is the built-in cache, which hits it)
   OMNI_CACHE_MIN_HIT_TOKENS="${A4_MIN_HIT:-0}" \
   $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_l6_h100_dummy.yaml \
-    --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l6" --modalities "${A4_WORKLOADS:-floor,miss,text}" \
+    --model "$HOME/.cache/omni-cache/models/qwen3-omni-full-l$A4_LAYERS" --modalities "${A4_WORKLOADS:-floor,miss,text}" \
     --requests "${A4_REQUESTS:-24}" --answer-tokens "${A4_ANSWER_TOKENS:-32}" --concurrency 1,16 --max-num-seqs 64 \
     ${A4_LOAD_REQUESTS:+--load-requests "$A4_LOAD_REQUESTS"} \
     --alternation concurrent \
