@@ -17,6 +17,10 @@
 #      A4_LAYERS (thinker layers of A4's model, default 6; also for A4 alone)
 #   SO (twenty-fifth session) benchmarks.scheduler_overhead: the scheduler's host time per decode step, off /
 #      built-in / omni-cache, batch 1 and 16 (engine-free, CPU only, ~1 min; OUT/SO/result.json)
+#   FB (twenty-sixth session) issue 43's 2 % no-hit bar at full size on a 2-GPU host: the one-GPU full-size
+#      config (48 thinker layers, production mode, --max-num-seqs 64), cache off on card FB_OFF_CARD (0) and
+#      omni-cache on card FB_OC_CARD (1), both up at once (the one not timed idle); FB_WORKLOADS (floor,miss,text),
+#      FB_REQUESTS (16), FB_REPEATS (3), 32-token answers, c = 1 and 16 (48 requests a round at 16)
 #   B  the same workloads, off / omni-cache with the hand-off from vLLM-Omni's own snapshot
 #      (OMNI_CACHE_HANDOFF_STAGING=snapshot, opt-in), to measure it against A (default: host)
 #   C  the GPU lane's equality-compiled group (Qwen3-Omni thinker on CUDA graphs)
@@ -218,6 +222,16 @@ for step in "$@"; do
        # (engine-free, vLLM's real async scheduler; CPU only)
        $PY -m benchmarks.scheduler_overhead --batch 1,16 --rounds 3 --out "$OUT/SO" > "$OUT/SO.log" 2>&1
        log "SO: scheduler overhead rc=$?" ;;
+    FB) # (twenty-sixth session) the bar where the GPU sets the pace: full size, each variant on its own card
+       $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
+       OMNI_CACHE_MIN_HIT_TOKENS="${A4_MIN_HIT:-32}" \
+       $PY -m benchmarks.prefill --stage-config stage_configs/qwen3_omni_30b_a3b_h200_dummy.yaml \
+         --model "$HOME/.cache/omni-cache/models/qwen3-omni-full" --modalities "${FB_WORKLOADS:-floor,miss,text}" \
+         --requests "${FB_REQUESTS:-16}" --answer-tokens 32 --concurrency 1,16 --max-num-seqs 64 \
+         --load-requests "${FB_LOAD_REQUESTS:-48}" --alternation concurrent --variants off,omni_cache \
+         --variant-devices "off=${FB_OFF_CARD:-0};omni_cache=${FB_OC_CARD:-1}" --repeats "${FB_REPEATS:-3}" \
+         --out "$OUT" --name FB > "$OUT/FB.log" 2>&1
+       log "FB: table rc=$?" ;;
     U) $PY -m tests.lanes.gpu_check --groups unit --jobs 1 --timeout 900 --out "$OUT/U" \
          --commit "$COMMIT" > "$OUT/U.log" 2>&1 ;;
     F) $PY -m omni_cache.cli make-model --size full >> "$OUT/models.log" 2>&1
