@@ -88,6 +88,43 @@ def test_a_deferred_write_leaves_the_calling_thread_and_lands_within_the_interva
     assert json.loads(mf.path().read_text()) == {"hits": 101} and len(writers) == 3, writers
 
 
+def test_a_deferred_publish_never_waits_for_a_write_in_progress(tmp_path, monkeypatch):
+    """While the timer thread writes (counters evaluated, JSON, rename: milliseconds on a GPU
+    host's disk), the step's deferred publishes return at once — they used to queue on the lock
+    the write held (full size on an H200: 0.08 ms of publishing a step, docs/benchmarks.md).
+    Checked by whether a publish returns while a write is held open, not by a timing."""
+    monkeypatch.setenv("OMNI_CACHE_METRICS_DIR", str(tmp_path))
+    mf = MetricsFile("metrics", min_interval_s=0.0)
+    writing, release = threading.Event(), threading.Event()
+
+    def slow_counters():  # evaluated by the write, on the timer thread
+        writing.set()
+        release.wait(10)
+        return {"steps": 1}
+
+    mf.publish(slow_counters, defer=True)
+    assert writing.wait(5), "the deferred write never started"
+    returned = threading.Event()
+
+    def step() -> None:  # a step's publishes during the write: the pending one and a fresh one
+        mf.publish(lambda: {"steps": 2}, defer=True)
+        mf.publish(lambda: {"steps": 3}, defer=True)
+        returned.set()
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    try:
+        assert returned.wait(2), "a deferred publish waited for the write in progress"
+    finally:
+        release.set()
+        t.join(5)
+    for _ in range(100):  # the step's newer counters land after the slow write
+        if mf.path().exists() and json.loads(mf.path().read_text())["steps"] != 1:
+            break
+        time.sleep(0.02)
+    assert json.loads(mf.path().read_text())["steps"] in (2, 3)
+
+
 def test_runner_step_times_written_and_summarised_per_variant(tmp_path, monkeypatch):
     """The runner's host time per step (cache off too) reaches ``runner-<pid>.json`` and the
     benchmark's per-variant summary: ms per call, wall and thread CPU."""
