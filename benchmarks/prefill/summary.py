@@ -527,9 +527,20 @@ def step_host_times(metrics: list[dict[str, Any]]) -> dict[str, dict[str, dict[s
     ``runner-<pid>.json``, :class:`omni_cache.engine.metrics.RunnerStepTimes`), summed over the
     variant's thinker processes: ``calls``, ``ms_wall`` and ``ms_cpu`` per call (wall minus CPU:
     waiting for the GIL or the device). Where a step-time difference between variants goes;
-    warm-up steps included (the counters run from the engine's start)."""
+    warm-up steps included (the counters run from the engine's start). For omni-cache also its own
+    share of a no-hit step, from ``metrics-<pid>.json`` (wall only, ``ms_cpu`` None):
+    ``save_decode`` (the save of a no-hit decode step) and ``handoff_no_hit`` (the hand-off of a
+    step without a hit)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for m in metrics:
+        if str(m.get("file", "")).startswith("metrics-") and m.get("decode_steps") is not None:
+            # omni-cache's own share of the no-hit decode step (CacheMetrics): wall time only
+            for phase, n, sec in (("save_decode", "decode_steps", "seconds_save_decode"),
+                                  ("handoff_no_hit", "fresh_handoffs", "seconds_materialize_fresh")):
+                acc = out.setdefault(m["variant"], {}).setdefault(phase, {"calls": 0, "s_wall": 0.0, "s_cpu": None})
+                acc["calls"] += int(m.get(n) or 0)
+                acc["s_wall"] += float(m.get(sec) or 0.0)
+            continue
         if not str(m.get("file", "")).startswith("runner-") or m.get("stage") not in (None, "thinker"):
             continue
         for phase, c in m.items():
@@ -540,7 +551,7 @@ def step_host_times(metrics: list[dict[str, Any]]) -> dict[str, dict[str, dict[s
             acc["s_wall"] += float(c["seconds_wall"])
             acc["s_cpu"] += float(c["seconds_cpu"])
     return {v: {ph: {"calls": a["calls"], "ms_wall": 1e3 * a["s_wall"] / a["calls"] if a["calls"] else None,
-                     "ms_cpu": 1e3 * a["s_cpu"] / a["calls"] if a["calls"] else None}
+                     "ms_cpu": 1e3 * a["s_cpu"] / a["calls"] if a["calls"] and a["s_cpu"] is not None else None}
                 for ph, a in by.items()} for v, by in out.items()}
 
 

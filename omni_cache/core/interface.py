@@ -36,6 +36,11 @@ class CacheMetrics:
     ids), ``seconds_stage`` (stage or merge the hand-off rows), ``seconds_handoff_wait`` (in
     ``materialize``, waiting for the staged copies), ``seconds_publish`` (writing the counter
     file, ``OMNI_CACHE_METRICS_DIR``; counted up to the write before the one that carries it).
+    The decode step's share, which the 2 % no-hit bar is about (docs/benchmarks.md, "The bar
+    at full size"): ``decode_steps`` / ``seconds_save_decode`` (saves of steps where every
+    scheduled request ran one token and none had a hit: a no-hit decode step) and
+    ``fresh_handoffs`` / ``seconds_materialize_fresh`` (hand-offs of steps without a hit or
+    truncated rows, the path that leaves the multimodal outputs to vLLM-Omni).
     ``hits_refused`` counts ``read_prefix`` calls refused as stale or uncovered."""
 
     steps: int = 0
@@ -54,6 +59,10 @@ class CacheMetrics:
     seconds_stage: float = 0.0
     seconds_handoff_wait: float = 0.0
     seconds_publish: float = 0.0
+    decode_steps: int = 0
+    seconds_save_decode: float = 0.0
+    fresh_handoffs: int = 0
+    seconds_materialize_fresh: float = 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         """Counter name -> value."""

@@ -310,6 +310,9 @@ class OmniCacheStageManager:
         m.seconds_save += self.step_seconds
         m.seconds_plan += t_plan - t0
         m.seconds_stage += t1 - t_stage
+        if outputs.num_tokens == len(plan.req_ids) and not plan.hits:  # a no-hit decode step
+            m.decode_steps += 1
+            m.seconds_save_decode += self.step_seconds
         return step_id
 
     # ---- 2. classify outputs -------------------------------------------------------------
@@ -783,7 +786,10 @@ class OmniCacheStageManager:
         elif HIDDEN_KEY in plan.handoff_keys:
             hidden = {rid: step.rows(rid)[HIDDEN_KEY] for rid in req_ids}
         if self.cache is not None:
-            self.cache.metrics.seconds_materialize += time.perf_counter() - t0
+            m, dt = self.cache.metrics, time.perf_counter() - t0
+            m.seconds_materialize += dt
+            m.fresh_handoffs += 1
+            m.seconds_materialize_fresh += dt
         self._publish_metrics()
         return HandOff(hidden_states=hidden, mm_outputs={})
 

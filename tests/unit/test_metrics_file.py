@@ -147,3 +147,10 @@ def test_runner_step_times_written_and_summarised_per_variant(tmp_path, monkeypa
     assert got["off"]["execute_model"] == {"calls": 4, "ms_wall": pytest.approx(2.0), "ms_cpu": pytest.approx(1.5)}
     assert got["off"]["output_builder"]["ms_wall"] == pytest.approx(3.0)
     assert "execute_model 2.000 / 1.500 (4 calls)" in S.format_step_host_times(got)
+    # omni-cache's own share of a no-hit step (its counter file: wall time only)
+    rows.append({"variant": "omni_cache", "file": "metrics-4.json", "steps": 9, "decode_steps": 4,
+                 "seconds_save_decode": 0.0008, "fresh_handoffs": 2, "seconds_materialize_fresh": 0.0006})
+    got = S.step_host_times(rows)
+    assert got["omni_cache"]["save_decode"] == {"calls": 4, "ms_wall": pytest.approx(0.2), "ms_cpu": None}
+    assert got["omni_cache"]["handoff_no_hit"]["ms_wall"] == pytest.approx(0.3)
+    assert "save_decode 0.200 / " in S.format_step_host_times(got)

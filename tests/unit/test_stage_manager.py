@@ -537,6 +537,14 @@ def test_step_host_time_is_split_into_its_parts(tmp_path, monkeypatch):
     parts = m["seconds_plan"] + m["seconds_stage"] + m["seconds_write"] + m["seconds_read"]
     assert 0 < m["seconds_plan"] and 0 < m["seconds_stage"] and parts <= m["seconds_save"]
     assert m["seconds_publish"] > 0
+    # the no-hit decode step's share: two prefills above count none; one decode step of A counts
+    assert m["decode_steps"] == 0 and m["seconds_save_decode"] == 0
+    assert m["fresh_handoffs"] == 1 and 0 < m["seconds_materialize_fresh"] <= m["seconds_materialize"]
+    eng.sample("A", 55)
+    eng.step(cached=[("A", None, 10, 1)])
+    m = eng.manager.metrics()
+    assert m["decode_steps"] == 1 and 0 < m["seconds_save_decode"] < m["seconds_save"]
+    assert m["fresh_handoffs"] == 2
     import json
 
     eng.manager.shutdown()  # the forced write (the steps' writes are a timer thread's)
