@@ -10,6 +10,9 @@
 set -u
 : "${OUT:?set OUT, the folder the run tool brings back}"
 LABEL="${1:-tree}"
+# results name the caller's commit (benchmarks/lab.py git()): the host's copy of the git metadata is
+# stale (twenty-fifth session: a1b8a3d's tree labelled b8363cb)
+export BENCH_COMMIT="${BENCH_COMMIT:-$LABEL}"
 WHEELS=$(ls bundle/bare/*.whl 2>/dev/null | tr '\n' ':')
 [ -n "$WHEELS" ] || echo "no bundle/bare/*.whl: pytest must be installed on this host" >&2
 export PYTHONPATH="$PWD:$WHEELS"
