@@ -294,22 +294,14 @@ class OmniCacheSchedulerMixin:
                 if rows_forgotten(self.requests[rid]):
                     st.forgotten.add(rid)
                 if rid in st.lookup:  # its counted lookup admitted it now
-                    capped, same_step, short = st.lookup.pop(rid)
-                    st.capped_tokens += capped
-                    st.same_step_hit_tokens += same_step
-                    st.short_hit_tokens += short
-                    publish = publish or bool(capped or same_step or self.requests[rid].num_preemptions)
+                    publish = self._admit_lookup(st, rid) or publish
                 self._note_scheduled(st, rid, nr.num_computed_tokens, scheduled.get(rid, 0), bs)
         else:
             publish = False
         cached = out.scheduled_cached_reqs
         if st.lookup:  # (a resumed request's lookup admits it as a cached one)
             for rid in st.lookup.keys() & set(cached.req_ids):
-                capped, same_step, short = st.lookup.pop(rid)
-                st.capped_tokens += capped
-                st.same_step_hit_tokens += same_step
-                st.short_hit_tokens += short
-                publish = publish or bool(capped or same_step or self.requests[rid].num_preemptions)
+                publish = self._admit_lookup(st, rid) or publish
         if publish:  # rare (a capped, same-step or resumed hit): publish now, not only at shutdown
             self._publish_scheduler_metrics()
         truncates, forgotten = st.truncates, st.forgotten
@@ -321,6 +313,16 @@ class OmniCacheSchedulerMixin:
         st.step_of_output[id(out)] = st.steps_scheduled
         st.steps_scheduled += 1
         return out
+
+    def _admit_lookup(self, st: SchedulerCapState, rid: str) -> bool:
+        """``rid`` is scheduled now (new, or resumed as a cached request) and its lookup was
+        counted: add that lookup's capped, same-step and short-hit tokens to the counters.
+        Returns whether to publish them at once (a capped, same-step or resumed hit: rare)."""
+        capped, same_step, short = st.lookup.pop(rid)
+        st.capped_tokens += capped
+        st.same_step_hit_tokens += same_step
+        st.short_hit_tokens += short
+        return bool(capped or same_step or self.requests[rid].num_preemptions)
 
     def _note_scheduled(self, st: SchedulerCapState, rid: str, start: int, n: int, bs: int) -> None:
         """A scheduled request's tokens ``[start, start + n)`` of this step: the span written
