@@ -91,7 +91,7 @@ def test_a_deferred_write_leaves_the_calling_thread_and_lands_within_the_interva
 def test_a_deferred_publish_never_waits_for_a_write_in_progress(tmp_path, monkeypatch):
     """While the timer thread writes (counters evaluated, JSON, rename: milliseconds on a GPU
     host's disk), the step's deferred publishes return at once — they used to queue on the lock
-    the write held (full size on an H200: 0.08 ms of publishing a step, docs/benchmarks.md).
+    the write held (the suspected part of full size's 0.08 ms of publishing a step on an H200).
     Checked by whether a publish returns while a write is held open, not by a timing."""
     monkeypatch.setenv("OMNI_CACHE_METRICS_DIR", str(tmp_path))
     mf = MetricsFile("metrics", min_interval_s=0.0)
