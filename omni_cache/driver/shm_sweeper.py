@@ -32,6 +32,14 @@ workload (32 requests, a quarter aborted, then one more) left 715 unread segment
 cache-off engine and 716 on omni-cache's (counted by each engine's sweeper, 2026-11-28); which
 of vLLM-Omni's paths leaves them was not traced further.
 
+A request's stream can end while its hand-offs are still being written: vLLM-Omni's chunk
+adapter (``transfer_adapter/chunk_transfer_adapter.py``) hands each chunk to a background save
+thread, which on a busy host lags the stage — the landing CI of ca53e73 (2026-11-30) found 45
+entries of one request's stage-0 chunks 24 onwards, written after its sweep, the talker having
+stopped reading at chunk 23. So a request is swept again :data:`SWEEP_AGAIN_S` seconds after
+its first sweep, and again after each sweep that still found some of its entries (at most
+:data:`MAX_SWEEPS` sweeps).
+
 Not covered: realtime sessions (``DuplexOmni``'s session path does not go through
 ``generate`` per turn), the synchronous :class:`~omni_cache.driver.pipeline.OmniPipeline`
 (vLLM-Omni's ``Omni``: no per-request ``generate`` stream to wrap), and requests of engines
@@ -43,12 +51,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import heapq
 import logging
 import os
 import re
 import threading
 import time
-from collections import deque
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
@@ -57,6 +65,10 @@ logger = logging.getLogger("omni_cache.server")  # the server-side logger (vLLM'
 
 #: seconds between a request's output stream ending and the unlinking of its hand-offs
 SWEEP_AFTER_S = 5.0
+#: seconds between a request's sweep and the next one (hand-offs its stages' save threads wrote late)
+SWEEP_AGAIN_S = 30.0
+#: sweeps of one request at most: the first, the one after, and more while a sweep still finds entries
+MAX_SWEEPS = 4
 SHM_DIR = Path("/dev/shm")
 
 
@@ -98,40 +110,62 @@ def unlink_segment(name: str, shm_dir: Path = SHM_DIR) -> bool:
 def sweep_requests(request_ids: list[str], shm_dir: Path = SHM_DIR) -> tuple[int, int]:
     """Unlink every segment and lock file of ``request_ids`` in ``shm_dir`` (one directory
     listing). Returns ``(segments, lock files)`` removed."""
+    found = sweep_each(request_ids, shm_dir)
+    return sum(n[0] for n in found.values()), sum(n[1] for n in found.values())
+
+
+def sweep_each(request_ids: list[str], shm_dir: Path = SHM_DIR) -> dict[str, tuple[int, int]]:
+    """:func:`sweep_requests`, counted per request: ``{request id: (segments, lock files)}``
+    removed (one directory listing in all)."""
     try:
         names = os.listdir(shm_dir)
     except OSError:
-        return 0, 0
-    segments = locks = 0
+        return {rid: (0, 0) for rid in request_ids}
+    found = {}
     for rid in request_ids:
         segs, lockfiles = request_entries(rid, names)
-        segments += sum(unlink_segment(n, shm_dir) for n in segs)
+        segments = sum(unlink_segment(n, shm_dir) for n in segs)
+        locks = 0
         for n in lockfiles:
             try:
                 os.unlink(shm_dir / n)
                 locks += 1
             except FileNotFoundError:
                 pass
-    return segments, locks
+        found[rid] = (segments, locks)
+    return found
 
 
 class ShmSweeper:
-    """Unlinks a request's hand-offs ``after_s`` seconds after :meth:`request_ended`, from a
-    daemon thread that wakes every ``every_s`` seconds while requests are due (one directory
-    listing per batch). Thread-safe; does not depend on the caller's event loop — a request's
-    stream may be finalized late, outside any loop (a generator the client abandoned).
+    """Unlinks a request's hand-offs ``after_s`` seconds after :meth:`request_ended`, again
+    ``again_s`` seconds after that sweep, and again after every sweep that still found some
+    (``max_sweeps`` in all: a stage's save thread can write chunks after the request's stream
+    ended), from a daemon thread that wakes every ``every_s`` seconds while requests are due
+    (one directory listing per batch). Thread-safe; does not depend on the caller's event loop
+    — a request's stream may be finalized late, outside any loop (a generator the client
+    abandoned).
 
     Attributes:
         swept_segments / swept_lockfiles: totals removed so far (hand-offs a stage left unread).
+        late_segments: of those, how many a sweep after a request's first one removed (written
+            after its stream ended).
     """
 
-    def __init__(self, after_s: float = SWEEP_AFTER_S, shm_dir: Path = SHM_DIR, every_s: float = 1.0):
+    def __init__(self, after_s: float = SWEEP_AFTER_S, shm_dir: Path = SHM_DIR, every_s: float = 1.0,
+                 again_s: float = SWEEP_AGAIN_S, max_sweeps: int = MAX_SWEEPS):
+        if after_s < 0 or again_s <= 0 or every_s <= 0 or max_sweeps < 1:
+            raise ValueError(f"ShmSweeper: after_s={after_s} must be >= 0, again_s={again_s} and "
+                             f"every_s={every_s} > 0, max_sweeps={max_sweeps} >= 1")
         self.after_s = after_s
+        self.again_s = again_s
+        self.max_sweeps = max_sweeps
         self.shm_dir = shm_dir
         self.every_s = every_s
-        self.due: deque[tuple[float, str]] = deque()
+        #: a heap of (due time (time.monotonic() seconds), request id, sweeps done before this one)
+        self.due: list[tuple[float, str, int]] = []
         self.swept_segments = 0
         self.swept_lockfiles = 0
+        self.late_segments = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -141,8 +175,8 @@ class ShmSweeper:
         ``after_s`` seconds later. Calling it twice for one id is harmless."""
         if not request_id:
             return
-        self.due.append((time.monotonic() + self.after_s, request_id))
         with self._lock:
+            heapq.heappush(self.due, (time.monotonic() + self.after_s, request_id, 0))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="omni-cache-shm-sweeper", daemon=True)
                 self._thread.start()
@@ -158,20 +192,32 @@ class ShmSweeper:
                 logger.exception("omni-cache: shared-memory sweep failed")
 
     def sweep_due(self, now: float | None = None) -> list[str]:
-        """Sweep the requests whose time has come; returns their ids."""
+        """Sweep the requests whose time has come; returns their ids (a request due twice, once).
+        Each is due again ``again_s`` seconds after this sweep (:func:`time.monotonic`, whatever
+        ``now`` says) if this was its first sweep or it found entries, up to ``max_sweeps``."""
         now = time.monotonic() if now is None else now
-        ready = []
+        ready: dict[str, int] = {}
         with self._lock:  # the daemon thread and a pipeline's close() may both sweep
             while self.due and self.due[0][0] <= now:
-                ready.append(self.due.popleft()[1])
-        if ready:
-            segments, locks = sweep_requests(sorted(set(ready)), self.shm_dir)
-            self.swept_segments += segments
-            self.swept_lockfiles += locks
-            if segments:
-                logger.info("omni-cache: unlinked %d shared-memory hand-offs that no stage read (%d finished "
-                            "requests; %d in all)", segments, len(ready), self.swept_segments)
-        return ready
+                _, rid, done = heapq.heappop(self.due)
+                ready[rid] = max(done, ready.get(rid, 0))
+        if not ready:
+            return []
+        found = sweep_each(sorted(ready), self.shm_dir)
+        segments = sum(n[0] for n in found.values())
+        self.swept_segments += segments
+        self.swept_lockfiles += sum(n[1] for n in found.values())
+        self.late_segments += sum(found[rid][0] for rid, done in ready.items() if done > 0)
+        again = time.monotonic() + self.again_s
+        with self._lock:
+            for rid, done in ready.items():
+                if done + 1 < self.max_sweeps and (done == 0 or any(found[rid])):
+                    heapq.heappush(self.due, (again, rid, done + 1))
+        if segments:
+            logger.info("omni-cache: unlinked %d shared-memory hand-offs that no stage read (%d finished "
+                        "requests; %d in all, %d written after their request ended)", segments, len(ready),
+                        self.swept_segments, self.late_segments)
+        return sorted(ready)
 
 
 #: the internal request ids one ``generate`` call got (set by the wrapper around it)

@@ -8,6 +8,7 @@ check is the soak slice in ``tests/pipeline/test_serve.py``.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 import uuid
@@ -126,3 +127,40 @@ def test_abort_sweeps_without_the_stream_ending():
         assert _left(rid) == []
     finally:
         sweep_requests([rid])
+
+
+def test_hand_offs_written_after_the_first_sweep_are_swept_again(tmp_path):
+    """A stage's save thread can write chunks after its request's stream ended (vLLM-Omni's
+    chunk adapter sends from a background thread; the landing CI of ca53e73 found 45 entries
+    of one request written after its sweep). The request is swept again after its first sweep,
+    and again while a sweep still finds entries, ``max_sweeps`` at most. Oracle: the directory's
+    entries after each forced sweep (``now=inf``; ``after_s`` / ``again_s`` so long that the
+    sweeper's own thread never sweeps)."""
+    rid = "chatcmpl-late-0a1b2c3d"
+
+    def write(chunk: int) -> None:
+        (tmp_path / f"{rid}_0_{chunk}").write_bytes(b"x")
+        (tmp_path / f"shm_{rid}_0_{chunk}_lockfile.lock").touch()
+
+    sweeper = ShmSweeper(after_s=1e6, again_s=1e6, shm_dir=tmp_path, max_sweeps=3)
+    write(1)
+    sweeper.request_ended(rid)
+    assert sweeper.sweep_due(now=math.inf) == [rid] and os.listdir(tmp_path) == []
+    write(24)  # the save thread's late chunk
+    assert sweeper.sweep_due(now=math.inf) == [rid] and os.listdir(tmp_path) == []
+    assert (sweeper.swept_segments, sweeper.swept_lockfiles, sweeper.late_segments) == (2, 2, 1)
+    write(25)  # the third sweep is the last (max_sweeps=3), whatever it finds
+    assert sweeper.sweep_due(now=math.inf) == [rid] and os.listdir(tmp_path) == []
+    assert sweeper.due == [] and sweeper.sweep_due(now=math.inf) == []
+
+
+def test_a_sweep_that_finds_nothing_ends_the_requests_sweeps(tmp_path):
+    """After the second sweep, a request is swept again only if the last sweep found some of
+    its entries: a finished request costs two directory listings, not ``max_sweeps``."""
+    sweeper = ShmSweeper(after_s=1e6, again_s=1e6, shm_dir=tmp_path)
+    sweeper.request_ended("chatcmpl-quiet-0a1b2c3d")
+    assert sweeper.sweep_due(now=math.inf) == ["chatcmpl-quiet-0a1b2c3d"]  # the first: nothing found
+    assert len(sweeper.due) == 1  # the second is always due
+    assert sweeper.sweep_due(now=math.inf) == ["chatcmpl-quiet-0a1b2c3d"]
+    assert sweeper.due == []
+    assert sweeper.sweep_due(now=0.0) == []
