@@ -43,10 +43,12 @@ class MetricsFile:
         self.name = name
         self.min_interval_s = min_interval_s
         self._last = float("-inf")
-        self._lock = threading.Lock()  # the write schedule (_last, _timer): held for microseconds
+        self._lock = threading.Lock()  # the write schedule (_last, _pending): held for microseconds
+        self._wake = threading.Condition(self._lock)  # the writer thread waits on it
         self._io_lock = threading.Lock()  # the file: a write (counters evaluated, JSON, rename) holds it
         self._warned = False
-        self._timer: threading.Timer | None = None  # the pending deferred write
+        self._pending: Mapping | Callable[[], Mapping] | None = None  # the pending deferred write's counters
+        self._writer: threading.Thread | None = None  # the deferred writes' thread, started once
 
     def path(self) -> Path | None:
         """The file this process writes, or None when ``OMNI_CACHE_METRICS_DIR`` is unset."""
@@ -62,16 +64,20 @@ class MetricsFile:
         on a failed write (``OSError``: logged once per file, returns False).
 
         ``force``: write now (a pending deferred write is dropped: this one is newer).
-        ``defer``: never write on the calling thread — a timer thread writes once the interval
-        allows (at once if it already does), evaluating ``counters`` then; one pending write at a
-        time. For the engine step: a write costs ~0.26 ms of a GPU step's host time (docs/gpu.md,
-        "Fourteenth session"), which the step that served a hit used to pay so that a reader
-        polling the file saw the hit at once; deferred, it still appears within
-        :attr:`min_interval_s`. A deferred call never waits for a write in progress: the file's
-        write holds its own lock, not the schedule's (twenty-sixth session: the step's publishing
-        cost 0.08 ms a step at full size on an H200 against ~5 µs a call on the CPU; a publish
-        queued behind the timer thread's write is the suspected cause, not measured)."""
-        if defer and not force and self._timer is not None:
+        ``defer``: never write on the calling thread — the file's writer thread (one per file,
+        started by the first deferred publish, then waiting on a condition) writes once the
+        interval allows (at once if it already does), evaluating ``counters`` then; one pending
+        write at a time. For the engine step: a write costs ~0.26 ms of a GPU step's host time
+        (docs/gpu.md, "Fourteenth session"), which the step that served a hit used to pay so that
+        a reader polling the file saw the hit at once; deferred, it still appears within
+        :attr:`min_interval_s`. A deferred call never waits for a write in progress (the file's
+        write holds its own lock, not the schedule's) and never starts a thread after the first:
+        until 2026-11-30 each deferred write had its own ``threading.Timer``, and
+        ``Thread.start()`` waits for the new thread to run — a GIL hand-over that can take
+        vLLM's busy step thread a switch interval (5 ms) — once per interval (the full-size
+        thinker's 0.08 ms of publishing a step on an H200, twenty-sixth session, is that or the
+        lock; measured on a GPU neither yet)."""
+        if defer and not force and self._pending is not None:
             return False  # a write is pending (read without the lock: a stale None only takes the lock)
         path = self.path()
         if path is None:
@@ -79,15 +85,16 @@ class MetricsFile:
         with self._lock:
             now = time.monotonic()
             if force:
-                if self._timer is not None:
-                    self._timer.cancel()
-                    self._timer = None
+                self._pending = None
             elif defer:
-                if self._timer is None:
-                    self._timer = threading.Timer(max(0.0, self._last + self.min_interval_s - now),
-                                                  self._deferred, (counters,))
-                    self._timer.daemon = True
-                    self._timer.start()
+                if self._pending is None:
+                    self._pending = counters
+                    if self._writer is None:
+                        self._writer = threading.Thread(target=self._write_deferred, daemon=True,
+                                                        name=f"omni-cache-{self.name}-file")
+                        self._writer.start()
+                    else:
+                        self._wake.notify()
                 return False
             elif now - self._last < self.min_interval_s:
                 return False
@@ -95,20 +102,28 @@ class MetricsFile:
         with self._io_lock:
             return self._write(path, counters)
 
-    def _deferred(self, counters: Mapping | Callable[[], Mapping]) -> None:
-        """The timer thread's write (:meth:`publish` with ``defer``); best-effort like every write."""
-        with self._lock:
-            if self._timer is None:  # cancelled by a forced write that took the lock first
-                return
-            self._timer = None
-            if (path := self.path()) is None:
-                return
-            self._last = time.monotonic()
-        with self._io_lock:  # (not the schedule's lock: a step's deferred publish never waits for this)
-            try:
-                self._write(path, counters)
-            except Exception as e:  # noqa: BLE001 - a counter never takes the engine down
-                logger.warning("omni-cache: deferred counters for %s failed (%s)", path, e)
+    def _write_deferred(self) -> None:
+        """The writer thread (:meth:`publish` with ``defer``): waits for a pending write, then
+        for the interval, then writes it; best-effort like every write. A forced write that
+        takes the pending one meanwhile leaves it waiting again."""
+        while True:
+            with self._lock:
+                if self._pending is None:
+                    self._wake.wait()
+                    continue
+                wait = self._last + self.min_interval_s - time.monotonic()
+                if wait > 0:
+                    self._wake.wait(wait)
+                    continue
+                counters, self._pending = self._pending, None
+                if (path := self.path()) is None:
+                    continue
+                self._last = time.monotonic()
+            with self._io_lock:  # (not the schedule's lock: a step's deferred publish never waits for this)
+                try:
+                    self._write(path, counters)
+                except Exception as e:  # noqa: BLE001 - a counter never takes the engine down
+                    logger.warning("omni-cache: deferred counters for %s failed (%s)", path, e)
 
     def _write(self, path: Path, counters: Mapping | Callable[[], Mapping]) -> bool:
         """One atomic write (own temporary file, then rename); the caller holds ``_io_lock``."""

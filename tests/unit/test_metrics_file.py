@@ -125,6 +125,32 @@ def test_a_deferred_publish_never_waits_for_a_write_in_progress(tmp_path, monkey
     assert json.loads(mf.path().read_text())["steps"] in (2, 3)
 
 
+def test_deferred_writes_start_no_thread_after_the_first(tmp_path, monkeypatch):
+    """Every deferred write after the first is handed to the same writer thread: a step's
+    publish never starts a thread (``Thread.start()`` waits for the new thread to run, a GIL
+    hand-over that can cost a busy step thread a switch interval). Oracle: threads started
+    while 20 deferred writes land one after another, and that each landed."""
+    monkeypatch.setenv("OMNI_CACHE_METRICS_DIR", str(tmp_path))
+    mf = MetricsFile("metrics", min_interval_s=0.01)
+
+    def landed(n: int) -> bool:
+        for _ in range(250):
+            if mf.path().exists() and json.loads(mf.path().read_text())["n"] == n:
+                return True
+            time.sleep(0.01)
+        return False
+
+    mf.publish({"n": 0}, defer=True)
+    assert landed(0)
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real_start(self))[1])
+    for n in range(1, 21):
+        assert mf.publish({"n": n}, defer=True) is False
+        assert landed(n), f"deferred write {n} never landed"
+    assert started == [], started
+
+
 def test_runner_step_times_written_and_summarised_per_variant(tmp_path, monkeypatch):
     """The runner's host time per step (cache off too) reaches ``runner-<pid>.json`` and the
     benchmark's per-variant summary: ms per call, wall and thread CPU."""
