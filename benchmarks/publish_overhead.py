@@ -2,7 +2,7 @@
 it (as in a vLLM worker: vLLM-Omni's output and hand-off threads). Engine-free:
 ``MetricsFile.publish(..., defer=True)`` called at a decode step's cadence for ``--seconds``
 (a file write allowed every ``--interval`` seconds), the calling thread's time per call
-measured; ``--busy 0`` drops the busy thread. Run it in each tree to compare (each in its own
+measured (the file's first publish, which may start its writer thread once, left out); ``--busy 0`` drops the busy thread. Run it in each tree to compare (each in its own
 process, rounds alternated by the caller):
 
     .venv/bin/python -m benchmarks.publish_overhead --seconds 3 --rounds 3 --label <tree> --out <dir>
@@ -39,6 +39,8 @@ def one_round(seconds: float, interval: float, step_s: float, busy: int) -> dict
         t.start()
     mf = MetricsFile("metrics", min_interval_s=interval)
     counters = {"steps": 0}
+    mf.publish(lambda: dict(counters), defer=True)  # the first: it may start the file's writer thread, once
+    time.sleep(interval)
     costs = []
     end = time.monotonic() + seconds
     try:
