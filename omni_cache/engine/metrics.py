@@ -49,6 +49,7 @@ class MetricsFile:
         self._warned = False
         self._pending: Mapping | Callable[[], Mapping] | None = None  # the pending deferred write's counters
         self._writer: threading.Thread | None = None  # the deferred writes' thread, started once
+        self._writer_pid = 0  # the process that started it
 
     def path(self) -> Path | None:
         """The file this process writes, or None when ``OMNI_CACHE_METRICS_DIR`` is unset."""
@@ -89,9 +90,9 @@ class MetricsFile:
             elif defer:
                 if self._pending is None:
                     self._pending = counters
-                    if self._writer is None:
-                        self._writer = threading.Thread(target=self._write_deferred, daemon=True,
-                                                        name=f"omni-cache-{self.name}-file")
+                    if self._writer is None or self._writer_pid != os.getpid():  # (a forked child has none)
+                        self._writer, self._writer_pid = threading.Thread(
+                            target=self._write_deferred, daemon=True, name=f"omni-cache-{self.name}-file"), os.getpid()
                         self._writer.start()
                     else:
                         self._wake.notify()

@@ -151,6 +151,34 @@ def test_deferred_writes_start_no_thread_after_the_first(tmp_path, monkeypatch):
     assert started == [], started
 
 
+def test_a_forked_child_starts_its_own_writer(tmp_path, monkeypatch):
+    """A process forked after the file's writer thread started has no such thread: its first
+    deferred write starts its own (else the write would wait for ever). Oracle: the child's own
+    file (``metrics-<child pid>.json``) appears; the child's exit code says so."""
+    monkeypatch.setenv("OMNI_CACHE_METRICS_DIR", str(tmp_path))
+    mf = MetricsFile("metrics", min_interval_s=0.0)
+    mf.publish({"n": 0}, defer=True)
+    for _ in range(250):
+        if mf.path().exists():
+            break
+        time.sleep(0.01)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 2
+        try:
+            mf.publish({"n": 1}, defer=True)
+            code = 1
+            for _ in range(250):
+                if (tmp_path / f"metrics-{os.getpid()}.json").exists():
+                    code = 0
+                    break
+                time.sleep(0.01)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's deferred write never landed"
+
+
 def test_runner_step_times_written_and_summarised_per_variant(tmp_path, monkeypatch):
     """The runner's host time per step (cache off too) reaches ``runner-<pid>.json`` and the
     benchmark's per-variant summary: ms per call, wall and thread CPU."""
