@@ -2,8 +2,9 @@
 it (as in a vLLM worker: vLLM-Omni's output and hand-off threads). Engine-free:
 ``MetricsFile.publish(..., defer=True)`` called at a decode step's cadence for ``--seconds``
 (a file write allowed every ``--interval`` seconds), the calling thread's time per call
-measured (the file's first publish, which may start its writer thread once, left out); ``--busy 0`` drops the busy thread. Run it in each tree to compare (each in its own
-process, rounds alternated by the caller):
+measured (the file's first publish, which may start its writer thread once, left out);
+``--busy 0`` drops the busy thread. Run it in each tree to compare (each in its own process,
+rounds alternated by the caller):
 
     .venv/bin/python -m benchmarks.publish_overhead --seconds 3 --rounds 3 --label <tree> --out <dir>
 

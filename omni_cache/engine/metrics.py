@@ -5,7 +5,7 @@ stage manager's cache counters; ``scheduler``: the capped scheduler's; ``yoco``:
 thinker's forward counters; ``runner``: an AR runner's host time per step,
 :class:`RunnerStepTimes`). Benchmarks and tests read them. Each file is written atomically
 (temporary file + rename), at most once per :attr:`MetricsFile.min_interval_s` unless forced;
-the engine step's writes are deferred to a timer thread (:meth:`MetricsFile.publish`).
+the engine step's writes are deferred to the file's writer thread (:meth:`MetricsFile.publish`).
 Counters are best-effort: a write that fails is logged once and never raised into the engine —
 the sixth GPU session's full-size engine death was two threads of one thinker (vLLM-Omni's
 background output builder and the step) renaming the same temporary file (docs/gpu.md).

@@ -194,7 +194,7 @@ class OmniCacheStageManager:
     that step on).
     """
 
-    #: seconds between two metrics-file writes (a timer thread's, never the step's), besides shutdown
+    #: seconds between two metrics-file writes (the file's writer thread's, never the step's), besides shutdown
     PUBLISH_INTERVAL_S = 0.5
 
     def __init__(self, runner, block_size: int, num_blocks: int, group_id: int = 0):
@@ -812,7 +812,7 @@ class OmniCacheStageManager:
     # ---- metrics / lifecycle --------------------------------------------------------------
     def _publish_metrics(self, force: bool = False) -> None:
         """With ``OMNI_CACHE_METRICS_DIR`` set, write the counters to ``metrics-<pid>.json``:
-        at shutdown (``force``), else from a timer thread at most every
+        at shutdown (``force``), else from the file's writer thread at most every
         :attr:`PUBLISH_INTERVAL_S` seconds after a step (a hit shows in the file within that;
         :meth:`omni_cache.engine.metrics.MetricsFile.publish`, ``defer``). Besides the counters:
         the pool's size in bytes (``pool_bytes``), its tier (``pool_tier``) and its bytes of

@@ -55,7 +55,7 @@ def test_a_failed_write_returns_false_and_the_engine_goes_on(tmp_path, monkeypat
 
 def test_a_deferred_write_leaves_the_calling_thread_and_lands_within_the_interval(tmp_path, monkeypatch):
     """The engine step's publishes are deferred: the step's thread never writes the file (a write
-    cost ~0.26 ms of a GPU step's host time on every step that served a hit), a timer thread
+    cost ~0.26 ms of a GPU step's host time on every step that served a hit), the file's writer thread
     writes the counters as they are when it runs, within ``min_interval_s``, one pending write at
     a time; a forced write (shutdown) takes its place."""
     monkeypatch.setenv("OMNI_CACHE_METRICS_DIR", str(tmp_path))
@@ -89,7 +89,7 @@ def test_a_deferred_write_leaves_the_calling_thread_and_lands_within_the_interva
 
 
 def test_a_deferred_publish_never_waits_for_a_write_in_progress(tmp_path, monkeypatch):
-    """While the timer thread writes (counters evaluated, JSON, rename: milliseconds on a GPU
+    """While the writer thread writes (counters evaluated, JSON, rename: milliseconds on a GPU
     host's disk), the step's deferred publishes return at once — they used to queue on the lock
     the write held (the suspected part of full size's 0.08 ms of publishing a step on an H200).
     Checked by whether a publish returns while a write is held open, not by a timing."""
@@ -97,7 +97,7 @@ def test_a_deferred_publish_never_waits_for_a_write_in_progress(tmp_path, monkey
     mf = MetricsFile("metrics", min_interval_s=0.0)
     writing, release = threading.Event(), threading.Event()
 
-    def slow_counters():  # evaluated by the write, on the timer thread
+    def slow_counters():  # evaluated by the write, on the writer thread
         writing.set()
         release.wait(10)
         return {"steps": 1}
