@@ -27,6 +27,8 @@ One concept per module:
   pinned host without a host sync.
 - :mod:`.fused`         -- one kernel launch for all keys' rows of a request's write (Triton,
   imported lazily and only for CUDA writes; optional: without it the pools' torch path runs).
+- :mod:`.slot_write`    -- rows to the slot mapping's slots as one torch custom op (the in-graph
+  save's write; not wired into the engine yet).
 - :mod:`.coverage`, :mod:`.talker_keys` -- the scheduler's record of written blocks, the
   talker's block keys.
 """
