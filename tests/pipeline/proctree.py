@@ -149,10 +149,17 @@ def stop_and_check(w: Watched, sig: int, rcs: tuple[int, ...] | None = None) -> 
     if stale:
         warnings.warn("vLLM's process manager force-killed a process this test saw exit earlier (its "
                       f"is_alive() verdict was stale, not an overrun): {stale}", stacklevel=2)
+    judge_force_kills(killed, load_at_signal)
+    assert rc in (rcs or (128 + sig,)), (rc, rcs or (128 + sig,))
+
+
+def judge_force_kills(killed: list, load_at_signal: float) -> None:
+    """Fail on ``killed`` (stages vLLM force-killed after its 5 s stop grace) unless the host was
+    overloaded at the signal (1-minute load above :data:`OVERLOADED_PER_CORE` per core): then
+    warn, with the load. The stop tests' rule, and ``test_serve.py``'s."""
     cores = os.cpu_count() or 1
     if killed and load_at_signal > OVERLOADED_PER_CORE * cores:
         warnings.warn(f"a stage overran vLLM's 5 s stop grace on an overloaded host (load {load_at_signal:.1f} "
-                      f"on {cores} cores at the signal): {killed}", stacklevel=2)
+                      f"on {cores} cores at the signal): {killed}", stacklevel=3)
     else:
         assert not killed, f"load {load_at_signal:.1f} on {cores} cores at the signal: {killed}"
-    assert rc in (rcs or (128 + sig,)), (rc, rcs or (128 + sig,))

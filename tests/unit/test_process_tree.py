@@ -70,3 +70,19 @@ def test_a_force_kill_of_a_process_seen_gone_earlier_is_stale_not_an_overrun():
     assert [s.split(":")[0] for s in overran] == ["StageEngineCoreProc_stage0_replica0 pid 12",
                                                    "StageEngineCoreProc_stage0_replica0 pid 13"]
     assert "seen gone 1.0 s after it" in stale[0] and "seen gone never" in overran[1]
+
+
+def test_a_force_kill_fails_the_stop_unless_the_host_was_overloaded(monkeypatch):
+    """``judge_force_kills`` (the stop tests' and ``test_serve.py``'s rule): no force kill passes;
+    a force kill fails at a load of 2 per core or less, and only warns above it (with the load)."""
+    import pytest
+
+    from tests.pipeline import proctree
+
+    monkeypatch.setattr(proctree.os, "cpu_count", lambda: 2)
+    proctree.judge_force_kills([], 9.0)
+    proctree.judge_force_kills([], 0.5)
+    with pytest.raises(AssertionError, match="load 3.9 on 2 cores"):
+        proctree.judge_force_kills(["stage0 pid 11"], 3.9)
+    with pytest.warns(UserWarning, match="overloaded host \\(load 4.5 on 2 cores"):
+        proctree.judge_force_kills(["stage0 pid 11"], 4.5)
