@@ -464,7 +464,7 @@ def test_stress_leaves_nothing_in_dev_shm(stress, stress_omni, stream_off):
     # first sweep and while entries keep coming (ShmSweeper.again_s), so wait for the writers to
     # be quiet (no entry made or read for QUIET_S seconds, at most 120 s) before forcing the due
     # sweeps, first and later ones alike
-    QUIET_S, last, since, deadline = 3.0, entries(), time.monotonic(), time.monotonic() + 120
+    QUIET_S, last, since, deadline = 5.0, entries(), time.monotonic(), time.monotonic() + 120
     while time.monotonic() - since < QUIET_S and time.monotonic() < deadline:
         time.sleep(0.25)
         now_entries = entries()
