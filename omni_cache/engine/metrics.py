@@ -75,9 +75,10 @@ class MetricsFile:
         write holds its own lock, not the schedule's) and never starts a thread after the first:
         until 2026-11-30 each deferred write had its own ``threading.Timer``, and
         ``Thread.start()`` waits for the new thread to run — a GIL hand-over that can take
-        vLLM's busy step thread a switch interval (5 ms) — once per interval (the full-size
-        thinker's 0.08 ms of publishing a step on an H200, twenty-sixth session, is that or the
-        lock; measured on a GPU neither yet)."""
+        vLLM's busy step thread a switch interval (5 ms) — once per interval: the full-size
+        thinker's 0.08 ms of publishing a step on an H200 (twenty-sixth session). With one busy
+        Python thread beside it, a deferred call cost 109 µs before and 6.3 µs now on the CPU
+        (``benchmarks/publish_overhead.py``, docs/benchmarks.md); not yet measured on a GPU."""
         if defer and not force and self._pending is not None:
             return False  # a write is pending (read without the lock: a stale None only takes the lock)
         path = self.path()
