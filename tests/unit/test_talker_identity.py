@@ -4,6 +4,8 @@ omni-cache's talker scheduler on vLLM's real scheduler and KV cache manager (no 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from omni_cache.core.talker_keys import (
@@ -414,3 +416,35 @@ def test_a_moved_speaker_helper_is_an_error_at_start_up(monkeypatch):
     monkeypatch.delattr(tts_utils, "extract_language_from_prompt")
     with pytest.raises(TalkerIdentitySetupError, match="extract_language_from_prompt"):
         install_talker_identity(engine)
+
+
+def test_the_talker_records_are_written_off_the_schedulers_thread(vllm_config, tmp_path, monkeypatch):
+    """A request's first token publishes ``talker-<pid>.json`` through the file's writer thread,
+    never on the scheduler's (its step is the first audio packet's path); shutdown writes the
+    last records on the calling thread. Oracle: the thread of each write (``_write`` recorded)
+    and the file's records."""
+    import json
+    import threading
+    import time
+
+    from omni_cache.engine.metrics import MetricsFile
+    from omni_cache.engine.talker_scheduler import TalkerARScheduler
+
+    monkeypatch.setenv("OMNI_CACHE_METRICS_DIR", str(tmp_path))
+    writers: list[str] = []
+    real = MetricsFile._write
+    monkeypatch.setattr(MetricsFile, "_write",
+                        lambda self, *a: (writers.append(threading.current_thread().name), real(self, *a))[1])
+    s = TalkerARScheduler(**scheduler_kwargs(vllm_config, NUM_BLOCKS))
+    s.add_request(_talker_request("first", chat(SYSTEM, [U1], [])))
+    _step(s)  # its prefill: the first token comes
+    path = tmp_path / f"talker-{os.getpid()}.json"
+    for _ in range(250):
+        if path.exists():
+            break
+        time.sleep(0.01)
+    assert set(json.loads(path.read_text())["requests"]) == {"first"}
+    assert writers and threading.current_thread().name not in writers, writers
+    s.shutdown()
+    assert writers[-1] == threading.current_thread().name
+    assert set(json.loads(path.read_text())["requests"]) == {"first"}
