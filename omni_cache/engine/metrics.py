@@ -66,21 +66,25 @@ class MetricsFile:
 
         ``force``: write now (a pending deferred write is dropped: this one is newer).
         ``defer``: never write on the calling thread — the file's writer thread (one per file,
-        started by the first deferred publish, then waiting on a condition) writes once the
-        interval allows (at once if it already does), evaluating ``counters`` then; one pending
-        write at a time. For the engine step: a write costs ~0.26 ms of a GPU step's host time
-        (docs/gpu.md, "Fourteenth session"), which the step that served a hit used to pay so that
-        a reader polling the file saw the hit at once; deferred, it still appears within
-        :attr:`min_interval_s`. A deferred call never waits for a write in progress (the file's
-        write holds its own lock, not the schedule's) and never starts a thread after the first:
-        until 2026-11-30 each deferred write had its own ``threading.Timer``, and
-        ``Thread.start()`` waits for the new thread to run — a GIL hand-over that can take
-        vLLM's busy step thread a switch interval (5 ms) — once per interval: the full-size
-        thinker's 0.08 ms of publishing a step on an H200 (twenty-sixth session). With one busy
-        Python thread beside it, a deferred call cost 109 µs before and 6.3 µs now on the CPU
+        started by the first deferred publish, then waiting on a condition) writes once the interval
+        allows (at once if it already does), evaluating ``counters`` then; one pending write at a
+        time, of the newest counters published. For the engine step: a write costs ~0.26 ms of a GPU
+        step's host time (docs/gpu.md, "Fourteenth session"), which the step that served a hit used
+        to pay so that a reader polling the file saw the hit at once; deferred, it still appears
+        within :attr:`min_interval_s`. A deferred call never waits for a write in progress (the
+        file's write holds its own lock, not the schedule's) and never starts a thread after the
+        first: until 2026-11-30 each deferred write had its own ``threading.Timer``, and
+        ``Thread.start()`` waits for the new thread to run — a GIL hand-over that can take vLLM's
+        busy step thread a switch interval (5 ms) — once per interval: the full-size thinker's 0.08
+        ms of publishing a step on an H200 (twenty-sixth session). With one busy Python thread
+        beside it, a deferred call cost 109 µs before and 6.3 µs now on the CPU
         (``benchmarks/publish_overhead.py``, docs/benchmarks.md); not yet measured on a GPU."""
         if defer and not force and self._pending is not None:
-            return False  # a write is pending (read without the lock: a stale None only takes the lock)
+            # a write is pending: it takes these newer counters (without the lock: if the writer
+            # thread has just taken the pending ones, it finds these after its write, and writes
+            # them once the interval allows; a stale None only takes the lock below)
+            self._pending = counters
+            return False
         path = self.path()
         if path is None:
             return False

@@ -179,6 +179,25 @@ def test_a_forked_child_starts_its_own_writer(tmp_path, monkeypatch):
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child's deferred write never landed"
 
 
+def test_a_pending_write_takes_the_newest_counters(tmp_path, monkeypatch):
+    """Snapshots published while a deferred write waits for its interval: the write carries the
+    newest (the capped scheduler publishes snapshots of its counters at rare events; an older
+    one written last would hide the latest event until the next). Oracle: the file after the
+    interval."""
+    monkeypatch.setenv("OMNI_CACHE_METRICS_DIR", str(tmp_path))
+    mf = MetricsFile("scheduler", min_interval_s=0.3)
+    assert mf.publish({"n": 0}, force=True) is True  # the interval starts now
+    for n in (1, 2, 3):
+        assert mf.publish({"n": n}, defer=True) is False
+    assert json.loads(mf.path().read_text()) == {"n": 0}  # not before the interval
+    for _ in range(200):
+        if json.loads(mf.path().read_text()) != {"n": 0}:
+            break
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert json.loads(mf.path().read_text()) == {"n": 3}
+
+
 def test_runner_step_times_written_and_summarised_per_variant(tmp_path, monkeypatch):
     """The runner's host time per step (cache off too) reaches ``runner-<pid>.json`` and the
     benchmark's per-variant summary: ms per call, wall and thread CPU."""

@@ -7,6 +7,7 @@ admitted it once — not once per lookup — and nothing for a request aborted w
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -65,7 +66,12 @@ def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch, tmp_
     assert b_start == 0  # the 64-token KV hit was capped to the covered prefix: nothing
     assert st.capped_tokens == 64, st.capped_tokens  # once, for the admitting lookup
     assert st.same_step_hit_tokens == 0 and st.lookup == {}
-    # published by the admitting step itself (no shutdown yet): a killed engine core keeps it
+    # published by the admitting step itself (no shutdown yet): a killed engine core keeps it —
+    # written by the file's writer thread, not on the scheduler's (every request's path)
+    for _ in range(250):
+        if list(tmp_path.glob("scheduler-*.json")):
+            break
+        time.sleep(0.01)
     (f,) = tmp_path.glob("scheduler-*.json")
     assert json.loads(f.read_text())["capped_tokens"] == 64
 
