@@ -58,7 +58,15 @@ def _run(s, abort_b: bool = False, max_steps: int = 40, lose_a: bool = False):
 
 
 def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch, tmp_path):
+    import threading
+
+    from omni_cache.engine.metrics import MetricsFile
+
     monkeypatch.setenv(settings.METRICS_DIR.name, str(tmp_path))
+    writers: list[str] = []
+    real = MetricsFile._write
+    monkeypatch.setattr(MetricsFile, "_write",
+                        lambda self, *a: (writers.append(threading.current_thread().name), real(self, *a))[1])
     s = _scheduler(vllm_config)
     waited, b_start = _run(s, lose_a=True)  # A's rows are "lost": its blocks are not covered
     st = s._omni_cache_state()
@@ -74,6 +82,7 @@ def test_uncovered_hit_is_capped_and_counted_once(vllm_config, monkeypatch, tmp_
         time.sleep(0.01)
     (f,) = tmp_path.glob("scheduler-*.json")
     assert json.loads(f.read_text())["capped_tokens"] == 64
+    assert writers and threading.current_thread().name not in writers, writers
 
 
 def test_covered_hit_is_served_and_nothing_capped(vllm_config, monkeypatch):
